@@ -1,0 +1,1 @@
+"""Decode worker: reservation of blocks and a state slot, state import, continuous batching."""

@@ -1,0 +1,1 @@
+"""Prefill worker: chunked prefill with the adaptive budget, KDA checkpoints, boundary-state export."""
