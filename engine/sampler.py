@@ -1,0 +1,217 @@
+"""Turns a batch of last-position logits into next tokens, one `SamplingParams` per row.
+
+Per row, in this order:
+
+1. min_tokens: while fewer than `min_tokens` tokens were generated, EOS (unless `ignore_eos`)
+   and `stop_token_ids` get logit -inf;
+2. penalties: repetition over prompt + output, then frequency and presence over output;
+3. greedy rows (`is_greedy`) take the argmax and stop here;
+4. temperature, top-k, top-p (over the top-k survivors), min-p;
+5. sampling by exponential race: token = argmax(p / q) with q ~ Exp(1) drawn for that row alone,
+   from the row's `torch.Generator` when it has one.
+
+Step 5 is what makes a seed reproducible: a seeded row consumes exactly V draws of its own
+generator per step and no other row touches it, so the same seed yields the same tokens
+whether the request runs alone or in any batch. Unseeded rows draw from torch's global RNG.
+
+Logprobs are "raw logprobs" (vLLM's default `logprobs_mode`): log_softmax of the logits as the
+model produced them, before min_tokens, penalties, temperature and filtering.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from k3serve.engine.outputs import TokenLogprobs
+from k3serve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: list[int]  # [N]
+    logprobs: list[TokenLogprobs | None]  # [N]; None for rows whose params.logprobs is None
+
+
+class Sampler:
+    """Stateless apart from `eos_token_id`; per-request generators are owned by the caller."""
+
+    def __init__(self, eos_token_id: int | None = None):
+        self.eos_token_id = eos_token_id
+
+    def sample(
+        self,
+        logits: torch.Tensor,  # [N, V] fp32
+        params: list[SamplingParams],  # [N]
+        output_token_ids: list[list[int]],  # [N][num_output_tokens]
+        prompt_token_ids: list[list[int]],  # [N][num_prompt_tokens]
+        generators: list[torch.Generator | None],  # [N]; seeded rows: Generator().manual_seed(seed)
+    ) -> SamplerOutput:
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
+        num_rows = logits.shape[0]
+        if not (len(params) == len(output_token_ids) == len(prompt_token_ids) == len(generators) == num_rows):
+            raise ValueError(
+                f"batch mismatch: logits has {num_rows} rows, got {len(params)} params, "
+                f"{len(output_token_ids)} output_token_ids, {len(prompt_token_ids)} prompt_token_ids, "
+                f"{len(generators)} generators"
+            )
+        if logits.dtype != torch.float32:
+            raise ValueError(f"logits must be float32, got {logits.dtype}")
+        for i, (p, g) in enumerate(zip(params, generators)):
+            if p.seed is not None and g is None:
+                raise ValueError(f"row {i} has seed={p.seed!r} but no generator; pass Generator().manual_seed(seed)")
+
+        raw_logits = logits
+        logits = logits.clone()
+        for i, p in enumerate(params):
+            self._apply_min_tokens(logits[i], p, len(output_token_ids[i]))
+            if p.has_penalties:
+                apply_penalties(logits[i], p, prompt_token_ids[i], output_token_ids[i])
+
+        token_ids = torch.empty(num_rows, dtype=torch.long, device=logits.device)
+        greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
+        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if greedy_rows:
+            rows = torch.tensor(greedy_rows, device=logits.device)
+            token_ids[rows] = logits[rows].argmax(dim=-1)
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            probs = filtered_probs(logits[rows], [params[i] for i in random_rows])
+            noise = exponential_noise(probs.shape, [generators[i] for i in random_rows], probs.device)
+            token_ids[rows] = (probs / noise).argmax(dim=-1)
+
+        sampled = token_ids.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * num_rows
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if lp_rows:
+            rows = torch.tensor(lp_rows, device=logits.device)
+            row_logprobs = torch.log_softmax(raw_logits[rows], dim=-1)
+            gathered = gather_logprobs(
+                row_logprobs, [sampled[i] for i in lp_rows], max(params[i].logprobs for i in lp_rows)
+            )
+            for i, entry in zip(lp_rows, gathered):
+                logprobs[i] = _truncate(entry, params[i].logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _apply_min_tokens(self, row: torch.Tensor, p: SamplingParams, num_output_tokens: int) -> None:
+        if num_output_tokens >= p.min_tokens:
+            return
+        banned = list(p.stop_token_ids)
+        if self.eos_token_id is not None and not p.ignore_eos:
+            banned.append(self.eos_token_id)
+        if banned:
+            row[torch.tensor(banned, device=row.device)] = float("-inf")
+
+
+def apply_penalties(
+    row: torch.Tensor,  # [V], modified in place
+    p: SamplingParams,
+    prompt_token_ids: list[int],
+    output_token_ids: list[int],
+) -> None:
+    """vLLM's definitions: for tokens seen in prompt or output, logit / r if logit > 0 else
+    logit * r; then logit -= frequency * count_in_output + presence * (count_in_output > 0)."""
+    vocab_size = row.shape[0]
+    output_counts = torch.bincount(
+        torch.tensor(output_token_ids, dtype=torch.long, device=row.device), minlength=vocab_size
+    ).to(row.dtype)
+    if p.repetition_penalty != 1.0:
+        seen = output_counts > 0
+        if prompt_token_ids:
+            seen[torch.tensor(prompt_token_ids, dtype=torch.long, device=row.device)] = True
+        penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+        row.copy_(torch.where(seen, penalized, row))
+    row -= p.frequency_penalty * output_counts + p.presence_penalty * (output_counts > 0).to(row.dtype)
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[M, V] logits -> [M, V] probabilities after temperature, top-k, top-p and min-p."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+    logits = logits / temperature[:, None]
+    vocab_size = logits.shape[-1]
+
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        top_k = torch.tensor([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], device=device)
+        kth_value = sorted_logits.gather(1, (top_k - 1)[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_value, float("-inf"))
+        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=device)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # exclusive: the first token is always kept
+        drop = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+    probs = logits.softmax(dim=-1)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=device)
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def exponential_noise(
+    shape: torch.Size, generators: list[torch.Generator | None], device: torch.device
+) -> torch.Tensor:
+    """[M, V] i.i.d. Exp(1) noise q for the exponential race argmax(p / q), a categorical draw.
+
+    Row j comes from generators[j] alone when it has one: drawn on the generator's device (a
+    CPU generator serves CUDA logits too), always V values, so a seeded generator advances the
+    same way in every batch. Rows without a generator share one draw from torch's global RNG.
+    """
+    noise = torch.empty(shape, dtype=torch.float32, device=device)
+    unseeded = [j for j, g in enumerate(generators) if g is None]
+    if unseeded:
+        noise[unseeded] = torch.empty((len(unseeded), shape[-1]), device=device).exponential_()
+    for j, g in enumerate(generators):
+        if g is not None:
+            noise[j] = torch.empty(shape[-1], device=g.device).exponential_(generator=g).to(device)
+    return noise.clamp_min_(torch.finfo(torch.float32).tiny)  # q = 0 would make p / q undefined
+
+
+def gather_logprobs(logprobs: torch.Tensor, chosen_token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
+    """[M, V] logprobs -> per row: the chosen token's logprob and rank, then the top `num_top`."""
+    chosen = torch.tensor(chosen_token_ids, dtype=torch.long, device=logprobs.device)
+    chosen_lp = logprobs.gather(1, chosen[:, None])  # [M, 1]
+    chosen_rank = (logprobs > chosen_lp).sum(dim=-1) + 1  # [M]
+    num_top = min(num_top, logprobs.shape[-1])
+    top_lp, top_ids = logprobs.topk(num_top, dim=-1)  # [M, num_top], sorted
+    ranks = list(range(1, num_top + 1))
+    out = []
+    for j, tid in enumerate(chosen_token_ids):
+        out.append(
+            TokenLogprobs(
+                token_ids=[tid] + top_ids[j].tolist(),
+                logprobs=[chosen_lp[j, 0].item()] + top_lp[j].tolist(),
+                ranks=[int(chosen_rank[j])] + ranks,
+            )
+        )
+    return out
+
+
+def prompt_logprobs(logits: torch.Tensor, prompt_token_ids: list[int], num_top: int) -> list[TokenLogprobs | None]:
+    """Logprobs of each prompt token given the tokens before it (vLLM's `prompt_logprobs`).
+
+    `logits[t]` [T, V] is the model output at prompt position t, so it scores prompt token
+    t + 1; T must be at least len(prompt_token_ids) - 1 (extra rows are ignored). Returns one
+    entry per prompt token; the first is None (nothing precedes it). Raw logprobs, as above.
+    """
+    num_prompt_tokens = len(prompt_token_ids)
+    if logits.dim() != 2 or logits.shape[0] < num_prompt_tokens - 1:
+        raise ValueError(
+            f"logits must be [T, V] with T >= len(prompt_token_ids) - 1 = {num_prompt_tokens - 1}, "
+            f"got shape {tuple(logits.shape)}"
+        )
+    if num_prompt_tokens <= 1:
+        return [None] * num_prompt_tokens
+    logprobs = torch.log_softmax(logits[: num_prompt_tokens - 1].float(), dim=-1)
+    return [None] + gather_logprobs(logprobs, prompt_token_ids[1:], num_top)
+
+
+def _truncate(entry: TokenLogprobs, num_top: int) -> TokenLogprobs:
+    keep = 1 + num_top
+    return TokenLogprobs(entry.token_ids[:keep], entry.logprobs[:keep], entry.ranks[:keep])

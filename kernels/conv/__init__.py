@@ -1,0 +1,52 @@
+"""Depthwise causal short convolution (KDA q/k/v ShortConvolution, kernel 4) over varlen-packed
+tokens, with the conv state of each sequence kept in a slot pool (vLLM/fla semantics).
+
+The state holds the last W-1 PRE-activation inputs of each sequence, oldest first, so a sequence
+can be fed in any number of pieces (prefill chunks, one-token decode) with the same result."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import naive
+
+__all__ = ["causal_conv1d"]
+
+
+def causal_conv1d(
+    x: Tensor,
+    weight: Tensor,
+    conv_state: Tensor,
+    cu_seqlens: Tensor,
+    state_indices: Tensor,
+    activation: str | None = "silu",
+) -> Tensor:
+    """y [T, C] = act(depthwise causal conv of x [T, C] with weight [C, W]), continuing each sequence
+    n from conv_state[state_indices[n]] ([S, C, W-1] pool) and updating those rows in place.
+
+    cu_seqlens [N+1] int64 packs N sequences of >= 1 token; state_indices [N] int64 are distinct
+    slots. A fresh sequence needs its slot zeroed by the caller. activation: "silu" or None."""
+    if x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"x must be a floating [T, C] tensor, got {x.dtype} {tuple(x.shape)}")
+    T, C = x.shape
+    if weight.dim() != 2 or weight.shape[0] != C or weight.shape[1] < 1:
+        raise ValueError(f"weight must be [C={C}, W>=1], got {tuple(weight.shape)}")
+    W = weight.shape[1]
+    if conv_state.dim() != 3 or conv_state.shape[1:] != (C, W - 1):
+        raise ValueError(f"conv_state must be [S, C={C}, W-1={W - 1}], got {tuple(conv_state.shape)}")
+    if activation not in ("silu", None):
+        raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
+    if cu_seqlens.dtype != torch.int64 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(
+            f"cu_seqlens must be int64 [N+1] with N >= 1, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+        )
+    lens = cu_seqlens.diff()
+    if cu_seqlens[0] != 0 or cu_seqlens[-1] != T or (lens < 1).any():
+        raise ValueError(f"cu_seqlens must rise strictly from 0 to T={T}, got {cu_seqlens.tolist()}")
+    N, S = lens.numel(), conv_state.shape[0]
+    if state_indices.dtype != torch.int64 or state_indices.shape != (N,):
+        raise ValueError(f"state_indices must be int64 [N={N}], got {state_indices.dtype} {tuple(state_indices.shape)}")
+    if ((state_indices < 0) | (state_indices >= S)).any() or state_indices.unique().numel() != N:
+        raise ValueError(f"state_indices must be distinct slots in [0, {S}), got {state_indices.tolist()}")
+    return naive.causal_conv1d(x, weight, conv_state, cu_seqlens, state_indices, activation)

@@ -1,0 +1,163 @@
+"""KDA (Kimi Delta Attention): the gate, chunked prefill, token-by-token reference and pooled decode.
+
+Layouts follow fla: q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] fp32 log decay; beta [B, T, H]
+(already sigmoid-ed); states [N, H, K, V] fp32 ([K, V], not FlashKDA's V-first). Varlen packs N
+sequences into B = 1 with cu_seqlens [N+1]. The public functions validate, then run `naive.py`."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import naive
+
+__all__ = ["kda_gate", "chunk_kda", "recurrent_kda", "kda_decode"]
+
+
+def kda_gate(f: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float | None = None) -> Tensor:
+    """fp32 log decay g [..., H, K] from the raw f_b output f [..., H, K].
+
+    lower_bound None: -exp(A_log[h]) * softplus(f + dt_bias) (Kimi Linear, g in (-inf, 0)).
+    Otherwise lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias)) (K3 safe gate, g in (lower_bound, 0),
+    which bounds the in-chunk decay range). A_log [H] is per head; dt_bias is [H*K] or [H, K]."""
+    if f.dim() < 2 or not f.is_floating_point():
+        raise ValueError(f"f must be a floating [..., H, K] tensor, got {f.dtype} {tuple(f.shape)}")
+    H, K = f.shape[-2:]
+    if A_log.shape != (H,):
+        raise ValueError(f"A_log must be [H={H}] (per head), got {tuple(A_log.shape)}")
+    if dt_bias.shape not in ((H * K,), (H, K)):
+        raise ValueError(f"dt_bias must be [H*K={H * K}] or [H={H}, K={K}], got {tuple(dt_bias.shape)}")
+    if lower_bound is not None and not -5.0 <= lower_bound < 0.0:
+        raise ValueError(f"lower_bound must be in [-5, 0), got {lower_bound}")
+    return naive.kda_gate(f, A_log, dt_bias, lower_bound)
+
+
+def _check_token_inputs(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, layout: str) -> None:
+    """q, k, g [*lead, H, K]; v [*lead, H, V]; beta [*lead, H]; layout names the leading dims."""
+    if q.dim() != len(layout.split(", ")) + 2:
+        raise ValueError(f"q must be [{layout}, H, K], got {tuple(q.shape)}")
+    for name, t in (("k", k), ("g", g)):
+        if t.shape != q.shape:
+            raise ValueError(f"{name} must match q [{layout}, H, K] {tuple(q.shape)}, got {tuple(t.shape)}")
+    if v.shape[:-1] != q.shape[:-1]:
+        raise ValueError(f"v must be [{layout}, H, V] with q's {tuple(q.shape[:-1])}, got {tuple(v.shape)}")
+    if beta.shape != q.shape[:-1]:
+        raise ValueError(f"beta must be [{layout}, H] = {tuple(q.shape[:-1])}, got {tuple(beta.shape)}")
+    if not q.is_floating_point() or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if g.dtype != torch.float32:
+        raise ValueError(f"g (log decay) must be float32, got {g.dtype}")
+    if not beta.is_floating_point():
+        raise ValueError(f"beta must be floating, got {beta.dtype}")
+
+
+def _check_state(name: str, state: Tensor, rows: str, H: int, K: int, V: int) -> None:
+    if state.dtype != torch.float32 or state.dim() != 4 or state.shape[1:] != (H, K, V):
+        raise ValueError(
+            f"{name} must be float32 [{rows}, H={H}, K={K}, V={V}], got {state.dtype} {tuple(state.shape)}"
+        )
+
+
+def _check_sequences(q: Tensor, v: Tensor, initial_state: Tensor | None, cu_seqlens: Tensor | None,
+                     checkpoint_offsets: Tensor | None) -> None:
+    B, T, H, K = q.shape
+    if cu_seqlens is None:
+        lens = torch.full((B,), T, dtype=torch.int64)
+    else:
+        if B != 1:
+            raise ValueError(f"varlen (cu_seqlens) needs B == 1, got B={B}")
+        if cu_seqlens.dtype != torch.int64 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(
+                f"cu_seqlens must be int64 [N+1], N >= 1, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+            )
+        lens = cu_seqlens.diff().cpu()
+        if cu_seqlens[0] != 0 or cu_seqlens[-1] != T or (lens < 1).any():
+            raise ValueError(f"cu_seqlens must rise strictly from 0 to T={T}, got {cu_seqlens.tolist()}")
+    N = lens.numel()
+    if initial_state is not None:
+        _check_state("initial_state", initial_state, f"N={N}", H, K, v.shape[-1])
+        if initial_state.shape[0] != N:
+            raise ValueError(f"initial_state must have N={N} rows (one per sequence), got {initial_state.shape[0]}")
+    if checkpoint_offsets is not None:
+        if checkpoint_offsets.dtype != torch.int64 or checkpoint_offsets.shape != (N,):
+            raise ValueError(f"checkpoint_offsets must be int64 [N={N}], got "
+                             f"{checkpoint_offsets.dtype} {tuple(checkpoint_offsets.shape)}")
+        off = checkpoint_offsets.cpu()
+        if not ((off == -1) | ((off >= 1) & (off <= lens))).all():
+            raise ValueError(
+                f"checkpoint_offsets must be -1 or in [1, len_n], got {off.tolist()} for lengths {lens.tolist()}"
+            )
+
+
+def recurrent_kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    checkpoint_offsets: Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Token-by-token KDA: the exact reference every other form is tested against.
+
+    Returns (o [B, T, H, V] in q.dtype, final_state fp32 [N, H, K, V], checkpoints fp32 [N, H, K, V]
+    or None). checkpoints[n] is the state after the first checkpoint_offsets[n] tokens of sequence n
+    in this call (zeros where the offset is -1). scale defaults to K^-0.5; initial_state None = zeros."""
+    _check_token_inputs(q, k, v, g, beta, "B, T")
+    _check_sequences(q, v, initial_state, cu_seqlens, checkpoint_offsets)
+    return naive.recurrent_kda(q, k, v, g, beta, scale, initial_state, cu_seqlens, checkpoint_offsets,
+                               use_qk_l2norm_in_kernel)
+
+
+def chunk_kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    checkpoint_offsets: Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    chunk_size: int = 64,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Chunked (WY) KDA for prefill; same arguments and results as `recurrent_kda`.
+
+    Checkpoints come out of the same single pass over the chunks (a prefix cache snapshot mid-prefill),
+    including offsets that fall inside a chunk."""
+    _check_token_inputs(q, k, v, g, beta, "B, T")
+    _check_sequences(q, v, initial_state, cu_seqlens, checkpoint_offsets)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return naive.chunk_kda(q, k, v, g, beta, scale, initial_state, cu_seqlens, checkpoint_offsets,
+                           use_qk_l2norm_in_kernel, chunk_size)
+
+
+def kda_decode(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state_pool: Tensor,
+    state_indices: Tensor,
+    scale: float | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> Tensor:
+    """One token for each of N sequences (continuous-batching decode); returns o [N, H, V] in q.dtype.
+
+    q, k, g [N, H, K]; v [N, H, V]; beta [N, H]. Sequence n reads and writes its state in place at
+    state_pool[state_indices[n]] (pool fp32 [S, H, K, V]); no other slot is touched."""
+    _check_token_inputs(q, k, v, g, beta, "N")
+    N, H, K = q.shape
+    _check_state("state_pool", state_pool, "S", H, K, v.shape[-1])
+    S = state_pool.shape[0]
+    if state_indices.dtype != torch.int64 or state_indices.shape != (N,):
+        raise ValueError(f"state_indices must be int64 [N={N}], got {state_indices.dtype} {tuple(state_indices.shape)}")
+    if ((state_indices < 0) | (state_indices >= S)).any() or state_indices.unique().numel() != N:
+        raise ValueError(f"state_indices must be distinct slots in [0, {S}), got {state_indices.tolist()}")
+    return naive.kda_decode(q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm_in_kernel)

@@ -1,0 +1,135 @@
+"""MLA attention (NoPE): MHA-form prefill, the paged latent KV cache, absorbed decode, and the LSE merge
+used for split-KV and decode context parallelism (K3_MODEL.md §1c, §6).
+
+Paged cache layout (vLLM reshape_and_cache convention), one MLA layer:
+
+    kv_cache [num_blocks, block_size, L + R]      row = [ c (normalized latent, L) | k_pe (R) ]
+    slot = block_id * block_size + offset          (slot_mapping; -1 = do not write)
+    token p of sequence n -> block_tables[n, p // block_size], offset p % block_size
+
+All LSEs are natural-log (convert base-2 LSEs, e.g. FlashInfer's default, before merging).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from . import naive
+
+__all__ = ["mla_prefill_attention", "write_kv_cache", "gather_kv_cache", "mla_decode_paged", "merge_attn_states"]
+
+
+def _check_cu_seqlens(name: str, cu_seqlens: Tensor, total: int) -> None:
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1 or cu_seqlens.is_floating_point():
+        raise ValueError(f"{name} must be an integer tensor [N+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    if cu_seqlens[0].item() != 0 or cu_seqlens[-1].item() != total or (cu_seqlens.diff() < 0).any():
+        raise ValueError(f"{name} must rise from 0 to {total}, got {cu_seqlens.tolist()}")
+
+
+def _check_paged(kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor) -> None:
+    if kv_cache.dim() != 3:
+        raise ValueError(f"kv_cache must be [num_blocks, block_size, L+R], got {tuple(kv_cache.shape)}")
+    if block_tables.dim() != 2 or block_tables.is_floating_point():
+        raise ValueError(
+            f"block_tables must be integer [N, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}"
+        )
+    if seq_lens.dim() != 1 or seq_lens.shape[0] != block_tables.shape[0] or seq_lens.is_floating_point():
+        raise ValueError(
+            f"seq_lens must be integer [N={block_tables.shape[0]}], got {seq_lens.dtype} {tuple(seq_lens.shape)}"
+        )
+    num_blocks, block_size, _ = kv_cache.shape
+    lens = seq_lens.tolist()
+    if any(n < 0 or n > block_tables.shape[1] * block_size for n in lens):
+        raise ValueError(f"seq_lens {lens} must lie in [0, max_blocks*block_size={block_tables.shape[1] * block_size}]")
+    for n, length in enumerate(lens):
+        used = block_tables[n, : -(-length // block_size)]
+        if ((used < 0) | (used >= num_blocks)).any():
+            raise ValueError(f"block_tables[{n}] uses a block outside [0, {num_blocks}): {used.tolist()}")
+
+
+def mla_prefill_attention(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float
+) -> Tensor:
+    """Causal varlen MHA: q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv] -> [Tq, H, Dv] in q.dtype.
+
+    Sequence n's q_len queries are the LAST q_len of its k_len keys (chunked prefill over a cached
+    prefix): query i sees keys 0 .. k_len - q_len + i."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or k.shape[1:] != q.shape[1:] or v.shape[:2] != k.shape[:2]:
+        raise ValueError(
+            f"expected q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv], got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+    q_lens, k_lens = cu_seqlens_q.diff().tolist(), cu_seqlens_k.diff().tolist()
+    if len(q_lens) != len(k_lens) or any(q_len > k_len for q_len, k_len in zip(q_lens, k_lens)):
+        raise ValueError(
+            f"each sequence needs q_len <= k_len, got cu_seqlens_q {cu_seqlens_q.tolist()}, "
+            f"cu_seqlens_k {cu_seqlens_k.tolist()}"
+        )
+    return naive.mla_prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+
+
+def write_kv_cache(kv_cache: Tensor, slot_mapping: Tensor, latent: Tensor) -> None:
+    """kv_cache [num_blocks, block_size, L+R] <- latent [T, L+R] at slot_mapping int64 [T] (-1 = skip), in place."""
+    if kv_cache.dim() != 3:
+        raise ValueError(f"kv_cache must be [num_blocks, block_size, L+R], got {tuple(kv_cache.shape)}")
+    if latent.dim() != 2 or latent.shape[1] != kv_cache.shape[2]:
+        raise ValueError(f"latent must be [T, L+R={kv_cache.shape[2]}], got {tuple(latent.shape)}")
+    if slot_mapping.shape != (latent.shape[0],) or slot_mapping.is_floating_point():
+        raise ValueError(
+            f"slot_mapping must be integer [T={latent.shape[0]}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+        )
+    num_slots = kv_cache.shape[0] * kv_cache.shape[1]
+    if ((slot_mapping < -1) | (slot_mapping >= num_slots)).any():
+        raise ValueError(f"slot_mapping must lie in [-1, {num_slots}), got {slot_mapping.tolist()}")
+    naive.write_kv_cache(kv_cache, slot_mapping, latent)
+
+
+def gather_kv_cache(kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor) -> tuple[Tensor, Tensor]:
+    """Cached tokens of each sequence, packed: (packed [sum(seq_lens), L+R], cu_seqlens int64 [N+1]).
+
+    block_tables int32 [N, max_blocks]; entries past a sequence's used blocks may be -1."""
+    _check_paged(kv_cache, block_tables, seq_lens)
+    return naive.gather_kv_cache(kv_cache, block_tables, seq_lens)
+
+
+def mla_decode_paged(
+    q_latent: Tensor,
+    q_pe: Tensor,
+    kv_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    kv_lora_rank: int,
+) -> tuple[Tensor, Tensor]:
+    """Absorbed MLA decode, one query token per sequence.
+
+    q_latent [N, H, L] (= q_nope @ W_UK), q_pe [N, H, R]; scores = (q_latent·c + q_pe·k_pe) * scale over
+    the seq_lens[n] cached tokens. Returns (o_latent [N, H, L] in q_latent.dtype, lse [N, H] fp32, natural
+    log); apply W_UV to o_latent afterwards. A sequence with 0 tokens (an empty DCP shard) gives 0, -inf."""
+    _check_paged(kv_cache, block_tables, seq_lens)
+    if q_latent.dim() != 3 or q_pe.dim() != 3 or q_pe.shape[:2] != q_latent.shape[:2]:
+        raise ValueError(
+            f"q_latent must be [N, H, L] and q_pe [N, H, R], got {tuple(q_latent.shape)} and {tuple(q_pe.shape)}"
+        )
+    if q_latent.shape[0] != block_tables.shape[0]:
+        raise ValueError(f"q_latent has {q_latent.shape[0]} sequences but block_tables has {block_tables.shape[0]}")
+    if q_latent.shape[2] != kv_lora_rank or kv_lora_rank + q_pe.shape[2] != kv_cache.shape[2]:
+        raise ValueError(
+            f"q_latent {tuple(q_latent.shape)} and q_pe {tuple(q_pe.shape)} do not split kv_cache rows of "
+            f"{kv_cache.shape[2]} as L={kv_lora_rank} + R"
+        )
+    return naive.mla_decode_paged(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale, kv_lora_rank)
+
+
+def merge_attn_states(outputs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
+    """Merge P partial attentions over disjoint key sets: outputs [P, N, H, D], lses [P, N, H] (natural log).
+
+    Returns (o [N, H, D] in outputs.dtype, lse [N, H] fp32) with lse = logsumexp_p lse_p and
+    o = Σ_p exp(lse_p - lse) o_p. Parts with lse -inf add 0; if all are -inf, o = 0 and lse = -inf."""
+    if outputs.dim() != 4 or lses.shape != outputs.shape[:3]:
+        raise ValueError(
+            f"outputs must be [P, N, H, D] and lses [P, N, H], got {tuple(outputs.shape)} and {tuple(lses.shape)}"
+        )
+    return naive.merge_attn_states(outputs, lses)

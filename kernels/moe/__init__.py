@@ -1,0 +1,93 @@
+"""MoE: sigmoid + correction-bias top-k routing, GLU activations and the routed-expert sum.
+
+Expert parallelism: a rank holds E local experts with global ids [expert_start, expert_start + E);
+`fused_experts` adds only their contributions, so the full result is the sum over ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from k3serve.kernels.mxfp4 import MXFP4Tensor
+
+from . import naive
+
+__all__ = ["ExpertWeights", "select_experts", "situ_glu", "silu_glu", "fused_experts"]
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """The local expert bank, dense or MXFP4 (checkpoint names: w1 = gate, w3 = up, w2 = down)."""
+
+    w1: Tensor | MXFP4Tensor  # gate [E, I, D]
+    w3: Tensor | MXFP4Tensor  # up [E, I, D]
+    w2: Tensor | MXFP4Tensor  # down [E, D, I]
+
+    def __post_init__(self) -> None:
+        s1, s3, s2 = tuple(self.w1.shape), tuple(self.w3.shape), tuple(self.w2.shape)
+        if len(s1) != 3 or s1 != s3 or s2 != (s1[0], s1[2], s1[1]):
+            raise ValueError(f"expected w1 = w3 = [E, I, D] and w2 = [E, D, I], got w1 {s1}, w3 {s3}, w2 {s2}")
+
+
+def select_experts(
+    router_logits: Tensor, correction_bias: Tensor | None, top_k: int, renormalize: bool, scaling_factor: float
+) -> tuple[Tensor, Tensor]:
+    """router_logits [T, E] -> (topk_weights fp32 [T, k], topk_ids int64 [T, k]).
+
+    Selection uses sigmoid(logits) + correction_bias; weights are sigmoid scores of the chosen experts
+    (no bias), optionally renormalized to sum 1 (+1e-20), then times scaling_factor."""
+    if router_logits.dim() != 2:
+        raise ValueError(f"router_logits must be [T, E], got {tuple(router_logits.shape)}")
+    num_experts = router_logits.shape[1]
+    if correction_bias is not None and tuple(correction_bias.shape) != (num_experts,):
+        raise ValueError(f"correction_bias must be [E={num_experts}], got {tuple(correction_bias.shape)}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k} must lie in [1, E={num_experts}]")
+    return naive.select_experts(router_logits, correction_bias, top_k, renormalize, scaling_factor)
+
+
+def situ_glu(gate: Tensor, up: Tensor, beta: float, linear_beta: float) -> Tensor:
+    """beta*tanh(gate/beta)*sigmoid(gate) * linear_beta*tanh(up/linear_beta) (K3: beta 4, linear_beta 25).
+
+    gate, up [..., I]; fp32 math, returns gate.dtype."""
+    if gate.shape != up.shape:
+        raise ValueError(f"gate and up must match, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    if beta <= 0 or linear_beta <= 0:
+        raise ValueError(f"beta={beta} and linear_beta={linear_beta} must be positive")
+    return naive.situ_glu(gate, up, beta, linear_beta)
+
+
+def silu_glu(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) * up (Kimi Linear SwiGLU). gate, up [..., I]; fp32 math, returns gate.dtype."""
+    if gate.shape != up.shape:
+        raise ValueError(f"gate and up must match, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    return naive.silu_glu(gate, up)
+
+
+def fused_experts(
+    x: Tensor,
+    weights: ExpertWeights,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    activation: Callable[[Tensor, Tensor], Tensor],
+    expert_start: int = 0,
+) -> Tensor:
+    """x [T, D] -> fp32 [T, D] = Σ_j topk_weights[t, j] · E_{topk_ids[t, j]}(x_t), E(x) = W2 act(W1 x, W3 x).
+
+    Only ids in [expert_start, expert_start + E) contribute (the rest live on other EP ranks). The result
+    is unreduced fp32 so TP/EP partial sums can be all-reduced before any norm (K3 latent MoE)."""
+    if x.dim() != 2 or x.shape[1] != weights.w1.shape[2]:
+        raise ValueError(f"x must be [T, D={weights.w1.shape[2]}], got {tuple(x.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise ValueError(
+            f"topk_weights and topk_ids must both be [T={x.shape[0]}, k], "
+            f"got {tuple(topk_weights.shape)} and {tuple(topk_ids.shape)}"
+        )
+    if topk_ids.is_floating_point() or topk_ids.is_complex():
+        raise ValueError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    if expert_start < 0:
+        raise ValueError(f"expert_start={expert_start} must be >= 0")
+    return naive.fused_experts(x, weights, topk_weights, topk_ids, activation, expert_start)

@@ -1,0 +1,46 @@
+"""Normalizations over the last dim: RMSNorm (layer norms, MLA latent norms), the sigmoid-gated
+RMSNorm that closes a KDA layer (fla FusedRMSNormGated), and the q/k L2 norm of KDA.
+
+Each function checks shapes here and runs the fp32 reference in `naive.py`; the output dtype is
+x.dtype."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from . import naive
+
+__all__ = ["rms_norm", "gated_rms_norm", "l2_normalize"]
+
+
+def _check_weight(x: Tensor, weight: Tensor) -> None:
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"weight must be [D={x.shape[-1]}] for x {tuple(x.shape)}, got {tuple(weight.shape)}")
+
+
+def _check_float(name: str, t: Tensor) -> None:
+    if not t.is_floating_point():
+        raise ValueError(f"{name} must be a floating tensor, got {t.dtype}")
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """x [..., D] / rms(x) * weight [D]; weight None means no scale (e.g. attention-residual scores)."""
+    _check_float("x", x)
+    if weight is not None:
+        _check_weight(x, weight)
+    return naive.rms_norm(x, weight, eps)
+
+
+def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """rms_norm(x, weight, eps) * sigmoid(gate); x, gate [..., D], weight [D]."""
+    _check_float("x", x)
+    if gate.shape != x.shape:
+        raise ValueError(f"gate must match x {tuple(x.shape)}, got {tuple(gate.shape)}")
+    _check_weight(x, weight)
+    return naive.gated_rms_norm(x, gate, weight, eps)
+
+
+def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """x [..., D] / sqrt(sum(x^2) + eps): the KDA q/k normalization (use_qk_l2norm_in_kernel)."""
+    _check_float("x", x)
+    return naive.l2_normalize(x, eps)

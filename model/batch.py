@@ -1,0 +1,152 @@
+"""What one forward pass needs: the packed token batch and the per-rank cache tensors.
+
+The engine builds a `ForwardBatch` once per step from plain lists; layers read what they need
+from it and never recompute positions or slot mappings. Sequences are packed back to back:
+
+    token_ids    | seq0 (decode, 1) | seq1 (decode, 1) | seq2 (prefill chunk ...........) |
+    cu_seqlens   0                  1                  2                                  T
+    positions    n0                 n1                 n2, n2+1, ...      (n = num_computed)
+
+Single-token sequences come first (`num_decode`), so the decode path (absorbed MLA, recurrent
+KDA step) and the prefill path (MHA form, chunked KDA) each get a contiguous view.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ModelCache:
+    """The per-rank cache tensors. Pools are indexed by block id (MLA) and slot id (KDA)."""
+
+    mla_kv: list[torch.Tensor]  # per MLA layer [num_blocks, block_size, kv_lora_rank + rope_dim]
+    kda_recurrent: list[torch.Tensor]  # per KDA layer [num_slots, H_local, K, V] fp32
+    kda_conv: list[torch.Tensor]  # per KDA layer [num_slots, 3 * H_local * K, kernel - 1]
+    block_size: int
+
+    @classmethod
+    def allocate(
+        cls,
+        config,  # ModelConfig
+        num_blocks: int,
+        num_slots: int,
+        block_size: int,
+        tp_size: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> "ModelCache":
+        h_local = config.kda.num_heads // tp_size
+        d = config.kda.head_dim
+        return cls(
+            mla_kv=[
+                torch.zeros(num_blocks, block_size, config.mla_kv_dim, dtype=dtype, device=device)
+                for _ in config.mla_layers
+            ],
+            kda_recurrent=[
+                torch.zeros(num_slots, h_local, d, d, dtype=torch.float32, device=device)
+                for _ in config.kda_layers
+            ],
+            kda_conv=[
+                torch.zeros(num_slots, 3 * h_local * d, config.kda.conv_kernel_size - 1, dtype=dtype, device=device)
+                for _ in config.kda_layers
+            ],
+            block_size=block_size,
+        )
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy one request's whole KDA state (every layer, recurrent + conv) to another slot."""
+        for pool in self.kda_recurrent + self.kda_conv:
+            pool[dst].copy_(pool[src])
+
+    def zero_slot(self, slot: int) -> None:
+        for pool in self.kda_recurrent + self.kda_conv:
+            pool[slot].zero_()
+
+
+@dataclass
+class ForwardBatch:
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, absolute position of each token in its sequence
+    cu_seqlens: torch.Tensor  # [N+1] int64, offsets of each sequence's new tokens
+    num_computed: torch.Tensor  # [N] int64, tokens already in the cache before this step
+    seq_lens: torch.Tensor  # [N] int64, num_computed + new tokens
+    block_tables: torch.Tensor  # [N, max_blocks] int32, -1 padded
+    slot_mapping: torch.Tensor  # [T] int64, block_id * block_size + offset for each new token
+    slot_ids: torch.Tensor  # [N] int64, KDA state slot of each sequence
+    checkpoint_offsets: torch.Tensor | None  # [N] int64, new tokens after which to checkpoint KDA, -1 none
+    checkpoint_slot_ids: torch.Tensor | None  # [N] int64, slot receiving that checkpoint, -1 none
+    num_decode: int  # leading sequences with exactly one new token
+    cu_seqlens_list: list[int]  # host copy of cu_seqlens, for python-side splitting
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.cu_seqlens_list) - 1
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.cu_seqlens_list[self.num_decode]
+
+    @property
+    def last_token_indices(self) -> torch.Tensor:
+        """[N] row of each sequence's last new token (where its next-token logits come from)."""
+        return self.cu_seqlens[1:] - 1
+
+    @classmethod
+    def build(
+        cls,
+        token_ids: list[list[int]],
+        num_computed: list[int],
+        block_tables: list[list[int]],
+        slot_ids: list[int],
+        block_size: int,
+        checkpoint_offsets: list[int] | None = None,
+        checkpoint_slot_ids: list[int] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> "ForwardBatch":
+        """Pack per-sequence lists into one batch. Single-token sequences must come first."""
+        n = len(token_ids)
+        if not (len(num_computed) == len(block_tables) == len(slot_ids) == n):
+            raise ValueError("token_ids, num_computed, block_tables and slot_ids must have one entry per sequence")
+        lens = [len(t) for t in token_ids]
+        if any(q == 0 for q in lens):
+            raise ValueError("every sequence in a batch needs at least one new token")
+        num_decode = 0
+        while num_decode < n and lens[num_decode] == 1:
+            num_decode += 1
+        if any(q == 1 for q in lens[num_decode:]):
+            raise ValueError("single-token sequences must be packed before multi-token ones")
+        cu = [0]
+        for q in lens:
+            cu.append(cu[-1] + q)
+        positions, slot_mapping = [], []
+        for tokens, start, table in zip(token_ids, num_computed, block_tables):
+            for pos in range(start, start + len(tokens)):
+                if pos // block_size >= len(table):
+                    raise ValueError(f"block table of {len(table)} blocks cannot hold position {pos}")
+                positions.append(pos)
+                slot_mapping.append(table[pos // block_size] * block_size + pos % block_size)
+        max_blocks = max((len(t) for t in block_tables), default=0)
+        tables = torch.full((n, max(max_blocks, 1)), -1, dtype=torch.int32)
+        for i, table in enumerate(block_tables):
+            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+
+        def tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            token_ids=tensor([t for seq in token_ids for t in seq]),
+            positions=tensor(positions),
+            cu_seqlens=tensor(cu),
+            num_computed=tensor(num_computed),
+            seq_lens=tensor([c + q for c, q in zip(num_computed, lens)]),
+            block_tables=tables.to(device),
+            slot_mapping=tensor(slot_mapping),
+            slot_ids=tensor(slot_ids),
+            checkpoint_offsets=None if checkpoint_offsets is None else tensor(checkpoint_offsets),
+            checkpoint_slot_ids=None if checkpoint_slot_ids is None else tensor(checkpoint_slot_ids),
+            num_decode=num_decode,
+            cu_seqlens_list=cu,
+        )

@@ -1,0 +1,1 @@
+"""K3 layers. Thin by design: they project, pick the op (prefill or decode form), and call `kernels`."""

@@ -1,0 +1,52 @@
+"""Weight-holding building blocks whose parameter names mirror the checkpoint's tensor names.
+
+Each module records how its tensors split across tensor-parallel ranks in `tp_dims`
+(param name -> dim sharded, or None for replicated); the loader reads that, so sharding rules
+live next to the layer that relies on them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3serve.kernels.norm import rms_norm
+
+
+class Sharded(nn.Module):
+    """A module whose parameters carry a tensor-parallel split rule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tp_dims: dict[str, int | None] = {}
+
+    def add_param(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, tp_dim: int | None) -> nn.Parameter:
+        param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+        self.register_parameter(name, param)
+        self.tp_dims[name] = tp_dim
+        return param
+
+    def prepare_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Turn a checkpoint tensor into this parameter's full (unsharded) form; identity by default."""
+        return tensor
+
+
+class Linear(Sharded):
+    """y = x W^T, W [out, in]. tp_dim 0: column parallel (split out), 1: row parallel (split in)."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, tp_dim: int | None = None) -> None:
+        super().__init__()
+        self.weight = self.add_param("weight", (out_features, in_features), dtype, tp_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight)
+
+
+class RMSNorm(Sharded):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = self.add_param("weight", (size,), dtype, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)

@@ -1,0 +1,124 @@
+"""Kimi Delta Attention layer (K3_MODEL.md §1d): projections, short conv, gate, delta rule, gated norm.
+
+Per rank it owns H/tp heads. The recurrent state ([H_local, K, V] fp32) and the conv window
+(the last kernel-1 pre-conv inputs of the q, k and v channels, packed as one [3*P_local, W-1]
+block) live in the engine's slot pools; this layer reads the slot of each sequence, advances it
+exactly once per new token, and optionally emits an in-pass checkpoint into a second slot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3serve.kernels.conv import causal_conv1d
+from k3serve.kernels.kda import chunk_kda, kda_decode, kda_gate
+from k3serve.kernels.norm import gated_rms_norm
+from k3serve.model.batch import ForwardBatch
+from k3serve.model.config import ModelConfig
+from k3serve.model.layers.common import Linear, Sharded
+from k3serve.model.parallel import TensorParallel
+
+
+class ShortConv(Sharded):
+    """Depthwise conv weight [P, 1, W] (fp32, no bias), split by channel."""
+
+    def __init__(self, channels: int, kernel: int) -> None:
+        super().__init__()
+        self.weight = self.add_param("weight", (channels, 1, kernel), torch.float32, 0)
+
+
+class KimiDeltaAttention(Sharded):
+    def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype) -> None:
+        super().__init__()
+        kda = config.kda
+        _, self.num_heads = tp.shard(kda.num_heads, "KDA num_heads")
+        self.head_dim = d = kda.head_dim
+        self.lower_bound = kda.gate_lower_bound
+        self.eps = config.rms_norm_eps
+        self.tp = tp
+        hidden, p = config.hidden_size, self.num_heads * d
+        self.q_proj = Linear(hidden, p, dtype, tp_dim=0)
+        self.k_proj = Linear(hidden, p, dtype, tp_dim=0)
+        self.v_proj = Linear(hidden, p, dtype, tp_dim=0)
+        self.q_conv1d = ShortConv(p, kda.conv_kernel_size)
+        self.k_conv1d = ShortConv(p, kda.conv_kernel_size)
+        self.v_conv1d = ShortConv(p, kda.conv_kernel_size)
+        self.f_a_proj = Linear(hidden, d, dtype)
+        self.f_b_proj = Linear(d, p, dtype, tp_dim=0)
+        self.b_proj = Linear(hidden, self.num_heads, dtype, tp_dim=0)
+        self.A_log = self.add_param("A_log", (self.num_heads,), torch.float32, 0)
+        self.dt_bias = self.add_param("dt_bias", (p,), torch.float32, 0)
+        if kda.use_full_rank_gate:
+            self.g_proj = Linear(hidden, p, dtype, tp_dim=0)
+        else:
+            self.g_a_proj = Linear(hidden, d, dtype)
+            self.g_b_proj = Linear(d, p, dtype, tp_dim=0)
+        self.o_norm = Sharded()
+        self.o_norm.add_param("weight", (d,), torch.float32, None)
+        self.o_proj = Linear(p, hidden, dtype, tp_dim=1)
+        self._num_heads_total = kda.num_heads
+
+    def prepare_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A_log is per head. Kimi Linear ships [1, 1, H, 1]; K3 ships 128 entries for 96 heads,
+        of which vLLM and SGLang use the first H (the rest is padding)."""
+        if name != "A_log":
+            return tensor
+        flat = tensor.reshape(-1)
+        if flat.numel() < self._num_heads_total:
+            raise ValueError(f"A_log has {flat.numel()} entries for {self._num_heads_total} KDA heads")
+        return flat[: self._num_heads_total]
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, recurrent: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
+        T, H, d = x.shape[0], self.num_heads, self.head_dim
+        fresh = batch.slot_ids[batch.num_computed == 0]
+        recurrent[fresh] = 0  # a new sequence starts from zero state, whatever the slot held
+        conv[fresh] = 0
+
+        qkv_in = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3P]
+        conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
+        if batch.checkpoint_offsets is not None:
+            self._checkpoint_conv(qkv_in, batch, conv)
+        qkv = causal_conv1d(qkv_in, conv_weight, conv, batch.cu_seqlens, batch.slot_ids, activation="silu")
+        q, k, v = (t.reshape(T, H, d) for t in qkv.split(H * d, dim=-1))
+        beta = torch.sigmoid(self.b_proj(x).float())  # [T, H]
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).reshape(T, H, d), self.A_log, self.dt_bias, self.lower_bound)
+
+        if batch.num_decode == batch.num_seqs:
+            o = kda_decode(q, k, v, g, beta, recurrent, batch.slot_ids, use_qk_l2norm_in_kernel=True)
+        else:
+            o = self._chunked(q, k, v, g, beta, batch, recurrent)
+
+        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+        y = gated_rms_norm(o, gate.reshape(T, H, d), self.o_norm.weight, self.eps).to(x.dtype)
+        return self.tp.all_reduce(self.o_proj(y.reshape(T, H * d)))
+
+    def _chunked(self, q, k, v, g, beta, batch: ForwardBatch, recurrent: torch.Tensor) -> torch.Tensor:
+        """One varlen chunked pass over every sequence; the state at the checkpoint offset comes
+        out of the same pass (no second forward, no split of the chunk)."""
+        o, final, checkpoints = chunk_kda(
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
+            initial_state=recurrent[batch.slot_ids],
+            cu_seqlens=batch.cu_seqlens,
+            checkpoint_offsets=batch.checkpoint_offsets,
+            use_qk_l2norm_in_kernel=True,
+        )
+        recurrent[batch.slot_ids] = final
+        if checkpoints is not None:
+            wanted = batch.checkpoint_offsets >= 0
+            recurrent[batch.checkpoint_slot_ids[wanted]] = checkpoints[wanted]
+        return o.squeeze(0)
+
+    @staticmethod
+    def _checkpoint_conv(qkv_in: torch.Tensor, batch: ForwardBatch, conv: torch.Tensor) -> None:
+        """Conv window at a checkpoint = the W-1 pre-conv inputs just before the offset, taken from
+        the chunk itself and, for offsets < W-1, the tail of the window the sequence came in with."""
+        width = conv.shape[-1]
+        offsets = batch.checkpoint_offsets.tolist()
+        targets = batch.checkpoint_slot_ids.tolist()
+        for n, (off, dst) in enumerate(zip(offsets, targets)):
+            if off < 0:
+                continue
+            start = batch.cu_seqlens_list[n]
+            old = conv[batch.slot_ids[n]].transpose(0, 1)  # [W-1, 3P], oldest first
+            window = torch.cat([old, qkv_in[start : start + off].to(conv.dtype)])[-width:]
+            conv[dst] = window.transpose(0, 1)

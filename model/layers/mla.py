@@ -1,0 +1,84 @@
+"""Multi-head latent attention, NoPE (K3_MODEL.md §1c, §6).
+
+The cache holds, per token, the normalized latent c (kv_lora_rank) and the shared k_pe
+(rope dim, no rotary): replicated on every TP rank. Prefill uses the compute-friendly MHA form
+(up-project k_nope and v from c); single-token sequences use the absorbed form (q_nope folded
+into latent space with W_UK, attention over the 576-dim latent keys, W_UV applied after).
+Both see exactly the same cached values, and a test holds them equal.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3serve.kernels.mla import gather_kv_cache, mla_decode_paged, mla_prefill_attention, write_kv_cache
+from k3serve.model.batch import ForwardBatch
+from k3serve.model.config import ModelConfig
+from k3serve.model.layers.common import Linear, RMSNorm, Sharded
+from k3serve.model.parallel import TensorParallel
+
+
+class MLAAttention(Sharded):
+    def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype) -> None:
+        super().__init__()
+        _, self.num_heads = tp.shard(config.num_attention_heads, "MLA num_attention_heads")
+        self.tp = tp
+        self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.scale = config.qk_head_dim**-0.5  # the pre-absorption dim (192 for K3) in both forms
+        hidden, H = config.hidden_size, self.num_heads
+        if config.q_lora_rank is None:
+            self.q_proj = Linear(hidden, H * config.qk_head_dim, dtype, tp_dim=0)
+        else:
+            self.q_a_proj = Linear(hidden, config.q_lora_rank, dtype)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps, dtype)
+            self.q_b_proj = Linear(config.q_lora_rank, H * config.qk_head_dim, dtype, tp_dim=0)
+        self.kv_a_proj_with_mqa = Linear(hidden, config.mla_kv_dim, dtype)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps, dtype)
+        self.kv_b_proj = Linear(config.kv_lora_rank, H * (self.nope + self.v_dim), dtype, tp_dim=0)
+        if config.mla_use_output_gate:
+            self.g_proj = Linear(hidden, H * self.v_dim, dtype, tp_dim=0)
+        self.o_proj = Linear(H * self.v_dim, hidden, dtype, tp_dim=1)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        T, H = x.shape[0], self.num_heads
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.reshape(T, H, self.nope + self.rope)
+        kv = self.kv_a_proj_with_mqa(x)
+        latent = torch.cat([self.kv_a_layernorm(kv[:, : self.kv_lora_rank]), kv[:, self.kv_lora_rank :]], dim=-1)
+        write_kv_cache(kv_cache, batch.slot_mapping, latent.to(kv_cache.dtype))
+
+        split = batch.num_decode_tokens
+        parts = []
+        if batch.num_decode:
+            parts.append(self._decode(q[:split], batch, kv_cache))
+        if split < T:
+            parts.append(self._prefill(q[split:], batch, kv_cache))
+        o = torch.cat(parts) if len(parts) > 1 else parts[0]  # [T, H, v_dim]
+        if hasattr(self, "g_proj"):
+            o = o * torch.sigmoid(self.g_proj(x).float()).reshape(T, H, self.v_dim)  # gate on the layer input
+        return self.tp.all_reduce(self.o_proj(o.reshape(T, H * self.v_dim).to(x.dtype)))
+
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head into W_UK [H, nope, L] and W_UV [H, v, L]."""
+        w = self.kv_b_proj.weight.reshape(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        return w[:, : self.nope], w[:, self.nope :]
+
+    def _decode(self, q: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        n = batch.num_decode
+        w_uk, w_uv = self._w_uk_uv()
+        q_latent = torch.einsum("nhd,hdl->nhl", q[..., : self.nope].float(), w_uk.float())
+        o_latent, _ = mla_decode_paged(
+            q_latent, q[..., self.nope :].float(), kv_cache,
+            batch.block_tables[:n], batch.seq_lens[:n], self.scale, self.kv_lora_rank,
+        )
+        return torch.einsum("nhl,hvl->nhv", o_latent.float(), w_uv.float())
+
+    def _prefill(self, q: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        n0, H = batch.num_decode, self.num_heads
+        cached, cu_k = gather_kv_cache(kv_cache, batch.block_tables[n0:], batch.seq_lens[n0:])
+        kv = self.kv_b_proj(cached[:, : self.kv_lora_rank]).reshape(-1, H, self.nope + self.v_dim)
+        k_pe = cached[:, self.kv_lora_rank :].unsqueeze(1).expand(-1, H, self.rope)
+        k = torch.cat([kv[..., : self.nope], k_pe.to(kv.dtype)], dim=-1)
+        cu_q = batch.cu_seqlens[n0:] - batch.cu_seqlens[n0]
+        return mla_prefill_attention(q, k, kv[..., self.nope :], cu_q, cu_k, self.scale).float()

@@ -1,0 +1,133 @@
+"""Feed-forward blocks: the dense GLU MLP (layer 0, shared experts) and the (latent) MoE.
+
+Dense MLPs are column/row parallel over the intermediate dim. Routed experts are expert
+parallel: each rank holds experts [rank*E/tp, (rank+1)*E/tp) whole, so MXFP4 groups of 32 never
+straddle a shard. In the latent MoE (K3) the routed partial sums are all-reduced in latent space
+BEFORE the latent RMSNorm, because norm(sum) != sum(norm).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable
+
+import torch
+
+from k3serve.kernels.moe import ExpertWeights, fused_experts, select_experts, silu_glu, situ_glu
+from k3serve.kernels.mxfp4 import MXFP4Tensor
+from k3serve.model.config import ModelConfig
+from k3serve.model.layers.common import Linear, RMSNorm, Sharded
+from k3serve.model.parallel import TensorParallel
+
+Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def glu_activation(config: ModelConfig) -> Activation:
+    if config.hidden_act == "situ":
+        return partial(situ_glu, beta=config.situ_beta, linear_beta=config.situ_linear_beta)
+    return silu_glu
+
+
+class DenseMLP(Sharded):
+    """down(act(gate(x), up(x))); returns this rank's partial sum (caller all-reduces)."""
+
+    def __init__(self, hidden: int, intermediate: int, act: Activation, tp: TensorParallel, dtype: torch.dtype):
+        super().__init__()
+        _, local = tp.shard(intermediate, "MLP intermediate size")
+        self.act = act
+        self.gate_proj = Linear(hidden, local, dtype, tp_dim=0)
+        self.up_proj = Linear(hidden, local, dtype, tp_dim=0)
+        self.down_proj = Linear(local, hidden, dtype, tp_dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)).to(x.dtype))
+
+
+class RoutedExperts(Sharded):
+    """This rank's slice of the expert bank, stacked per projection.
+
+    Checkpoint names `experts.{j}.{w1,w2,w3}.weight` (dense) or `.weight_packed` + `.weight_scale`
+    (MXFP4, kept packed in memory) load into row j - expert_start of the stacks.
+    """
+
+    PROJ_SHAPES = {"w1": ("inter", "dim"), "w3": ("inter", "dim"), "w2": ("dim", "inter")}
+
+    def __init__(self, num_experts: int, dim: int, inter: int, mxfp4: bool, tp: TensorParallel, dtype: torch.dtype):
+        super().__init__()
+        self.expert_start, self.num_local = tp.shard(num_experts, "num_experts")
+        self.mxfp4 = mxfp4
+        sizes = {"inter": inter, "dim": dim}
+        for proj, (out_key, in_key) in self.PROJ_SHAPES.items():
+            out_f, in_f = sizes[out_key], sizes[in_key]
+            if mxfp4:
+                self.register_buffer(f"{proj}_packed", torch.empty(self.num_local, out_f, in_f // 2, dtype=torch.uint8))
+                self.register_buffer(f"{proj}_scale", torch.empty(self.num_local, out_f, in_f // 32, dtype=torch.uint8))
+            else:
+                self.register_buffer(f"{proj}_weight", torch.empty(self.num_local, out_f, in_f, dtype=dtype))
+
+    def checkpoint_entries(self) -> dict[str, str]:
+        """Local checkpoint suffix (`{j}.w1.weight_packed`) -> buffer name, for this rank's experts."""
+        kinds = {"packed": "weight_packed", "scale": "weight_scale"} if self.mxfp4 else {"weight": "weight"}
+        return {
+            f"{j}.{proj}.{ckpt}": f"{proj}_{kind}"
+            for j in range(self.expert_start, self.expert_start + self.num_local)
+            for proj in self.PROJ_SHAPES
+            for kind, ckpt in kinds.items()
+        }
+
+    def weights(self) -> ExpertWeights:
+        if self.mxfp4:
+            w = {p: MXFP4Tensor(getattr(self, f"{p}_packed"), getattr(self, f"{p}_scale")) for p in self.PROJ_SHAPES}
+        else:
+            w = {p: getattr(self, f"{p}_weight") for p in self.PROJ_SHAPES}
+        return ExpertWeights(w1=w["w1"], w3=w["w3"], w2=w["w2"])
+
+
+class MoEGate(Sharded):
+    """Router: sigmoid scores in fp32; the correction bias only steers selection."""
+
+    def __init__(self, hidden: int, num_experts: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = self.add_param("weight", (num_experts, hidden), dtype, None)
+        self.e_score_correction_bias = self.add_param("e_score_correction_bias", (num_experts,), torch.float32, None)
+
+
+class SparseMoE(Sharded):
+    def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.tp, self.config = tp, config
+        self.act = glu_activation(config)
+        hidden, latent = config.hidden_size, config.routed_expert_hidden_size
+        self.gate = MoEGate(hidden, config.num_experts, dtype)
+        if latent is not None:
+            self.routed_expert_down_proj = Linear(hidden, latent, dtype)
+            self.routed_expert_up_proj = Linear(latent, hidden, dtype)
+            if config.latent_moe_use_norm:
+                self.routed_expert_norm = RMSNorm(latent, config.rms_norm_eps, dtype)
+        self.experts = RoutedExperts(
+            config.num_experts, latent or hidden, config.moe_intermediate_size, config.experts_mxfp4, tp, dtype
+        )
+        if config.num_shared_experts:
+            shared = config.moe_intermediate_size * config.num_shared_experts
+            self.shared_experts = DenseMLP(hidden, shared, self.act, tp, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        logits = x.float() @ self.gate.weight.float().t()
+        weights, ids = select_experts(
+            logits, self.gate.e_score_correction_bias, cfg.num_experts_per_token,
+            cfg.moe_renormalize, cfg.routed_scaling_factor,
+        )
+        is_latent = cfg.routed_expert_hidden_size is not None
+        expert_in = self.routed_expert_down_proj(x) if is_latent else x
+        routed = fused_experts(expert_in, self.experts.weights(), weights, ids, self.act, self.experts.expert_start)
+        shared = self.shared_experts(x).float() if cfg.num_shared_experts else None
+        if not is_latent:  # one all-reduce for routed + shared partial sums
+            return self.tp.all_reduce(routed if shared is None else routed + shared).to(x.dtype)
+        routed = self.tp.all_reduce(routed)  # sum the experts of every rank in latent space ...
+        if cfg.latent_moe_use_norm:
+            routed = self.routed_expert_norm(routed)  # ... then normalize
+        out = self.routed_expert_up_proj(routed.to(x.dtype))
+        if shared is not None:
+            out = out + self.tp.all_reduce(shared).to(x.dtype)
+        return out

@@ -1,0 +1,136 @@
+"""The K3 decoder: embedding, hybrid KDA/MLA layers with (latent) MoE, attention residuals, lm_head.
+
+Module names mirror the checkpoint (`model.layers.N.self_attn.q_proj.weight`, `lm_head.weight`),
+so weight loading is a name lookup. The whole interface to the engine is
+
+    hidden = model(batch, cache)                 # [T, hidden], advances the caches of batch
+    logits = model.compute_logits(hidden[rows])  # [rows, vocab] fp32
+
+Attention residuals (K3, `attn_res_block_size`): instead of a plain residual stream, each layer
+reads a softmax-weighted mix of block snapshots ("bank") and the running block sum ("prefix"),
+both before attention and before the MLP; every `attn_res_block_size` layers the prefix is
+frozen into the bank and restarts (K3_MODEL.md §1f).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3serve.kernels.attn_res import attn_res_aggregate
+from k3serve.model.batch import ForwardBatch, ModelCache
+from k3serve.model.config import ModelConfig
+from k3serve.model.layers.common import Linear, RMSNorm
+from k3serve.model.layers.kda import KimiDeltaAttention
+from k3serve.model.layers.mla import MLAAttention
+from k3serve.model.layers.mlp import DenseMLP, SparseMoE, glu_activation
+from k3serve.model.parallel import SINGLE, TensorParallel
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.is_kda = config.is_kda_layer(layer_idx)
+        self.res_block = config.attn_res_block_size
+        eps, hidden = config.rms_norm_eps, config.hidden_size
+        self.input_layernorm = RMSNorm(hidden, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
+        self.self_attn = (KimiDeltaAttention if self.is_kda else MLAAttention)(config, tp, dtype)
+        if config.is_moe_layer(layer_idx):
+            self.block_sparse_moe = SparseMoE(config, tp, dtype)
+        else:
+            self.mlp = DenseMLP(hidden, config.intermediate_size, glu_activation(config), tp, dtype)
+        self.tp = tp
+        if self.res_block:
+            # Named as in the checkpoint: self_attention_res_{proj,norm}, mlp_res_{proj,norm}.
+            self.self_attention_res_proj = Linear(hidden, 1, dtype)
+            self.self_attention_res_norm = RMSNorm(hidden, eps, dtype)
+            self.mlp_res_proj = Linear(hidden, 1, dtype)
+            self.mlp_res_norm = RMSNorm(hidden, eps, dtype)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "block_sparse_moe"):
+            return self.block_sparse_moe(x)
+        return self.tp.all_reduce(self.mlp(x))
+
+    def _attn(self, x: torch.Tensor, batch: ForwardBatch, cache: ModelCache, cache_idx: int) -> torch.Tensor:
+        x = self.input_layernorm(x)
+        if self.is_kda:
+            return self.self_attn(x, batch, cache.kda_recurrent[cache_idx], cache.kda_conv[cache_idx])
+        return self.self_attn(x, batch, cache.mla_kv[cache_idx])
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, cache: ModelCache, cache_idx: int) -> torch.Tensor:
+        """Plain pre-norm residual block."""
+        h = h + self._attn(h, batch, cache, cache_idx)
+        return h + self._mlp(self.post_attention_layernorm(h))
+
+    def forward_attn_res(
+        self, prefix: torch.Tensor, bank: list[torch.Tensor], batch: ForwardBatch, cache: ModelCache, cache_idx: int
+    ) -> torch.Tensor:
+        """Attention-residual block; may append to `bank`. Returns the new prefix (block sum)."""
+        x = _mix(prefix, bank, self.self_attention_res_proj, self.self_attention_res_norm)
+        restart = self.layer_idx % self.res_block == 0
+        if restart:
+            bank.append(prefix)
+        a = self._attn(x, batch, cache, cache_idx)
+        prefix = a if restart else prefix + a
+        x = _mix(prefix, bank, self.mlp_res_proj, self.mlp_res_norm)
+        return prefix + self._mlp(self.post_attention_layernorm(x))
+
+
+def _mix(prefix: torch.Tensor, bank: list[torch.Tensor], proj: Linear, norm: RMSNorm) -> torch.Tensor:
+    if not bank:
+        return prefix
+    return attn_res_aggregate(torch.stack(bank + [prefix]), proj.weight.reshape(-1), norm.weight, norm.eps)
+
+
+class KimiModel(nn.Module):
+    """`model.*` of the checkpoint."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp, dtype) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        if config.attn_res_block_size:
+            self.output_attn_res_proj = Linear(config.hidden_size, 1, dtype)
+            self.output_attn_res_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        # cache_idx of each layer: its index among the KDA layers or among the MLA layers
+        self._cache_idx = [
+            (config.kda_layers if config.is_kda_layer(i) else config.mla_layers).index(i)
+            for i in range(config.num_hidden_layers)
+        ]
+
+    def forward(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
+        h = self.embed_tokens(batch.token_ids)
+        if not self.config.attn_res_block_size:
+            for layer, idx in zip(self.layers, self._cache_idx):
+                h = layer(h, batch, cache, idx)
+            return self.norm(h)
+        bank: list[torch.Tensor] = []
+        for layer, idx in zip(self.layers, self._cache_idx):
+            h = layer.forward_attn_res(h, bank, batch, cache, idx)
+        return self.norm(_mix(h, bank, self.output_attn_res_proj, self.output_attn_res_norm))
+
+
+class KimiForCausalLM(nn.Module):
+    """The text model of Kimi-K3 / Kimi Linear: `model.*` + untied `lm_head`."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        config.check_tp(tp.world_size)
+        self.config, self.tp, self.dtype = config, tp, dtype
+        self.model = KimiModel(config, tp, dtype)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
+        """Run the new tokens of every sequence in `batch`, advancing its caches. Returns [T, hidden]."""
+        return self.model(batch, cache)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,38 @@
+"""Tensor parallelism for one engine: which rank this is and how partial sums are combined.
+
+Head-sharded layers (KDA, MLA), column/row-parallel MLPs and expert-parallel routed experts all
+produce per-rank partial sums of the hidden state; `all_reduce` combines them (gloo on CPU,
+NCCL on GPU). With `world_size == 1` every call is a no-op, so single-process code pays nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"tensor-parallel rank {self.rank} outside world size {self.world_size}")
+
+    def shard(self, size: int, what: str) -> tuple[int, int]:
+        """(start, length) of this rank's slice of a dimension of `size`."""
+        if size % self.world_size:
+            raise ValueError(f"{what}={size} is not divisible by tensor-parallel size {self.world_size}")
+        length = size // self.world_size
+        return self.rank * length, length
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return x
+        torch.distributed.all_reduce(x)
+        return x
+
+
+SINGLE = TensorParallel()

@@ -1,0 +1,46 @@
+"""Attention-residual aggregation: identity for one source, and a hand-written per-token loop."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from k3serve.kernels.attn_res import attn_res_aggregate
+
+from _close import assert_close
+
+EPS = 1e-5
+
+
+def test_single_source_is_identity() -> None:
+    gen = torch.Generator().manual_seed(0)
+    sources = torch.randn(1, 5, 40, generator=gen).bfloat16()
+    out = attn_res_aggregate(sources, torch.randn(40, generator=gen), torch.randn(40, generator=gen), EPS)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, sources[0])
+
+
+@pytest.mark.parametrize("num_sources", [2, 5])
+def test_against_loop(num_sources: int) -> None:
+    gen = torch.Generator().manual_seed(num_sources)
+    S, T, D = num_sources, 6, 40
+    sources = torch.randn(S, T, D, generator=gen) * torch.rand(S, 1, 1, generator=gen) * 4
+    proj, norm = torch.randn(D, generator=gen), 1 + 0.1 * torch.randn(D, generator=gen)
+    ref = torch.zeros(T, D)
+    for t in range(T):
+        scores = []
+        for j in range(S):
+            v = sources[j, t]
+            rms = math.sqrt(float((v * v).mean()) + EPS)
+            scores.append(float(sum((v[d] / rms) * norm[d] * proj[d] for d in range(D))))
+        m = max(scores)
+        probs = [math.exp(s - m) for s in scores]
+        ref[t] = sum(p / sum(probs) * sources[j, t] for j, p in enumerate(probs))
+    assert_close("attn_res", ref, attn_res_aggregate(sources, proj, norm, EPS), 1e-5, 1e-5)
+
+
+def test_validation() -> None:
+    with pytest.raises(ValueError, match="proj_weight"):
+        attn_res_aggregate(torch.zeros(2, 3, 8), torch.zeros(1, 8), torch.zeros(8), EPS)
