@@ -93,3 +93,4 @@ class RequestDelta:
     num_prompt_tokens: int
     num_output_tokens: int  # total generated so far, including new_token_ids
     stop_reason: int | str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the first delta, if requested

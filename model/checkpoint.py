@@ -9,6 +9,7 @@ loading path always runs.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -28,14 +29,15 @@ _FP32_SUFFIXES = ("conv1d.weight", "A_log", "dt_bias", "o_norm.weight", "e_score
 _K3_A_LOG_ENTRIES = 128  # the published K3 checkpoint pads per-head A_log to 128 entries
 
 
-def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, num_shards: int = 2) -> Path:
-    """Write `preset` with random weights drawn from `seed` into `out_dir`; returns out_dir."""
+def make_checkpoint(preset: str | dict, out_dir: str | Path, seed: int = 0, num_shards: int = 2) -> Path:
+    """Write `preset` (a preset name, or a HF config dict) with random weights drawn from `seed`
+    into `out_dir`; returns out_dir."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    train_tiny_tokenizer(out, vocab_size=_text_config(preset_hf_config(preset))["vocab_size"])
-    tokenizer = Tokenizer.from_dir(out)
-    hf = preset_hf_config(preset)
+    hf = preset_hf_config(preset) if isinstance(preset, str) else copy.deepcopy(preset)
     text = _text_config(hf)
+    train_tiny_tokenizer(out, vocab_size=text["vocab_size"])
+    tokenizer = Tokenizer.from_dir(out)
     text["bos_token_id"], text["eos_token_id"] = tokenizer.bos_token_id, tokenizer.eos_token_id
     config = ModelConfig.from_hf_dict(hf)
 

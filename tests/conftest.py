@@ -1,9 +1,32 @@
-"""Every test starts from the same RNG state, so a failure reproduces when run alone."""
+"""Shared fixtures: a fixed RNG state for every test, and the two tiny checkpoints.
+
+Every test starts from the same RNG state, so a failure reproduces when run alone. The tiny
+checkpoints are written once per session through the real checkpoint writer (sharded
+safetensors, published tensor names), so every model test also runs the real loading path:
+
+    tiny_checkpoint               k3-tiny: every K3 feature (VL wrapper, MXFP4 latent MoE, ...)
+    kimi_linear_tiny_checkpoint   Kimi-Linear-style (flat config, bf16 plain MoE, ...)
+"""
+
+from pathlib import Path
 
 import pytest
 import torch
+
+from k3serve.model.checkpoint import make_checkpoint
+from tiny_presets import kimi_linear_tiny
 
 
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint("k3-tiny", tmp_path_factory.mktemp("k3-tiny"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def kimi_linear_tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(kimi_linear_tiny(), tmp_path_factory.mktemp("kimi-linear-tiny"), seed=0)

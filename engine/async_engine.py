@@ -1,0 +1,137 @@
+"""Streaming engine for servers: `generate()` yields deltas as tokens are produced; `abort()`
+(or a consumer that stops iterating) frees everything the request held.
+
+One background thread owns the `LLMEngine` and is the only one that touches it; asyncio callers
+talk to it through a command queue, and it hands deltas back with `call_soon_threadsafe`. The
+thread sleeps on the queue when there is no work, so an idle engine costs no CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from k3serve.engine.config import EngineArgs
+from k3serve.engine.llm_engine import LLMEngine
+from k3serve.engine.outputs import RequestDelta
+from k3serve.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt: str | list[int]
+    sampling_params: SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped; no request can make progress."""
+
+
+class _Stream:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestDelta | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, args: EngineArgs | None = None, **engine_args: Any) -> None:
+        self.engine = LLMEngine(args if args is not None else EngineArgs.from_kwargs(**engine_args))
+        self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="k3serve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # ---- caller side (event loop) ---------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestDelta]:
+        """Yield the request's deltas until it finishes. Raises ValueError for a bad request
+        (before any delta), EngineDeadError if the engine thread failed."""
+        self._check_alive()
+        stream = _Stream(asyncio.get_running_loop())
+        with self._lock:
+            if request.request_id in self._streams:
+                raise ValueError(f"duplicate request_id {request.request_id!r}")
+            self._streams[request.request_id] = stream
+        self._commands.put(("add", request))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:  # consumer gave up (disconnect, cancellation) or an error: free it
+                self._commands.put(("abort", request.request_id))
+            with self._lock:
+                self._streams.pop(request.request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def shutdown(self) -> None:
+        self._commands.put(("stop", None))
+        self._thread.join(timeout=30)
+
+    def _check_alive(self) -> None:
+        if self._error is not None or not self._thread.is_alive():
+            raise EngineDeadError(f"the engine thread has stopped: {self._error!r}")
+
+    # ---- engine thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                block = not self.engine.has_unfinished()
+                if not self._drain_commands(block):
+                    return
+                for delta in self.engine.step():
+                    self._emit(delta.request_id, delta)
+        except BaseException as e:  # surface to every waiting caller, never hang them
+            self._error = e
+            with self._lock:
+                streams = list(self._streams.values())
+            for stream in streams:
+                stream.put(EngineDeadError(f"engine failed: {e!r}"))
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply queued commands; wait for one when idle. False on shutdown."""
+        try:
+            cmd = self._commands.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            kind, arg = cmd
+            if kind == "stop":
+                return False
+            if kind == "add":
+                try:
+                    self.engine.add_request(arg.prompt, arg.sampling_params, arg.request_id)
+                except ValueError as e:
+                    self._emit(arg.request_id, e)
+            elif kind == "abort":
+                self.engine.abort_request(arg)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _emit(self, request_id: str, item: RequestDelta | BaseException) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put(item)

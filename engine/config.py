@@ -1,0 +1,78 @@
+"""Engine arguments: validated once, here, with errors that quote the bad value."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CPU_CACHE_BYTES = 512 * 2**20
+DEFAULT_MODEL_CACHE_DIR = Path.home() / ".cache" / "k3serve" / "checkpoints"
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str = "k3-tiny"
+    """Checkpoint directory, or a small preset name (written once under model_cache_dir)."""
+    tensor_parallel_size: int = 1
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """auto: float32 on CPU (exact reference path), bfloat16 on CUDA."""
+    device: str = "cpu"
+    seed: int = 0
+    """Seeds the weights of a preset checkpoint and the engine's global RNG."""
+    block_size: int = 64
+    max_model_len: int = 4096
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    """Base per-step token budget; None = 16384 on >= 80 GiB GPUs, 8192 elsewhere."""
+    max_adaptive_batched_tokens: int | None = None
+    """Budget ceiling when few requests run (adaptive budget); None = 2x the base."""
+    long_prefill_token_threshold: int | None = None
+    enable_prefix_caching: bool = True
+    kda_checkpoint_mode: Literal["in_pass", "align", "none"] = "in_pass"
+    cache_memory_bytes: int | None = None
+    """Bytes for MLA blocks + KDA slots on CPU; None = 512 MiB."""
+    gpu_memory_utilization: float = 0.9
+    num_kda_slots: int | None = None
+    """KDA state slots; None = max_num_seqs working slots + as many for prefix checkpoints."""
+    model_cache_dir: str = str(DEFAULT_MODEL_CACHE_DIR)
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "block_size", "max_model_len", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_kda_slots is not None and self.num_kda_slots < self.max_num_seqs:
+            raise ValueError(
+                f"num_kda_slots={self.num_kda_slots} < max_num_seqs={self.max_num_seqs}: every running request needs a slot"
+            )
+        if self.cache_memory_bytes is not None and self.cache_memory_bytes <= 0:
+            raise ValueError(f"cache_memory_bytes must be > 0, got {self.cache_memory_bytes}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
+        """Like the constructor, but names the unknown argument instead of a bare TypeError."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
+        return cls(**kwargs)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        return DTYPES[self.dtype]
+
+    @property
+    def kda_slots(self) -> int:
+        if self.num_kda_slots is not None:
+            return self.num_kda_slots
+        return self.max_num_seqs * (2 if self.enable_prefix_caching else 1)

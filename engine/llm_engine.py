@@ -1,0 +1,248 @@
+"""The single-process engine: scheduler + runner + sampler + detokenizer, one `step()` at a time.
+
+    step():  schedule -> run the model -> sample -> scheduler.update_from_output -> detokenize
+             (stop strings finish requests) -> one RequestDelta per request that changed
+
+`LLM` (offline) and `AsyncEngine` (streaming) drive it; prefill and decode workers reuse it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from k3serve.engine.block_pool import BlockPool
+from k3serve.engine.budget import default_token_budget
+from k3serve.engine.config import DEFAULT_CPU_CACHE_BYTES, EngineArgs
+from k3serve.engine.detokenizer import IncrementalDetokenizer
+from k3serve.engine.memory import PoolPlan, cache_sizes, plan_pools
+from k3serve.engine.outputs import RequestDelta, TokenLogprobs
+from k3serve.engine.prefix_cache import PrefixCache
+from k3serve.engine.request import Request
+from k3serve.engine.runner import ModelRunner
+from k3serve.engine.sampler import Sampler, prompt_logprobs
+from k3serve.engine.sampling_params import SamplingParams
+from k3serve.engine.scheduler import Scheduler, SchedulerConfig
+from k3serve.engine.state_pool import StatePool
+from k3serve.model.batch import ModelCache
+from k3serve.model.config import ModelConfig
+from k3serve.model.loader import load_model
+from k3serve.model.presets import PRESETS
+from k3serve.model.tokenizer import Tokenizer
+
+
+def resolve_model_dir(model: str, seed: int, cache_dir: str) -> Path:
+    """A checkpoint directory as given, or a preset's checkpoint, written once and reused."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    if model not in PRESETS:
+        raise ValueError(f"model {model!r} is neither a checkpoint directory nor a preset {sorted(PRESETS)}")
+    out = Path(cache_dir) / f"{model}-seed{seed}"
+    if not (out / "config.json").is_file():
+        from k3serve.model.checkpoint import make_checkpoint
+
+        tmp = out.with_name(out.name + ".tmp")
+        make_checkpoint(model, tmp, seed=seed)
+        tmp.rename(out)  # atomic: a half-written checkpoint is never picked up
+    return out
+
+
+@dataclass
+class _Tracked:
+    """Engine-side state of one request that the scheduler does not need."""
+
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    prompt: str | None
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        torch.manual_seed(args.seed)
+        self.model_dir = resolve_model_dir(args.model, args.seed, args.model_cache_dir)
+        self.config = ModelConfig.from_dir(self.model_dir)
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        if args.max_model_len > self.config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={args.max_model_len} exceeds the model's max_position_embeddings="
+                f"{self.config.max_position_embeddings}"
+            )
+        model = load_model(self.model_dir, dtype=args.torch_dtype, device=args.device)
+        self.plan = self._plan_pools()
+        cache = ModelCache.allocate(
+            self.config, self.plan.num_blocks, self.plan.num_slots, args.block_size, 1, args.torch_dtype, args.device
+        )
+        self.runner = ModelRunner(model, cache)
+        block_pool, state_pool = BlockPool(self.plan.num_blocks, args.block_size), StatePool(self.plan.num_slots)
+        budget = args.max_num_batched_tokens or default_token_budget(_device_memory(args.device))
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=max(budget, args.max_num_seqs),
+                max_adaptive_batched_tokens=args.max_adaptive_batched_tokens,
+                max_model_len=args.max_model_len,
+                block_size=args.block_size,
+                enable_prefix_caching=args.enable_prefix_caching,
+                kda_checkpoint_mode=args.kda_checkpoint_mode,
+                eos_token_id=self.tokenizer.eos_token_id,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
+            ),
+            block_pool,
+            state_pool,
+            PrefixCache(block_pool, state_pool) if args.enable_prefix_caching else None,
+        )
+        self.sampler = Sampler(eos_token_id=self.tokenizer.eos_token_id)
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+
+    def _plan_pools(self) -> PoolPlan:
+        args = self.args
+        sizes = cache_sizes(self.config, args.tensor_parallel_size, args.torch_dtype)
+        if args.device.startswith("cuda"):
+            free, _ = torch.cuda.mem_get_info(torch.device(args.device))
+            total = torch.cuda.get_device_properties(torch.device(args.device)).total_memory
+            cache_bytes = int(free - (1 - args.gpu_memory_utilization) * total)
+        else:
+            cache_bytes = args.cache_memory_bytes or DEFAULT_CPU_CACHE_BYTES
+        return plan_pools(sizes, cache_bytes, args.block_size, args.kda_slots, args.max_model_len)
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        """Queue a request; returns its id. Raises ValueError for a prompt the engine cannot serve."""
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._tracked:
+            raise ValueError(f"duplicate request_id {request_id!r}")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_prompt(token_ids, params)
+        if params.max_tokens is None:  # until the context is full
+            params = _with_max_tokens(params, self.args.max_model_len - len(token_ids))
+        self.scheduler.add_request(Request(request_id, token_ids, params))
+        self._tracked[request_id] = _Tracked(
+            params=params,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, token_ids, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
+            ),
+            generator=None if params.seed is None else torch.Generator().manual_seed(params.seed),
+            prompt=text,
+        )
+        return request_id
+
+    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        limit = self.args.max_model_len
+        if len(token_ids) >= limit:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len={limit} leaves no room to generate")
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > limit:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len={limit}"
+            )
+
+    def abort_request(self, request_id: str) -> bool:
+        """Finish a request wherever it is and free everything it holds; False if unknown."""
+        if self._tracked.pop(request_id, None) is None:
+            return False
+        self.scheduler.finish_request(request_id, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step -------------------------------------------------------------------------
+    def step(self) -> list[RequestDelta]:
+        output = self.scheduler.schedule()
+        if output.is_empty:
+            return []
+        want_chunk = {
+            s.request_id for s in output.seqs if s.is_prefill and self._tracked[s.request_id].params.prompt_logprobs is not None
+        }
+        result = self.runner.execute(output, want_chunk)
+        self._collect_prompt_logprobs(output, result.chunk_logits)
+
+        ids = list(result.sample_logits)
+        sampled = {}
+        logprobs: dict[str, TokenLogprobs | None] = {}
+        if ids:
+            reqs = [self.scheduler.requests[i] for i in ids]
+            out = self.sampler.sample(
+                torch.stack([result.sample_logits[i] for i in ids]).float(),
+                [self._tracked[i].params for i in ids],
+                [r.output_token_ids for r in reqs],
+                [r.prompt_token_ids for r in reqs],
+                [self._tracked[i].generator for i in ids],
+            )
+            sampled = dict(zip(ids, out.sampled_token_ids))
+            logprobs = dict(zip(ids, out.logprobs))
+        finished = {r.request_id: r for r in self.scheduler.update_from_output(output, sampled)}
+        return [self._delta(rid, token, logprobs.get(rid), finished.get(rid)) for rid, token in sampled.items()]
+
+    def _delta(self, request_id: str, token_id: int, logprobs: TokenLogprobs | None, done: Request | None) -> RequestDelta:
+        tracked = self._tracked[request_id]
+        detok = tracked.detokenizer
+        text = detok.push(token_id)
+        request = done or self.scheduler.requests[request_id]
+        finish_reason, stop_reason = None, None
+        if done is None and detok.stopped_by is not None:
+            self.scheduler.finish_request(request_id, "stop")
+            finish_reason, stop_reason = "stop", detok.stopped_by
+        elif done is not None:
+            text += detok.finish()
+            finish_reason = done.finish_reason
+            if finish_reason == "stop" and token_id != self.tokenizer.eos_token_id:
+                stop_reason = token_id  # a stop_token_id (EOS reports None, as in vLLM)
+        if finish_reason is not None:
+            del self._tracked[request_id]
+        return RequestDelta(
+            request_id=request_id,
+            new_token_ids=[token_id],
+            new_text=text,
+            finished=finish_reason is not None,
+            finish_reason=finish_reason,
+            logprobs=None if logprobs is None else [logprobs],
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            stop_reason=stop_reason,
+            prompt_logprobs=tracked.prompt_logprobs if request.num_output_tokens == 1 and tracked.params.prompt_logprobs is not None else None,
+        )
+
+    def _collect_prompt_logprobs(self, output, chunk_logits: dict[str, torch.Tensor]) -> None:
+        """logits row i of a chunk starting at p scores prompt token p + i + 1."""
+        for seq in output.seqs:
+            if seq.request_id not in chunk_logits:
+                continue
+            tracked = self._tracked[seq.request_id]
+            prompt = self.scheduler.requests[seq.request_id].prompt_token_ids
+            start = seq.num_computed_tokens
+            if start == 0:
+                tracked.prompt_logprobs = [None]
+            if len(tracked.prompt_logprobs) != start + 1:
+                continue  # a prefix-cache hit skipped these positions; they stay unscored
+            window = prompt[start : start + seq.num_scheduled_tokens + 1]
+            entries = prompt_logprobs(chunk_logits[seq.request_id][: len(window) - 1], window, tracked.params.prompt_logprobs)
+            tracked.prompt_logprobs.extend(entries[1:])
+
+
+def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
+    import dataclasses
+
+    return dataclasses.replace(params, max_tokens=max_tokens)
+
+
+def _device_memory(device: str) -> int | None:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
+    return None

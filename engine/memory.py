@@ -1,0 +1,72 @@
+"""Per-rank memory accounting: weights, MLA latent KV per token, KDA state per request.
+
+The same numbers size the engine's pools and answer `k3serve plan`, so an operator can check
+that a deployment of the published K3 fits before renting the hardware.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from k3serve.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class CacheSizes:
+    mla_bytes_per_token: int  # all MLA layers, replicated on every rank
+    kda_bytes_per_slot: int  # all KDA layers, this rank's heads: recurrent fp32 + conv window
+    weight_bytes: int  # this rank's weights as loaded (MXFP4 experts packed)
+
+
+def cache_sizes(config: ModelConfig, tp_size: int, dtype: torch.dtype) -> CacheSizes:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    h_local, d = config.kda.num_heads // tp_size, config.kda.head_dim
+    recurrent = h_local * d * d * 4
+    conv = 3 * h_local * d * (config.kda.conv_kernel_size - 1) * itemsize
+    return CacheSizes(
+        mla_bytes_per_token=len(config.mla_layers) * config.mla_kv_dim * itemsize,
+        kda_bytes_per_slot=len(config.kda_layers) * (recurrent + conv),
+        weight_bytes=weight_bytes(config, tp_size, dtype),
+    )
+
+
+def weight_bytes(config: ModelConfig, tp_size: int, dtype: torch.dtype) -> int:
+    """Bytes of rank 0's weights, counted on the meta device (nothing is allocated)."""
+    from k3serve.model.model import KimiForCausalLM
+    from k3serve.model.parallel import TensorParallel
+
+    with torch.device("meta"):
+        model = KimiForCausalLM(config, TensorParallel(0, tp_size), dtype)
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    num_blocks: int
+    num_slots: int
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def plan_pools(
+    sizes: CacheSizes, cache_bytes: int, block_size: int, num_slots: int, max_model_len: int
+) -> PoolPlan:
+    """Give `num_slots` KDA slots their bytes, the rest of `cache_bytes` to MLA blocks."""
+    slot_bytes = num_slots * sizes.kda_bytes_per_slot
+    block_bytes = block_size * sizes.mla_bytes_per_token
+    num_blocks = (cache_bytes - slot_bytes) // block_bytes if block_bytes else 0
+    needed = math.ceil(max_model_len / block_size)
+    if num_blocks < needed:
+        raise ValueError(
+            f"a cache budget of {cache_bytes / 2**20:.1f} MiB holds {max(num_blocks, 0)} blocks of {block_size} tokens "
+            f"after {num_slots} KDA slots ({slot_bytes / 2**20:.1f} MiB); one request of max_model_len={max_model_len} "
+            f"needs {needed} blocks. Raise the cache budget or lower max_model_len / max_num_seqs."
+        )
+    return PoolPlan(num_blocks=int(num_blocks), num_slots=num_slots, block_size=block_size)

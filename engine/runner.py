@@ -1,0 +1,70 @@
+"""Runs one scheduled step through the model: state copies, one forward pass, logits.
+
+The runner is the only place that turns the scheduler's lists into tensors (once per step,
+`ForwardBatch.build`) and the only place that touches the cache tensors outside the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from k3serve.engine.scheduler_output import NO_SLOT, ScheduledSeq, SchedulerOutput
+from k3serve.model.batch import ForwardBatch, ModelCache
+from k3serve.model.model import KimiForCausalLM
+
+
+@dataclass
+class RunnerOutput:
+    sample_logits: dict[str, torch.Tensor]  # request_id -> [vocab] fp32, chunks with needs_sample
+    chunk_logits: dict[str, torch.Tensor]  # request_id -> [num_scheduled_tokens, vocab], if asked
+
+
+class ModelRunner:
+    def __init__(self, model: KimiForCausalLM, cache: ModelCache) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = next(model.parameters()).device
+
+    def execute(self, output: SchedulerOutput, want_chunk_logits: set[str] = frozenset()) -> RunnerOutput:
+        # Single-token chunks first: the decode paths get one contiguous slice of the batch.
+        seqs = sorted(output.seqs, key=lambda s: s.num_scheduled_tokens != 1)
+        for seq in seqs:
+            if seq.zero_state:
+                self.cache.zero_slot(seq.slot_id)
+            if seq.copy_state_from_slot != NO_SLOT:
+                self.cache.copy_slot(seq.copy_state_from_slot, seq.slot_id)
+        hidden = self.model(self._build_batch(seqs), self.cache)
+        for seq in seqs:
+            if seq.copy_state_to_slot != NO_SLOT:
+                self.cache.copy_slot(seq.slot_id, seq.copy_state_to_slot)
+
+        starts = [0]
+        for seq in seqs:
+            starts.append(starts[-1] + seq.num_scheduled_tokens)
+        sample_rows = [starts[i + 1] - 1 for i, s in enumerate(seqs) if s.needs_sample]
+        logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else None
+        sample_ids = [s.request_id for s in seqs if s.needs_sample]
+        chunk_logits = {
+            s.request_id: self.model.compute_logits(hidden[starts[i] : starts[i + 1]])
+            for i, s in enumerate(seqs)
+            if s.request_id in want_chunk_logits
+        }
+        return RunnerOutput(
+            sample_logits={rid: logits[i] for i, rid in enumerate(sample_ids)},
+            chunk_logits=chunk_logits,
+        )
+
+    def _build_batch(self, seqs: list[ScheduledSeq]) -> ForwardBatch:
+        in_pass = [s.checkpoint_offset for s in seqs]
+        return ForwardBatch.build(
+            token_ids=[s.token_ids for s in seqs],
+            num_computed=[s.num_computed_tokens for s in seqs],
+            block_tables=[s.block_ids for s in seqs],
+            slot_ids=[s.slot_id for s in seqs],
+            block_size=self.cache.block_size,
+            checkpoint_offsets=in_pass if any(off >= 0 for off in in_pass) else None,
+            checkpoint_slot_ids=[s.checkpoint_slot for s in seqs] if any(off >= 0 for off in in_pass) else None,
+            device=self.device,
+        )

@@ -1,0 +1,434 @@
+"""Continuous batching over paged MLA blocks and KDA state slots (CPU only, no tensors).
+
+Invariant. There is no prefill phase and no decode phase. Each step, every scheduled request's
+`num_computed_tokens` catches up with its `num_tokens` (prompt + outputs) by the chunk it was
+given; a decode is simply a chunk of one token after a fully computed context. The KDA state in
+a request's working slot advances exactly once per token: a slot starts zeroed or as a copy of
+a prefix checkpoint taken at exactly `num_computed_tokens`, every chunk starts where the last
+one ended, and a preempted request drops its slot and recomputes from token 0 (or a prefix hit).
+
+One step (`schedule()`), under the adaptive token budget (budget.py) and `max_num_seqs`:
+
+    1. running decodes, oldest first, one token each
+    2. running prefills (chunked), oldest first
+    3. waiting requests, strictly FCFS (the head blocks the rest; skipped if step 1-2 preempted)
+
+When a running request needs a block that is not there, the latest-arrived running request is
+preempted (possibly itself; one already scheduled this step is unscheduled): its blocks and slot
+are freed and it goes back to the FRONT of the waiting queue with num_computed_tokens = 0.
+
+KDA checkpoints for prefix caching. The prompt's last block boundary below its end,
+p = ((num_prompt_tokens - 1) // block_size) * block_size, gets the state after p tokens when a
+chunk covers it:
+
+    prompt (8000 tokens, block 64):  |.........chunk.........|........|
+                                     c            p = 7680   c+n     8000
+    "in_pass": one forward pass; the kernel also writes the state at checkpoint_offset = p - c
+               into checkpoint_slot
+    "align":   the chunk is clipped to end at p; the runner copies slot_id into
+               copy_state_to_slot after the step (the rest of the prompt runs next step)
+
+`update_from_output` then hands the blocks up to p and the checkpoint slot to the prefix cache.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+from k3serve.engine.block_pool import BlockPool, compute_block_hashes
+from k3serve.engine.budget import DEFAULT_MAX_RUNNING_TO_SCALE, scheduled_token_budget
+from k3serve.engine.prefix_cache import MISS, PrefixCache
+from k3serve.engine.request import FINISH_STATUS, Request, RequestStatus
+from k3serve.engine.scheduler_output import ScheduledSeq, SchedulerOutput
+from k3serve.engine.state_pool import StatePool
+
+KdaCheckpointMode = Literal["in_pass", "align", "none"]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    """Most requests running at once (each holds one KDA working slot)."""
+    max_num_batched_tokens: int = 8192
+    """Base token budget per step; see budget.default_token_budget."""
+    max_model_len: int = 32768
+    """Prompt + output tokens of one request; reaching it finishes the request ("length")."""
+    block_size: int = 64
+    """Tokens per MLA KV block, and the prefix-cache / KDA checkpoint granularity."""
+    enable_prefix_caching: bool = True
+    kda_checkpoint_mode: KdaCheckpointMode = "in_pass"
+    """How the KDA state at a prompt's last block boundary is captured; ignored without prefix caching."""
+    eos_token_id: int | None = None
+    long_prefill_token_threshold: int | None = None
+    """Cap on one request's prefill chunk per step; None = no cap beyond the budget."""
+    max_adaptive_batched_tokens: int | None = None
+    """Largest budget when few requests run; None = 2 * max_num_batched_tokens; equal = static."""
+    max_running_to_scale: int = DEFAULT_MAX_RUNNING_TO_SCALE
+    """The budget scales up only while at most this many requests are decoding."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {name}={value!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_num_seqs={self.max_num_seqs} "
+                "so every running decode fits in one step"
+            )
+        if self.kda_checkpoint_mode not in ("in_pass", "align", "none"):
+            raise ValueError(f"kda_checkpoint_mode must be 'in_pass', 'align' or 'none', got {self.kda_checkpoint_mode!r}")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
+            raise ValueError(f"long_prefill_token_threshold must be >= 1 or None, got {self.long_prefill_token_threshold}")
+        if self.max_adaptive_batched_tokens is None:
+            object.__setattr__(self, "max_adaptive_batched_tokens", 2 * self.max_num_batched_tokens)
+        if self.max_adaptive_batched_tokens < self.max_num_batched_tokens:
+            raise ValueError(
+                f"max_adaptive_batched_tokens={self.max_adaptive_batched_tokens} must be >= "
+                f"max_num_batched_tokens={self.max_num_batched_tokens}"
+            )
+        if self.max_running_to_scale < 0:
+            raise ValueError(f"max_running_to_scale must be >= 0, got {self.max_running_to_scale}")
+
+    @property
+    def takes_kda_checkpoints(self) -> bool:
+        return self.enable_prefix_caching and self.kda_checkpoint_mode != "none"
+
+
+@dataclass
+class _PendingCheckpoint:
+    boundary_num_tokens: int
+    slot_id: int
+    block_hashes: list[int]  # [boundary_num_tokens // block_size]
+
+
+@dataclass
+class _Step:
+    """What one schedule() call has decided so far."""
+
+    token_budget: int
+    num_tokens_left: int
+    decodes: list[ScheduledSeq] = field(default_factory=list)
+    prefills: list[ScheduledSeq] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    def add(self, seq: ScheduledSeq) -> None:
+        (self.prefills if seq.is_prefill else self.decodes).append(seq)
+        self.num_tokens_left -= seq.num_scheduled_tokens
+
+    def remove(self, request_id: str) -> None:
+        for seqs in (self.decodes, self.prefills):
+            for i, seq in enumerate(seqs):
+                if seq.request_id == request_id:
+                    del seqs[i]
+                    self.num_tokens_left += seq.num_scheduled_tokens
+                    return
+
+    def is_scheduled(self, request_id: str) -> bool:
+        return any(seq.request_id == request_id for seq in self.decodes + self.prefills)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_pool: BlockPool,
+        state_pool: StatePool,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:
+        if block_pool.block_size != config.block_size:
+            raise ValueError(f"block_pool.block_size={block_pool.block_size} != config.block_size={config.block_size}")
+        if block_pool.num_blocks < _cdiv(config.max_model_len, config.block_size):
+            raise ValueError(
+                f"block_pool.num_blocks={block_pool.num_blocks} cannot hold one request of "
+                f"max_model_len={config.max_model_len} (block_size={config.block_size})"
+            )
+        if config.enable_prefix_caching and prefix_cache is None:
+            raise ValueError("enable_prefix_caching=True needs a PrefixCache")
+        self.config = config
+        self.block_pool = block_pool
+        self.state_pool = state_pool
+        self.prefix_cache = prefix_cache if config.enable_prefix_caching else None
+        self.requests: dict[str, Request] = {}  # unfinished, by id
+        self.waiting: deque[Request] = deque()  # FCFS; preempted requests go back to the front
+        self.running: list[Request] = []  # sorted by arrival_order
+        self._next_arrival_order = 0
+        self._finished_request_ids: list[str] = []  # since the last schedule()
+        self._pending_checkpoints: dict[str, _PendingCheckpoint] = {}  # registered after the step
+        self._pending_copy_slots: dict[str, int] = {}  # hit checkpoints held until copied
+
+    # ---- public API ----------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request_id {request.request_id!r}")
+        if request.num_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r} has {request.num_tokens} tokens, more than "
+                f"max_model_len={self.config.max_model_len}"
+            )
+        request.arrival_order = self._next_arrival_order
+        self._next_arrival_order += 1
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self._token_budget()
+        step = _Step(token_budget=budget, num_tokens_left=budget)
+        for req in list(self.running):  # 1. decodes
+            if req.status is RequestStatus.RUNNING and self._is_decode(req) and step.num_tokens_left > 0:
+                self._schedule_running(req, 1, step)
+        for req in list(self.running):  # 2. running prefills
+            if step.num_tokens_left <= 0:
+                break
+            if req.status is RequestStatus.RUNNING and not self._is_decode(req):
+                self._schedule_running(req, self._chunk_len(req, req.num_computed_tokens, step), step)
+        while (  # 3. admission, strictly FCFS
+            self.waiting
+            and not step.preempted_request_ids
+            and step.num_tokens_left > 0
+            and len(self.running) < self.config.max_num_seqs
+            and self._admit(self.waiting[0], step)
+        ):
+            self.waiting.popleft()
+        seqs = step.decodes + step.prefills
+        finished, self._finished_request_ids = self._finished_request_ids, []
+        return SchedulerOutput(
+            seqs=seqs,
+            num_batched_tokens=sum(seq.num_scheduled_tokens for seq in seqs),
+            token_budget=budget,
+            preempted_request_ids=step.preempted_request_ids,
+            finished_request_ids=finished,
+        )
+
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+        """Advance the scheduled requests by their chunks; append the tokens sampled for chunks
+        that reached the end of the known tokens; return the requests that finished."""
+        finished: list[Request] = []
+        for seq in output.seqs:
+            req = self.requests.get(seq.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # finished (aborted, stop string) since schedule()
+            if req.num_computed_tokens != seq.num_computed_tokens:
+                raise RuntimeError(
+                    f"stale output for {req.request_id!r}: scheduled at {seq.num_computed_tokens}, "
+                    f"request is at {req.num_computed_tokens}"
+                )
+            req.num_computed_tokens += seq.num_scheduled_tokens
+            copy_slot = self._pending_copy_slots.pop(req.request_id, None)
+            if copy_slot is not None:
+                self.state_pool.free(copy_slot)
+            checkpoint = self._pending_checkpoints.pop(req.request_id, None)
+            if checkpoint is not None:
+                self.prefix_cache.insert(
+                    checkpoint.block_hashes, req.block_ids, checkpoint.boundary_num_tokens, checkpoint.slot_id
+                )
+                self.state_pool.free(checkpoint.slot_id)  # now cached (or a duplicate, then free)
+            if not seq.needs_sample:
+                continue
+            if req.request_id not in sampled_token_ids:
+                raise ValueError(f"no sampled token for {req.request_id!r}, whose chunk needs_sample")
+            token_id = sampled_token_ids[req.request_id]
+            req.output_token_ids.append(token_id)
+            status = self._check_stop(req, token_id)
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+                finished.append(req)
+        return finished
+
+    def finish_request(self, request_id: str, reason: str = "abort") -> Request | None:
+        """Finish a request from outside (a stop string, an abort) in any state; frees everything.
+
+        Call between steps. Returns None if the request is unknown or already finished.
+        """
+        if reason not in FINISH_STATUS:
+            raise ValueError(f"reason must be one of {sorted(FINISH_STATUS)}, got {reason!r}")
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._finish(req, FINISH_STATUS[reason])
+        return req
+
+    # ---- scheduling ----------------------------------------------------------------------
+    def _token_budget(self) -> int:
+        cfg = self.config
+        num_decodes = sum(1 for req in self.running if self._is_decode(req))
+        prefill_lens = [req.num_tokens - req.num_computed_tokens for req in self.running if not self._is_decode(req)]
+        num_admissible = max(0, cfg.max_num_seqs - len(self.running))
+        prefill_lens += [req.num_tokens for req in list(self.waiting)[:num_admissible]]
+        if cfg.long_prefill_token_threshold is not None:
+            prefill_lens = [min(n, cfg.long_prefill_token_threshold) for n in prefill_lens]
+        return scheduled_token_budget(
+            cfg.max_num_batched_tokens,
+            cfg.max_adaptive_batched_tokens,
+            num_decodes,
+            prefill_lens,
+            max_running_to_scale=cfg.max_running_to_scale,
+        )
+
+    @staticmethod
+    def _is_decode(req: Request) -> bool:
+        return req.num_tokens - req.num_computed_tokens == 1 and req.num_computed_tokens >= req.num_prompt_tokens
+
+    def _chunk_len(self, req: Request, num_computed: int, step: _Step) -> int:
+        num_new = min(req.num_tokens - num_computed, step.num_tokens_left)
+        if self.config.long_prefill_token_threshold is not None:
+            num_new = min(num_new, self.config.long_prefill_token_threshold)
+        return num_new
+
+    def _schedule_running(self, req: Request, num_new: int, step: _Step) -> None:
+        num_new = self._plan_checkpoint(req, req.num_computed_tokens, num_new, num_slots_needed=1)
+        num_new_blocks = _cdiv(req.num_computed_tokens + num_new, self.config.block_size) - len(req.block_ids)
+        while not self.block_pool.can_allocate(num_new_blocks):
+            victim = self.running[-1]
+            self._preempt(victim, step)
+            if victim is req:
+                return
+        req.block_ids += self.block_pool.allocate(max(0, num_new_blocks))
+        step.add(self._make_seq(req, num_new))
+
+    def _admit(self, req: Request, step: _Step) -> bool:
+        """Start (or restart) the waiting head; False if it does not fit yet."""
+        hit = MISS
+        if self.prefix_cache is not None:
+            hit = self.prefix_cache.lookup(req.all_token_ids)
+        if hit.num_tokens:  # hold the hit before allocating, so allocation cannot evict it
+            self.block_pool.share(hit.block_ids)
+            self.state_pool.share(hit.checkpoint_slot)
+        num_new = self._chunk_len(req, hit.num_tokens, step)
+        num_new = self._plan_checkpoint(req, hit.num_tokens, num_new, num_slots_needed=2, dry_run=True)
+        num_new_blocks = _cdiv(hit.num_tokens + num_new, self.config.block_size) - len(hit.block_ids)
+        if not (self.state_pool.can_allocate(1) and self.block_pool.can_allocate(num_new_blocks)):
+            if hit.num_tokens:
+                self.block_pool.free(hit.block_ids)
+                self.state_pool.free(hit.checkpoint_slot)
+            return False
+        req.slot_id = self.state_pool.allocate()
+        req.block_ids = list(hit.block_ids) + self.block_pool.allocate(num_new_blocks)
+        req.num_computed_tokens = hit.num_tokens
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = hit.num_tokens
+        self._plan_checkpoint(req, hit.num_tokens, num_new, num_slots_needed=1)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self.running.sort(key=lambda r: r.arrival_order)
+        seq = self._make_seq(req, num_new)
+        if hit.num_tokens:
+            seq.copy_state_from_slot = hit.checkpoint_slot
+            self._pending_copy_slots[req.request_id] = hit.checkpoint_slot
+        else:
+            seq.zero_state = True
+        step.add(seq)
+        return True
+
+    def _plan_checkpoint(
+        self, req: Request, num_computed: int, num_new: int, *, num_slots_needed: int, dry_run: bool = False
+    ) -> int:
+        """If this chunk covers the prompt's last block boundary, reserve a checkpoint slot for it
+        (unless dry_run) and, in "align" mode, clip the chunk to end there. Returns the chunk length."""
+        cfg = self.config
+        if not cfg.takes_kda_checkpoints:
+            return num_new
+        boundary = (req.num_prompt_tokens - 1) // cfg.block_size * cfg.block_size
+        if not (boundary > 0 and num_computed < boundary <= num_computed + num_new):
+            return num_new
+        if not self.state_pool.can_allocate(num_slots_needed):
+            return num_new  # best effort: no room for a checkpoint now
+        block_hashes = compute_block_hashes(req.prompt_token_ids[:boundary], cfg.block_size)
+        if self.prefix_cache.has_boundary(block_hashes, boundary):
+            return num_new  # an identical prefix was checkpointed already
+        if not dry_run:
+            slot_id = self.state_pool.allocate()
+            self._pending_checkpoints[req.request_id] = _PendingCheckpoint(boundary, slot_id, block_hashes)
+        return boundary - num_computed if cfg.kda_checkpoint_mode == "align" else num_new
+
+    def _make_seq(self, req: Request, num_new: int) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        if start >= req.num_prompt_tokens:
+            token_ids = req.output_token_ids[start - req.num_prompt_tokens : start - req.num_prompt_tokens + num_new]
+        else:
+            token_ids = req.all_token_ids[start : start + num_new]
+        seq = ScheduledSeq(
+            request_id=req.request_id,
+            token_ids=token_ids,
+            num_computed_tokens=start,
+            block_ids=list(req.block_ids),
+            slot_id=req.slot_id,
+            is_prefill=not (num_new == 1 and start >= req.num_prompt_tokens),
+            needs_sample=start + num_new == req.num_tokens,
+        )
+        checkpoint = self._pending_checkpoints.get(req.request_id)
+        if checkpoint is not None:
+            if self.config.kda_checkpoint_mode == "in_pass":
+                seq.checkpoint_offset = checkpoint.boundary_num_tokens - start
+                seq.checkpoint_slot = checkpoint.slot_id
+            else:
+                seq.copy_state_to_slot = checkpoint.slot_id
+        return seq
+
+    # ---- releasing -----------------------------------------------------------------------
+    def _preempt(self, req: Request, step: _Step) -> None:
+        self.running.remove(req)
+        step.remove(req.request_id)
+        self._release(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        step.preempted_request_ids.append(req.request_id)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        self._release(req)
+        req.set_finished(status)
+        del self.requests[req.request_id]
+        self._finished_request_ids.append(req.request_id)
+
+    def _release(self, req: Request) -> None:
+        """Drop the request's refs; pinned blocks/slots come back when their transfer unpins."""
+        self.block_pool.free(req.block_ids)
+        req.block_ids = []
+        if req.slot_id is not None:
+            self.state_pool.free(req.slot_id)
+            req.slot_id = None
+        checkpoint = self._pending_checkpoints.pop(req.request_id, None)
+        if checkpoint is not None:
+            self.state_pool.free(checkpoint.slot_id)
+        copy_slot = self._pending_copy_slots.pop(req.request_id, None)
+        if copy_slot is not None:
+            self.state_pool.free(copy_slot)
+
+    def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if req.num_output_tokens >= getattr(params, "min_tokens", 0):
+            eos = self.config.eos_token_id
+            if eos is not None and token_id == eos and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in (params.stop_token_ids or ()):
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
