@@ -70,3 +70,33 @@ def plan_pools(
             f"needs {needed} blocks. Raise the cache budget or lower max_model_len / max_num_seqs."
         )
     return PoolPlan(num_blocks=int(num_blocks), num_slots=num_slots, block_size=block_size)
+
+
+def describe_plan(
+    config: ModelConfig, tp_size: int, dtype: torch.dtype, device_bytes: int, utilization: float, max_num_seqs: int
+) -> list[tuple[str, str]]:
+    """Rows of `k3serve plan`: what one rank holds and how much context fits beside the weights."""
+    config.check_tp(tp_size)
+    sizes = cache_sizes(config, tp_size, dtype)
+    budget = int(device_bytes * utilization) - sizes.weight_bytes
+    slots_bytes = max_num_seqs * sizes.kda_bytes_per_slot
+    kv_bytes = budget - slots_bytes
+    gib = 2**30
+    rows = [
+        ("tensor-parallel ranks", str(tp_size)),
+        ("device memory x utilization", f"{device_bytes / gib:.1f} GiB x {utilization:.2f}"),
+        ("weights per rank (MXFP4 experts packed)", f"{sizes.weight_bytes / gib:.2f} GiB"),
+        ("MLA latent KV per token (all MLA layers)", f"{sizes.mla_bytes_per_token / 1024:.1f} KiB"),
+        ("KDA state per request (this rank's heads)", f"{sizes.kda_bytes_per_slot / 2**20:.1f} MiB"),
+        (f"KDA slots for max_num_seqs={max_num_seqs}", f"{slots_bytes / gib:.2f} GiB"),
+    ]
+    if kv_bytes <= 0:
+        rows.append(("fits", f"NO: weights + KDA slots exceed the budget by {-kv_bytes / gib:.2f} GiB"))
+        return rows
+    tokens = kv_bytes // sizes.mla_bytes_per_token
+    rows += [
+        ("left for MLA KV", f"{kv_bytes / gib:.2f} GiB"),
+        ("tokens of context that fit", f"{tokens:,}"),
+        ("average context per running request", f"{tokens // max_num_seqs:,} tokens"),
+    ]
+    return rows

@@ -34,6 +34,7 @@ chunk covers it:
 from __future__ import annotations
 
 from collections import deque
+from itertools import islice
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -125,9 +126,6 @@ class _Step:
                     del seqs[i]
                     self.num_tokens_left += seq.num_scheduled_tokens
                     return
-
-    def is_scheduled(self, request_id: str) -> bool:
-        return any(seq.request_id == request_id for seq in self.decodes + self.prefills)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -277,7 +275,7 @@ class Scheduler:
         num_decodes = sum(1 for req in self.running if self._is_decode(req))
         prefill_lens = [req.num_tokens - req.num_computed_tokens for req in self.running if not self._is_decode(req)]
         num_admissible = max(0, cfg.max_num_seqs - len(self.running))
-        prefill_lens += [req.num_tokens for req in list(self.waiting)[:num_admissible]]
+        prefill_lens += [req.num_tokens for req in islice(self.waiting, num_admissible)]
         if cfg.long_prefill_token_threshold is not None:
             prefill_lens = [min(n, cfg.long_prefill_token_threshold) for n in prefill_lens]
         return scheduled_token_budget(

@@ -23,6 +23,34 @@ def _score(args: argparse.Namespace) -> int:
     return score.main(["--model", args.model, "--tokens", args.tokens, "--dtype", args.dtype])
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from k3serve.engine.config import DTYPES
+    from k3serve.engine.memory import describe_plan
+    from k3serve.model.config import ModelConfig
+    from k3serve.model.presets import PRESETS, preset_config
+
+    config = preset_config(args.model) if args.model in PRESETS else ModelConfig.from_dir(args.model)
+    rows = describe_plan(
+        config, args.tp, DTYPES[args.dtype], int(args.device_memory_gib * 2**30), args.gpu_memory_utilization,
+        args.max_num_seqs,
+    )
+    width = max(len(k) for k, _ in rows)
+    print(f"per-rank memory plan for {args.model}")
+    for key, value in rows:
+        print(f"  {key:<{width}}  {value}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from k3serve import LLM, SamplingParams
+
+    llm = LLM(model=args.model, max_model_len=args.max_model_len)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    for out in llm.generate(args.prompt, params):
+        print(f"{out.prompt!r} -> {out.outputs[0].text!r} ({out.outputs[0].finish_reason})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="k3serve",
@@ -47,6 +75,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", required=True, help="comma-separated token ids")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.set_defaults(func=_score)
+
+    p = sub.add_parser(
+        "plan",
+        help="print the per-rank memory budget of a model at a TP size",
+        description="Weights, MLA KV bytes per token, KDA state bytes per request and how many tokens and "
+        "requests fit per rank, to size a deployment (e.g. Kimi-K3 on GB300: --tp 8 --device-memory-gib 279).",
+    )
+    p.add_argument("--model", default="kimi-k3", help="checkpoint directory or preset (default: kimi-k3)")
+    p.add_argument("--tp", type=int, default=8, help="tensor-parallel size (default: 8)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device-memory-gib", type=float, default=279.0, help="memory per device (default: GB300, 279 GiB)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.set_defaults(func=_plan)
+
+    p = sub.add_parser("generate", help="generate text offline for one or more prompts (no server)")
+    p.add_argument("prompt", nargs="+", help="prompt text")
+    p.add_argument("--model", default="k3-tiny", help="checkpoint directory or small preset (default: k3-tiny)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.set_defaults(func=_generate)
     return parser
 
 

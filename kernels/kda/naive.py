@@ -86,11 +86,12 @@ def _chunk_sequence(
         causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
         # decay[h, i, j, :] = exp(G_i - G_j) for j <= i, else 0 (never exp of a positive number)
         decay = (G[:, :, None] - G[:, None]).masked_fill(~causal[..., None], float("-inf")).exp()
-        Akk = (torch.einsum("hik,hjk,hijk->hij", kc, kc, decay) * bc[..., None]).tril(-1)
+        # (x_i * k_j * decay_ij).sum(K) as one broadcast: several times faster on CPU than a 3-operand einsum
+        Akk = (((kc[:, :, None] * kc[:, None]) * decay).sum(-1) * bc[..., None]).tril(-1)
         eye = torch.eye(c, device=q.device)
         T = torch.linalg.solve_triangular(eye + Akk, torch.diag_embed(bc), upper=False)  # (I + Akk)^-1 diag(beta)
         w, u = T @ (G.exp() * kc), T @ vc  # WY: [H, c, K], [H, c, V]
-        Aqk = torch.einsum("hik,hjk,hijk->hij", qc, kc, decay)  # [H, c, c], j <= i
+        Aqk = ((qc[:, :, None] * kc[:, None]) * decay).sum(-1)  # [H, c, c], j <= i
         v_new = u - w @ S  # [H, c, V]: the per-token delta-rule updates
         o[s:e] = ((qc * G.exp()) @ S + Aqk @ v_new).transpose(0, 1)
         if s < checkpoint_at <= e:

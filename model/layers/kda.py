@@ -83,7 +83,7 @@ class KimiDeltaAttention(Sharded):
         beta = torch.sigmoid(self.b_proj(x).float())  # [T, H]
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)).reshape(T, H, d), self.A_log, self.dt_bias, self.lower_bound)
 
-        if batch.num_decode == batch.num_seqs:
+        if batch.num_decode == batch.num_seqs and batch.checkpoint_offsets is None:  # chunked form emits checkpoints
             o = kda_decode(q, k, v, g, beta, recurrent, batch.slot_ids, use_qk_l2norm_in_kernel=True)
         else:
             o = self._chunked(q, k, v, g, beta, batch, recurrent)

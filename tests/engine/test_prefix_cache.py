@@ -27,15 +27,13 @@ def compute_and_checkpoint(cache, tokens, boundary):
     return blocks, slot, kept
 
 
-def test_hit_at_a_checkpointed_boundary():
-    c = PrefixCache(BlockPool(16, BLOCK), StatePool(4))
+def test_hit_at_a_checkpointed_boundary(cache):
     tokens = list(range(10))
-    blocks, slot, kept = compute_and_checkpoint(c, tokens, boundary=8)
+    blocks, slot, kept = compute_and_checkpoint(cache, tokens, boundary=8)
     assert kept
-    hit = c.lookup(tokens + [99])
-    assert hit == (8, blocks[:2], slot)
-    num_hit_tokens, block_ids, checkpoint_slot = hit  # unpacks as the tuple of the spec
-    assert (c.num_lookups, c.num_hits) == (1, 1)
+    num_hit_tokens, block_ids, checkpoint_slot = cache.lookup(tokens + [99])
+    assert (num_hit_tokens, block_ids, checkpoint_slot) == (8, blocks[:2], slot)
+    assert (cache.num_lookups, cache.num_hits) == (1, 1)
 
 
 def test_no_hit_without_a_checkpoint_even_if_blocks_are_cached(cache):

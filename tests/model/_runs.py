@@ -76,6 +76,29 @@ def run_alone(model: KimiForCausalLM, token_ids: list[int]) -> Tensor:
     return run_in_chunks(model, allocate(model), token_ids, [len(token_ids)])
 
 
+def mixed_step(model: KimiForCausalLM, cache: ModelCache, seqs: dict[str, list[int]]) -> list[Tensor]:
+    """History alone first, then one pass: 2 decode tokens (absorbed MLA, from 12 and 9 cached
+    tokens), a fresh 10-token prefill, and a 7-token chunk continuing 6 cached tokens."""
+    a, b, c, d = seqs["a"], seqs["b"], seqs["c"], seqs["d"]
+    tables = {"a": [3, 1], "b": [0, 7], "c": [5, 2], "d": [6, 4]}  # deliberately out of order
+    slots = {"a": 2, "b": 0, "c": 3, "d": 1}
+    forward(model, cache, [Chunk(a[:12], 0, tables["a"], slots["a"])])
+    forward(model, cache, [Chunk(b[:9], 0, tables["b"], slots["b"])])
+    forward(model, cache, [Chunk(d[:6], 0, tables["d"], slots["d"])])
+    return forward(model, cache, [
+        Chunk(a[12:13], 12, tables["a"], slots["a"]),
+        Chunk(b[9:10], 9, tables["b"], slots["b"]),
+        Chunk(c[:10], 0, tables["c"], slots["c"]),
+        Chunk(d[6:13], 6, tables["d"], slots["d"]),
+    ])
+
+
+def mixed_seqs(vocab_size: int) -> dict[str, list[int]]:
+    """Token ids of the four sequences of `mixed_step` (from torch's global RNG)."""
+    lens = {"a": 13, "b": 10, "c": 10, "d": 13}
+    return {name: torch.randint(0, vocab_size, (n,)).tolist() for name, n in lens.items()}
+
+
 def max_diff(ref: Tensor, out: Tensor) -> float:
     return (ref.double() - out.double()).abs().max().item()
 
