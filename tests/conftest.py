@@ -16,6 +16,10 @@ import torch
 from k3serve.model.checkpoint import make_checkpoint
 from tiny_presets import kimi_linear_tiny
 
+# The tests run tiny tensors: one intra-op thread is as fast, and it keeps OpenMP workers from
+# spinning against other processes on a busy host (that made the model tests 30x slower).
+torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _seed() -> None:
