@@ -1,5 +1,6 @@
 """Streaming engine for servers: `generate()` yields deltas as tokens are produced; `abort()`
-(or a consumer that stops iterating) frees everything the request held.
+ends the stream with a last delta (finish_reason "abort"). Either that or a consumer that stops
+iterating frees everything the request held.
 
 One background thread owns the `LLMEngine` and is the only one that touches it; asyncio callers
 talk to it through a command queue, and it hands deltas back with `call_soon_threadsafe`. The
@@ -37,7 +38,10 @@ class _Stream:
         self.queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
 
     def put(self, item: RequestDelta | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening
+            pass
 
 
 class AsyncEngine:
@@ -124,7 +128,9 @@ class AsyncEngine:
                 except ValueError as e:
                     self._emit(arg.request_id, e)
             elif kind == "abort":
-                self.engine.abort_request(arg)
+                delta = self.engine.abort_request(arg)
+                if delta is not None:  # ends a consumer still iterating (abort() from elsewhere)
+                    self._emit(arg, delta)
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:

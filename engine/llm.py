@@ -39,9 +39,14 @@ class LLM:
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         engine = self.engine
         outputs: dict[str, RequestOutput] = {}
-        order = []
+        order: list[str] = []
         for prompt, p in zip(prompts, params_list):
-            rid = engine.add_request(prompt, p)
+            try:
+                rid = engine.add_request(prompt, p)
+            except Exception:  # all or nothing: a bad prompt leaves no earlier prompt queued
+                for added in order:
+                    engine.abort_request(added)
+                raise
             order.append(rid)
             request = engine.scheduler.requests[rid]
             outputs[rid] = RequestOutput(
@@ -55,6 +60,7 @@ class LLM:
         while engine.has_unfinished():
             for delta in engine.step():
                 out = outputs[delta.request_id]
+                out.num_cached_tokens = delta.num_cached_tokens
                 completion = out.outputs[0]
                 if delta.prompt_logprobs is not None:
                     out.prompt_logprobs = [None if e is None else e.to_dict() for e in delta.prompt_logprobs]

@@ -57,7 +57,6 @@ class _Tracked:
 
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None
     prompt: str | None
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
@@ -100,7 +99,9 @@ class LLMEngine:
         )
         self.sampler = Sampler(eos_token_id=self.tokenizer.eos_token_id)
         self._tracked: dict[str, _Tracked] = {}
+        self._pending: list[RequestDelta] = []  # deltas produced between steps (handoff first tokens)
         self._ids = itertools.count()
+        self.num_preemptions = 0  # requests preempted so far (each recomputes its context)
 
     def _plan_pools(self) -> PoolPlan:
         args = self.args
@@ -132,7 +133,6 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, token_ids, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
             ),
-            generator=None if params.seed is None else torch.Generator().manual_seed(params.seed),
             prompt=text,
         )
         return request_id
@@ -152,21 +152,85 @@ class LLMEngine:
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len={limit}"
             )
 
-    def abort_request(self, request_id: str) -> bool:
-        """Finish a request wherever it is and free everything it holds; False if unknown."""
-        if self._tracked.pop(request_id, None) is None:
-            return False
-        self.scheduler.finish_request(request_id, "abort")
-        return True
+    # ---- disaggregated decode: a reservation, then a request whose prompt ran elsewhere -------
+    def reserve(self, num_tokens: int) -> tuple[list[int], int] | None:
+        """Blocks for `num_tokens` of KV plus one KDA slot, for a handoff to write into; None if
+        they are not free now (the caller answers 'no capacity' rather than waiting)."""
+        num_blocks = -(-num_tokens // self.args.block_size)
+        blocks, states = self.scheduler.block_pool, self.scheduler.state_pool
+        if num_tokens + 1 > self.args.max_model_len or not (blocks.can_allocate(num_blocks) and states.can_allocate(1)):
+            return None
+        return blocks.allocate(num_blocks), states.allocate()
+
+    def cancel_reservation(self, block_ids: list[int], slot_id: int) -> None:
+        self.scheduler.block_pool.free(block_ids)
+        self.scheduler.state_pool.free(slot_id)
+
+    def add_prefilled_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token_id: int,
+        params: SamplingParams,
+        block_ids: list[int],
+        slot_id: int,
+    ) -> None:
+        """Continue a request whose prompt was computed by a prefill engine and whose KV and KDA
+        state now sit in the reserved `block_ids` / `slot_id`. Decode starts at the first sampled
+        token: no prompt token is ever applied to the state again. Takes ownership of the
+        reservation (freed when the request finishes)."""
+        self._check_prompt(prompt_token_ids, params)
+        if params.max_tokens is None:
+            params = _with_max_tokens(params, self.args.max_model_len - len(prompt_token_ids))
+        request = Request(
+            request_id, prompt_token_ids, params, output_token_ids=[first_token_id],
+            num_computed_tokens=len(prompt_token_ids), block_ids=list(block_ids), slot_id=slot_id,
+        )
+        self.scheduler.add_running(request)
+        self._tracked[request_id] = _Tracked(
+            params=params,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
+            ),
+            prompt=None,
+        )
+        status = self.scheduler.check_stop(request, first_token_id)
+        if status is not None:  # the first token already ends it (prefill normally catches this)
+            self.scheduler.finish_request(request_id, status.finish_reason)
+        self._pending.append(self._delta(request_id, first_token_id, None, request if status is not None else None))
+
+    def abort_request(self, request_id: str) -> RequestDelta | None:
+        """Finish a request wherever it is and free everything it holds.
+
+        Returns its last delta (no new tokens, held-back text flushed, finish_reason "abort") for
+        a streaming caller to end the stream with; None (falsy) if the request is unknown.
+        """
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return None
+        request = self.scheduler.finish_request(request_id, "abort")
+        return RequestDelta(
+            request_id=request_id,
+            new_token_ids=[],
+            new_text=tracked.detokenizer.finish(),
+            finished=True,
+            finish_reason="abort",
+            logprobs=None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+        )
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._pending)
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
+        deltas, self._pending = self._pending, []
         output = self.scheduler.schedule()
+        self.num_preemptions += len(output.preempted_request_ids)
         if output.is_empty:
-            return []
+            return deltas
         want_chunk = {
             s.request_id for s in output.seqs if s.is_prefill and self._tracked[s.request_id].params.prompt_logprobs is not None
         }
@@ -183,12 +247,12 @@ class LLMEngine:
                 [self._tracked[i].params for i in ids],
                 [r.output_token_ids for r in reqs],
                 [r.prompt_token_ids for r in reqs],
-                [self._tracked[i].generator for i in ids],
+                [_position_generator(self._tracked[i].params.seed, r.num_output_tokens) for i, r in zip(ids, reqs)],
             )
             sampled = dict(zip(ids, out.sampled_token_ids))
             logprobs = dict(zip(ids, out.logprobs))
         finished = {r.request_id: r for r in self.scheduler.update_from_output(output, sampled)}
-        return [self._delta(rid, token, logprobs.get(rid), finished.get(rid)) for rid, token in sampled.items()]
+        return deltas + [self._delta(rid, token, logprobs.get(rid), finished.get(rid)) for rid, token in sampled.items()]
 
     def _delta(self, request_id: str, token_id: int, logprobs: TokenLogprobs | None, done: Request | None) -> RequestDelta:
         tracked = self._tracked[request_id]
@@ -196,8 +260,9 @@ class LLMEngine:
         text = detok.push(token_id)
         request = done or self.scheduler.requests[request_id]
         finish_reason, stop_reason = None, None
-        if done is None and detok.stopped_by is not None:
-            self.scheduler.finish_request(request_id, "stop")
+        if detok.stopped_by is not None:  # a stop string wins, even on the step that hit max_tokens
+            if done is None:
+                self.scheduler.finish_request(request_id, "stop")
             finish_reason, stop_reason = "stop", detok.stopped_by
         elif done is not None:
             text += detok.finish()
@@ -216,6 +281,7 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             stop_reason=stop_reason,
+            num_cached_tokens=request.num_cached_tokens,
             prompt_logprobs=tracked.prompt_logprobs if request.num_output_tokens == 1 and tracked.params.prompt_logprobs is not None else None,
         )
 
@@ -234,6 +300,14 @@ class LLMEngine:
             window = prompt[start : start + seq.num_scheduled_tokens + 1]
             entries = prompt_logprobs(chunk_logits[seq.request_id][: len(window) - 1], window, tracked.params.prompt_logprobs)
             tracked.prompt_logprobs.extend(entries[1:])
+
+
+def _position_generator(seed: int | None, num_output_tokens: int) -> torch.Generator | None:
+    """Seeded sampling is a pure function of (seed, output position): whichever engine samples a
+    token (colocated, or prefill then decode after a handoff), the same seed gives the same text."""
+    if seed is None:
+        return None
+    return torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + num_output_tokens) % (1 << 63))
 
 
 def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:

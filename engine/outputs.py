@@ -78,6 +78,7 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput]
     finished: bool
+    num_cached_tokens: int | None = None  # prompt tokens served by a prefix-cache hit
 
 
 @dataclass
@@ -94,3 +95,4 @@ class RequestDelta:
     num_output_tokens: int  # total generated so far, including new_token_ids
     stop_reason: int | str | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the first delta, if requested
+    num_cached_tokens: int = 0  # prompt tokens served by a prefix-cache hit at first admission

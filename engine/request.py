@@ -31,6 +31,10 @@ class RequestStatus(enum.Enum):
     def is_finished(self) -> bool:
         return self in _FINISH_REASON
 
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASON.get(self)
+
 
 _FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: "stop",

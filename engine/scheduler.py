@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections import deque
 from itertools import islice
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Literal
 
 from k3serve.engine.block_pool import BlockPool, compute_block_hashes
 from k3serve.engine.budget import DEFAULT_MAX_RUNNING_TO_SCALE, scheduled_token_budget
@@ -139,6 +139,7 @@ class Scheduler:
         block_pool: BlockPool,
         state_pool: StatePool,
         prefix_cache: PrefixCache | None = None,
+        on_finish: Callable[[Request], None] | None = None,
     ) -> None:
         if block_pool.block_size != config.block_size:
             raise ValueError(f"block_pool.block_size={block_pool.block_size} != config.block_size={config.block_size}")
@@ -153,6 +154,7 @@ class Scheduler:
         self.block_pool = block_pool
         self.state_pool = state_pool
         self.prefix_cache = prefix_cache if config.enable_prefix_caching else None
+        self.on_finish = on_finish  # sees a finished request while it still holds its blocks and slot
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.waiting: deque[Request] = deque()  # FCFS; preempted requests go back to the front
         self.running: list[Request] = []  # sorted by arrival_order
@@ -175,6 +177,24 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def add_running(self, request: Request) -> None:
+        """Adopt a request whose prompt was computed elsewhere (disaggregated decode): its KV and
+        KDA state already sit in `request.block_ids` / `request.slot_id`, allocated from this
+        scheduler's pools, and `num_computed_tokens == num_prompt_tokens` with the first output
+        token appended. It joins the running set and decodes from the next step on."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request_id {request.request_id!r}")
+        if request.slot_id is None or request.num_computed_tokens != request.num_prompt_tokens:
+            raise ValueError(f"request {request.request_id!r} is not a fully prefilled request with a slot")
+        if request.num_tokens > self.config.max_model_len:
+            raise ValueError(f"request {request.request_id!r} exceeds max_model_len={self.config.max_model_len}")
+        request.arrival_order = self._next_arrival_order
+        self._next_arrival_order += 1
+        request.status = RequestStatus.RUNNING
+        self.requests[request.request_id] = request
+        self.running.append(request)
+        self.running.sort(key=lambda r: r.arrival_order)
 
     @property
     def num_running(self) -> int:
@@ -245,7 +265,7 @@ class Scheduler:
                 raise ValueError(f"no sampled token for {req.request_id!r}, whose chunk needs_sample")
             token_id = sampled_token_ids[req.request_id]
             req.output_token_ids.append(token_id)
-            status = self._check_stop(req, token_id)
+            status = self.check_stop(req, token_id)
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)
@@ -398,8 +418,10 @@ class Scheduler:
         step.preempted_request_ids.append(req.request_id)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        self._release(req)
         req.set_finished(status)
+        if self.on_finish is not None:
+            self.on_finish(req)  # e.g. a prefill worker pins the boundary state before release
+        self._release(req)
         del self.requests[req.request_id]
         self._finished_request_ids.append(req.request_id)
 
@@ -417,7 +439,7 @@ class Scheduler:
         if copy_slot is not None:
             self.state_pool.free(copy_slot)
 
-    def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
+    def check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
         params = req.sampling_params
         if req.num_output_tokens >= getattr(params, "min_tokens", 0):
             eos = self.config.eos_token_id

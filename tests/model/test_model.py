@@ -98,7 +98,7 @@ def _poison(cache, value: float) -> None:
 
 @pytest.mark.parametrize("poison", [1e30, float("nan")], ids=["1e30", "nan"])
 def test_poisoned_pools_do_not_change_results(model: KimiForCausalLM, poison: float) -> None:
-    """Every slot and block starts poisoned (3x more than used): a fresh sequence zeroes its KDA
+    """Every slot and block starts poisoned (3x as many as needed): a fresh sequence zeroes its KDA
     slot, MLA rows are written before they are read, and nothing else is ever read."""
     seqs = mixed_seqs(model.config.vocab_size)
     clean = mixed_step(model, allocate(model, num_blocks=8, num_slots=4), seqs)
@@ -138,7 +138,7 @@ def test_new_sequence_resumes_from_kda_checkpoint_and_shared_blocks(
         offset = PREFIX - start if start < PREFIX <= start + size else -1
         first_logits += forward(model, cache, [chunk], [offset], [checkpoint_slot if offset > 0 else -1])
         start += size
-    assert_logits_close("checkpointing does not disturb the sequence", run_alone(model, first), torch.cat(first_logits))
+    assert_logits_close("checkpointing leaves the sequence alone", run_alone(model, first), torch.cat(first_logits))
 
     cache.copy_slot(checkpoint_slot, second_slot)
     second_blocks = first_blocks[:2] + [2, 5]  # the two shared blocks, then its own
@@ -159,11 +159,12 @@ def test_k3_routed_experts_stay_mxfp4_packed_in_memory(tiny_checkpoint) -> None:
         assert all(b.dtype == torch.uint8 for b in buffers.values()), {n: b.dtype for n, b in buffers.items()}
     expert_bytes = sum(b.numel() for bank in banks for b in bank.buffers())
     dense_values = sum(b.numel() * 2 for bank in banks for n, b in bank.named_buffers() if n.endswith("packed"))
-    assert expert_bytes < dense_values * 0.6  # 4.25 bits per weight, not 32
+    assert expert_bytes < dense_values * 0.6  # 4.25 bits (0.53 bytes) per weight, not 4 bytes
 
 
 def test_kimi_linear_routed_experts_are_dense(kimi_linear_tiny_checkpoint) -> None:
     model = load_model(kimi_linear_tiny_checkpoint)
     for bank in (m for m in model.modules() if isinstance(m, RoutedExperts)):
-        assert {n: b.dtype for n, b in bank.named_buffers()} == {f"{p}_weight": torch.float32 for p in ("w1", "w2", "w3")}
+        dtypes = {n: b.dtype for n, b in bank.named_buffers()}
+        assert dtypes == {f"{p}_weight": torch.float32 for p in ("w1", "w2", "w3")}
 

@@ -8,7 +8,6 @@ everything, for every step of a run with prefill, decode and a mixed batch.
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from k3serve.model.config import ConfigError
 from k3serve.model.loader import load_model
 from k3serve.model.parallel import TensorParallel
 
@@ -54,7 +54,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_two_ranks_give_the_logits_of_one(tiny_checkpoint: Path, kimi_linear_tiny_checkpoint: Path, tmp_path: Path) -> None:
+def test_two_ranks_give_the_logits_of_one(
+    tiny_checkpoint: Path, kimi_linear_tiny_checkpoint: Path, tmp_path: Path
+) -> None:
     checkpoints = [tiny_checkpoint, kimi_linear_tiny_checkpoint]
     models = [load_model(c) for c in checkpoints]
     seqs = [mixed_seqs(m.config.vocab_size) for m in models]
@@ -78,7 +80,8 @@ def test_two_ranks_give_the_logits_of_one(tiny_checkpoint: Path, kimi_linear_tin
     sharded = torch.load(out)
     assert [len(r) for r in sharded] == [5, 5]
     for name, model, s, long_seq, got in zip(("k3-tiny", "kimi-linear-tiny"), models, seqs, long_seqs, sharded):
-        for step, ref, tp in zip(("decode a", "decode b", "prefill c", "chunk d", "chunked"), _run(model, s, long_seq), got):
+        steps = ("decode a", "decode b", "prefill c", "chunk d", "chunked")
+        for step, ref, tp in zip(steps, _run(model, s, long_seq), got):
             assert_logits_close(f"{name} {step}: tp=2 vs tp=1", ref, tp)
 
 
@@ -88,7 +91,5 @@ def test_rank_outside_world_is_rejected() -> None:
 
 
 def test_model_refuses_a_tp_size_that_does_not_divide_the_heads(tiny_checkpoint: Path) -> None:
-    from k3serve.model.config import ConfigError
-
     with pytest.raises(ConfigError, match="tensor parallel size 3"):
         load_model(tiny_checkpoint, TensorParallel(rank=0, world_size=3))
