@@ -18,6 +18,6 @@ for top in SUBPACKAGES:
 setup(
     packages=packages,
     package_dir=package_dir,
-    package_data={"k3serve.model": ["assets/*", "assets/**/*"], "k3serve.transfer": ["proto/*.proto"]},
+    package_data={"k3serve.model": ["assets/*", "assets/**/*"], "k3serve.transfer": ["proto/*.proto", "proto/*.pyi"]},
     include_package_data=True,
 )

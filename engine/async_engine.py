@@ -10,15 +10,19 @@ thread sleeps on the queue when there is no work, so an idle engine costs no CPU
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.llm_engine import LLMEngine
 from k3serve.engine.outputs import RequestDelta
 from k3serve.engine.sampling_params import SamplingParams
+
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._error: BaseException | None = None
+        self.on_abort: Callable[[str], None] | None = None  # engine thread, after every abort
         self._thread = threading.Thread(target=self._run, name="k3serve-engine", daemon=True)
         self._thread.start()
 
@@ -58,17 +63,50 @@ class AsyncEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.args.max_model_len
+
+    async def check_health(self) -> None:
+        """Raise EngineDeadError if the engine thread has stopped."""
+        self._check_alive()
+
     # ---- caller side (event loop) ---------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestDelta]:
         """Yield the request's deltas until it finishes. Raises ValueError for a bad request
         (before any delta), EngineDeadError if the engine thread failed."""
         self._check_alive()
+        stream = self._open(request.request_id)
+        self._commands.put(("add", request))
+        async for delta in self._follow(request.request_id, stream):
+            yield delta
+
+    def stream(self, request_id: str) -> AsyncIterator[RequestDelta]:
+        """Deltas of a request that enters the engine by other means (a handoff adopted through
+        `call`). Registered now, so nothing emitted after this call is missed."""
+        self._check_alive()
+        return self._follow(request_id, self._open(request_id))
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` on the engine thread between two steps; return (or raise) its result."""
+        self._check_alive()
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._commands.put(("call", (fn, future)))
+        return await asyncio.wrap_future(future)
+
+    def _open(self, request_id: str) -> _Stream:
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
-            if request.request_id in self._streams:
-                raise ValueError(f"duplicate request_id {request.request_id!r}")
-            self._streams[request.request_id] = stream
-        self._commands.put(("add", request))
+            if request_id in self._streams:
+                raise ValueError(f"duplicate request_id {request_id!r}")
+            self._streams[request_id] = stream
+        return stream
+
+    async def _follow(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestDelta]:
         finished = False
         try:
             while True:
@@ -81,9 +119,9 @@ class AsyncEngine:
                     return
         finally:
             if not finished:  # consumer gave up (disconnect, cancellation) or an error: free it
-                self._commands.put(("abort", request.request_id))
+                self._commands.put(("abort", request_id))
             with self._lock:
-                self._streams.pop(request.request_id, None)
+                self._streams.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -131,6 +169,14 @@ class AsyncEngine:
                 delta = self.engine.abort_request(arg)
                 if delta is not None:  # ends a consumer still iterating (abort() from elsewhere)
                     self._emit(arg, delta)
+                if self.on_abort is not None:
+                    self.on_abort(arg)
+            elif kind == "call":
+                fn, future = arg
+                try:
+                    future.set_result(fn(self.engine))
+                except Exception as e:  # the caller gets it; the engine keeps serving
+                    future.set_exception(e)
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:

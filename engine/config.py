@@ -39,6 +39,8 @@ class EngineArgs:
     num_kda_slots: int | None = None
     """KDA state slots; None = max_num_seqs working slots + as many for prefix checkpoints."""
     model_cache_dir: str = str(DEFAULT_MODEL_CACHE_DIR)
+    served_model_name: str | None = None
+    """The model id clients see (`/v1/models`); None = the preset name or the directory name."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "block_size", "max_model_len", "max_num_seqs"):

@@ -66,6 +66,7 @@ class LLMEngine:
         self.args = args
         torch.manual_seed(args.seed)
         self.model_dir = resolve_model_dir(args.model, args.seed, args.model_cache_dir)
+        self.model_name = args.served_model_name or (args.model if args.model in PRESETS else self.model_dir.name)
         self.config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         if args.max_model_len > self.config.max_position_embeddings:

@@ -103,7 +103,10 @@ def _load_one(name: str, slice_, target: _Target, rank: int, world: int) -> None
     full_shape = list(slice_.get_shape())
     tensor = target.tensor
     if target.owner is not None and type(target.owner).prepare_checkpoint_tensor is not Sharded.prepare_checkpoint_tensor:
-        value = target.owner.prepare_checkpoint_tensor(target.local_name, slice_[:])
+        try:
+            value = target.owner.prepare_checkpoint_tensor(target.local_name, slice_[:])
+        except ValueError as e:
+            raise WeightLoadError(f"tensor {name!r}: {e}") from e
         full_shape = list(value.shape)
     else:
         value = None

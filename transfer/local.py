@@ -186,6 +186,12 @@ class LocalBackend(TransferBackend):
             raise TransferError(f"local agent {self.endpoint!r} is closed")
 
 
+def live_agents() -> list[str]:
+    """Endpoints of the local agents not yet closed (tests assert this is empty afterwards)."""
+    with _registry_lock:
+        return sorted(_registry)
+
+
 def _lookup(endpoint: str) -> LocalBackend | None:
     with _registry_lock:
         return _registry.get(endpoint)

@@ -2,14 +2,18 @@
 
 Layouts follow fla: q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] fp32 log decay; beta [B, T, H]
 (already sigmoid-ed); states [N, H, K, V] fp32 ([K, V], not FlashKDA's V-first). Varlen packs N
-sequences into B = 1 with cu_seqlens [N+1]. The public functions validate, then run `naive.py`."""
+sequences into B = 1 with cu_seqlens [N+1]. The public functions validate, then run fla on CUDA
+(`fla_ops.py`: bf16/fp16 inputs, fla-core installed) or else `naive.py`; `last_backend[name]` records which."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from .._backend import has_module, on_cuda
 from . import naive
+
+last_backend: dict[str, str] = {}  # "chunk_kda" / "kda_decode" -> "fla" | "naive": what ran last
 
 __all__ = ["kda_gate", "chunk_kda", "recurrent_kda", "kda_decode"]
 
@@ -124,15 +128,29 @@ def chunk_kda(
     checkpoint_offsets: Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     chunk_size: int = 64,
+    gate_lower_bound: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Chunked (WY) KDA for prefill; same arguments and results as `recurrent_kda`.
 
     Checkpoints come out of the same single pass over the chunks (a prefix cache snapshot mid-prefill),
-    including offsets that fall inside a chunk."""
+    including offsets that fall inside a chunk; on the GPU they are fp32 like the final state.
+    gate_lower_bound: the caller guarantees g >= gate_lower_bound (K3 safe gate, in [-5, 0)); lets fla
+    use its bounded-gate tensor-core path. The result does not depend on it beyond rounding."""
     _check_token_inputs(q, k, v, g, beta, "B, T")
     _check_sequences(q, v, initial_state, cu_seqlens, checkpoint_offsets)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if gate_lower_bound is not None and not -5.0 <= gate_lower_bound < 0.0:
+        raise ValueError(f"gate_lower_bound must be in [-5, 0), got {gate_lower_bound}")
+    if on_cuda(q, k, v, g, beta, initial_state) and has_module("fla"):
+        from . import fla_ops
+
+        if fla_ops.supports_chunk(q, v, chunk_size):
+            last_backend["chunk_kda"] = "fla"
+            cu_seqlens = None if cu_seqlens is None else cu_seqlens.to(q.device)
+            return fla_ops.chunk_kda(q, k, v, g, beta, scale, initial_state, cu_seqlens, checkpoint_offsets,
+                                     use_qk_l2norm_in_kernel, chunk_size, safe_gate=gate_lower_bound is not None)
+    last_backend["chunk_kda"] = "naive"
     return naive.chunk_kda(q, k, v, g, beta, scale, initial_state, cu_seqlens, checkpoint_offsets,
                            use_qk_l2norm_in_kernel, chunk_size)
 
@@ -160,4 +178,12 @@ def kda_decode(
         raise ValueError(f"state_indices must be int64 [N={N}], got {state_indices.dtype} {tuple(state_indices.shape)}")
     if ((state_indices < 0) | (state_indices >= S)).any() or state_indices.unique().numel() != N:
         raise ValueError(f"state_indices must be distinct slots in [0, {S}), got {state_indices.tolist()}")
+    if on_cuda(q, k, v, g, beta, state_pool) and has_module("fla"):
+        from . import fla_ops
+
+        if fla_ops.supports_decode(q, v, state_pool):
+            last_backend["kda_decode"] = "fla"
+            return fla_ops.kda_decode(q, k, v, g, beta, state_pool, state_indices.to(q.device), scale,
+                                      use_qk_l2norm_in_kernel)
+    last_backend["kda_decode"] = "naive"
     return naive.kda_decode(q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm_in_kernel)

@@ -8,13 +8,19 @@ Paged cache layout (vLLM reshape_and_cache convention), one MLA layer:
     token p of sequence n -> block_tables[n, p // block_size], offset p % block_size
 
 All LSEs are natural-log (convert base-2 LSEs, e.g. FlashInfer's default, before merging).
+Decode and merge run the Triton kernels of `triton_decode.py` on CUDA (bf16/fp16, power-of-2 L, R and
+block size), else `naive.py`; `last_backend[name]` records which.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
+from .._backend import has_module, on_cuda
 from . import naive
+
+last_backend: dict[str, str] = {}  # "mla_decode_paged" / "merge_attn_states" -> "triton" | "naive"
 
 __all__ = ["mla_prefill_attention", "write_kv_cache", "gather_kv_cache", "mla_decode_paged", "merge_attn_states"]
 
@@ -26,7 +32,8 @@ def _check_cu_seqlens(name: str, cu_seqlens: Tensor, total: int) -> None:
         raise ValueError(f"{name} must rise from 0 to {total}, got {cu_seqlens.tolist()}")
 
 
-def _check_paged(kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor) -> None:
+def _check_paged(kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor) -> list[int]:
+    """Returns seq_lens as a list. One vectorized check of the used table entries (one sync on a GPU)."""
     if kv_cache.dim() != 3:
         raise ValueError(f"kv_cache must be [num_blocks, block_size, L+R], got {tuple(kv_cache.shape)}")
     if block_tables.dim() != 2 or block_tables.is_floating_point():
@@ -41,10 +48,14 @@ def _check_paged(kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor) -> No
     lens = seq_lens.tolist()
     if any(n < 0 or n > block_tables.shape[1] * block_size for n in lens):
         raise ValueError(f"seq_lens {lens} must lie in [0, max_blocks*block_size={block_tables.shape[1] * block_size}]")
-    for n, length in enumerate(lens):
-        used = block_tables[n, : -(-length // block_size)]
-        if ((used < 0) | (used >= num_blocks)).any():
-            raise ValueError(f"block_tables[{n}] uses a block outside [0, {num_blocks}): {used.tolist()}")
+    used_blocks = torch.tensor([-(-n // block_size) for n in lens], device=block_tables.device)
+    used = torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] < used_blocks[:, None]
+    bad = (used & ((block_tables < 0) | (block_tables >= num_blocks))).any(dim=1)
+    if bad.any():
+        n = int(bad.nonzero()[0])
+        raise ValueError(f"block_tables[{n}] uses a block outside [0, {num_blocks}): "
+                         f"{block_tables[n, : used_blocks[n]].tolist()}")
+    return lens
 
 
 def mla_prefill_attention(
@@ -108,7 +119,7 @@ def mla_decode_paged(
     q_latent [N, H, L] (= q_nope @ W_UK), q_pe [N, H, R]; scores = (q_latent·c + q_pe·k_pe) * scale over
     the seq_lens[n] cached tokens. Returns (o_latent [N, H, L] in q_latent.dtype, lse [N, H] fp32, natural
     log); apply W_UV to o_latent afterwards. A sequence with 0 tokens (an empty DCP shard) gives 0, -inf."""
-    _check_paged(kv_cache, block_tables, seq_lens)
+    lens = _check_paged(kv_cache, block_tables, seq_lens)
     if q_latent.dim() != 3 or q_pe.dim() != 3 or q_pe.shape[:2] != q_latent.shape[:2]:
         raise ValueError(
             f"q_latent must be [N, H, L] and q_pe [N, H, R], got {tuple(q_latent.shape)} and {tuple(q_pe.shape)}"
@@ -120,6 +131,14 @@ def mla_decode_paged(
             f"q_latent {tuple(q_latent.shape)} and q_pe {tuple(q_pe.shape)} do not split kv_cache rows of "
             f"{kv_cache.shape[2]} as L={kv_lora_rank} + R"
         )
+    if on_cuda(q_latent, q_pe, kv_cache) and has_module("triton"):
+        from . import triton_decode
+
+        if triton_decode.supports(q_latent, q_pe, kv_cache):
+            last_backend["mla_decode_paged"] = "triton"
+            return triton_decode.mla_decode_paged(q_latent.contiguous(), q_pe.contiguous(), kv_cache, block_tables,
+                                                  seq_lens, scale, max(lens, default=0))
+    last_backend["mla_decode_paged"] = "naive"
     return naive.mla_decode_paged(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale, kv_lora_rank)
 
 
@@ -132,4 +151,11 @@ def merge_attn_states(outputs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
         raise ValueError(
             f"outputs must be [P, N, H, D] and lses [P, N, H], got {tuple(outputs.shape)} and {tuple(lses.shape)}"
         )
+    D = outputs.shape[-1]
+    if on_cuda(outputs, lses) and has_module("triton") and D & (D - 1) == 0 and outputs.numel() > 0:
+        from . import triton_decode
+
+        last_backend["merge_attn_states"] = "triton"
+        return triton_decode.merge_attn_states(outputs.contiguous(), lses)
+    last_backend["merge_attn_states"] = "naive"
     return naive.merge_attn_states(outputs, lses)

@@ -2,6 +2,8 @@
 
 Expert parallelism: a rank holds E local experts with global ids [expert_start, expert_start + E);
 `fused_experts` adds only their contributions, so the full result is the sum over ranks.
+On CUDA, bf16 activations with MXFP4 banks and a SiTU/SwiGLU activation run the Triton w4a16 kernels
+(`triton_moe.py`); everything else runs `naive.py`. `last_backend[name]` records which.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from torch import Tensor
 
 from k3serve.kernels.mxfp4 import MXFP4Tensor
 
+from .._backend import has_module, on_cuda
 from . import naive
+
+last_backend: dict[str, str] = {}  # "fused_experts" -> "triton" | "naive"
 
 __all__ = ["ExpertWeights", "select_experts", "situ_glu", "silu_glu", "fused_experts"]
 
@@ -90,4 +95,12 @@ def fused_experts(
         raise ValueError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
     if expert_start < 0:
         raise ValueError(f"expert_start={expert_start} must be >= 0")
+    mxfp4 = all(isinstance(w, MXFP4Tensor) for w in (weights.w1, weights.w3, weights.w2))
+    if mxfp4 and on_cuda(x, weights.w1.packed, topk_weights, topk_ids) and has_module("triton"):
+        from . import triton_moe
+
+        if triton_moe.supports(x, weights, activation):
+            last_backend["fused_experts"] = "triton"
+            return triton_moe.fused_experts(x, weights, topk_weights, topk_ids, activation, expert_start)
+    last_backend["fused_experts"] = "naive"
     return naive.fused_experts(x, weights, topk_weights, topk_ids, activation, expert_start)

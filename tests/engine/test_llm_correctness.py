@@ -152,6 +152,22 @@ def _batch_of_eight(gen: torch.Generator, prompt: list[int]) -> tuple[list[list[
     return others[:3] + [prompt] + others[3:], other_params[:3] + [SEEDED] + other_params[3:]
 
 
+def _run_preempted(llm, others: list[list[int]], prompt: list[int]) -> tuple[list[int], int]:
+    """Step the engine on `others` plus `prompt` arriving last (so it is the first preemption
+    victim). Returns its tokens and how many it had sampled when it was first seen preempted."""
+    engine = llm.engine
+    for other in others:
+        engine.add_request(other, SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True))
+    request_id = engine.add_request(prompt, SEEDED)
+    token_ids, num_sampled_at_preemption = [], -1
+    while engine.has_unfinished():
+        token_ids += [t for d in engine.step() if d.request_id == request_id for t in d.new_token_ids]
+        request = engine.scheduler.requests.get(request_id)
+        if request is not None and request.num_preemptions and num_sampled_at_preemption < 0:
+            num_sampled_at_preemption = request.num_output_tokens
+    return token_ids, num_sampled_at_preemption
+
+
 def test_seeded_sampling_is_reproducible_alone_in_a_batch_chunked_and_preempted(make_llm, tiny_checkpoint: Path):
     gen = torch.Generator().manual_seed(7)
     prompt = random_prompt(gen, 300)
@@ -160,9 +176,13 @@ def test_seeded_sampling_is_reproducible_alone_in_a_batch_chunked_and_preempted(
     alone = make_llm().generate(prompt, SEEDED)[0].outputs[0].token_ids
     in_batch = make_llm().generate(batch, batch_params)[3].outputs[0].token_ids
     chunked = make_llm(**{**CHUNKED, "max_num_seqs": 8}).generate(batch, batch_params)[3].outputs[0].token_ids
-    small = make_llm(max_num_seqs=8, max_model_len=1100, cache_memory_bytes=cache_bytes_for(tiny_checkpoint, 24, 16))
-    preempted = small.generate(batch, batch_params)[3].outputs[0].token_ids
-    assert small.engine.num_preemptions > 0
+    small_cache = cache_bytes_for(tiny_checkpoint, num_blocks=22, num_slots=16)
+    preempted, num_sampled = _run_preempted(
+        make_llm(max_num_seqs=8, max_model_len=1100, cache_memory_bytes=small_cache),
+        [random_prompt(gen, n) for n in (1, 40, 126, 250, 700, 1020, 62)],
+        prompt,
+    )
+    assert num_sampled > 0, "the seeded request was not preempted after sampling"
 
     assert len(alone) == 16
     assert in_batch == alone

@@ -135,11 +135,6 @@ def test_kimi_linear_a_log_of_shape_1_1_h_1_loads_per_head(kimi_linear_tiny_chec
     assert torch.equal(model.model.layers[0].self_attn.A_log, ckpt.reshape(-1))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="weights._load_one lets the layer's plain ValueError ('A_log has 2 entries for 4 KDA heads') "
-    "escape without the tensor's name; wrap prepare_checkpoint_tensor in WeightLoadError(f'tensor {name!r}: ...')",
-)
 def test_a_log_shorter_than_the_heads_names_the_tensor(tiny_checkpoint: Path, tmp_path: Path) -> None:
     broken = _edited_copy(tiny_checkpoint, tmp_path / "ckpt", K3_A_LOG, torch.zeros(2))
     with pytest.raises(WeightLoadError, match=f"{K3_A_LOG}.*2 entries for 4 KDA heads"):

@@ -1,0 +1,170 @@
+"""`build_app(client)`: the OpenAI-compatible routes over any `EngineClient`.
+
+    POST /v1/completions, /v1/chat/completions   JSON, or SSE when stream=true
+    GET  /v1/models                               the one served model
+    GET  /health                                  200, or 503 when client.check_health raises
+    GET  /metrics                                 Prometheus text (IngressMetrics)
+
+Every error is OpenAI's error JSON with its status: 400 bad parameters (pydantic validation
+included, never 422), 404 another model id, 503 overloaded or dead backend, 500 anything else
+(generic message; the traceback goes to the log only).
+
+A client that disconnects has its request aborted on the backend: while waiting for the first
+delta or aggregating, a watcher on the ASGI receive channel cancels the work; while streaming,
+Starlette cancels the stream (serving.stream_sse then aborts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from http import HTTPStatus
+from typing import Any, Awaitable, Callable, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from k3serve.cluster.metrics import IngressMetrics
+
+from .engine_client import EngineClient
+from .errors import APIError, error_body, error_response
+from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from .serving import (
+    STATUS_CLIENT_GONE,
+    Prepared,
+    aggregate,
+    prepare_chat,
+    prepare_completion,
+    start,
+    stream_sse,
+    to_api_error,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response was ready."""
+
+
+def build_app(client: EngineClient, metrics: IngressMetrics | None = None) -> FastAPI:
+    metrics = metrics if metrics is not None else IngressMetrics(model_name=client.model_name)
+    app = FastAPI(title="k3serve", summary="OpenAI-compatible ingress of k3serve")
+    app.state.client, app.state.metrics = client, metrics
+    _install_error_handlers(app, metrics)
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await client.check_health()
+        except Exception as e:
+            logger.warning("health check failed: %r", e)
+            return JSONResponse(error_body(503, f"unhealthy: {type(e).__name__}"), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        name = client.model_name
+        return ModelList(data=[ModelCard(id=name, root=name, max_model_len=client.max_model_len)])
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await _serve(raw, client, metrics, lambda: prepare_completion(body, client))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await _serve(raw, client, metrics, lambda: prepare_chat(body, client))
+
+    return app
+
+
+async def _serve(raw: Request, client: EngineClient, metrics: IngressMetrics,
+                 prepare: Callable[[], Prepared]) -> Response:
+    timer = metrics.start_request()
+    try:
+        prep = prepare()
+        first, stream = await _unless_disconnected(raw, start(client, prep))
+        if prep.stream:
+            return StreamingResponse(stream_sse(client, prep, first, stream, timer),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        result = await _unless_disconnected(raw, aggregate(client, prep, first, stream, timer))
+        return JSONResponse(result.model_dump(mode="json"))
+    except ClientGone:
+        timer.fail(STATUS_CLIENT_GONE)
+        return Response(status_code=STATUS_CLIENT_GONE)
+    except Exception as e:
+        err = to_api_error(e)
+        timer.fail(err.status)
+        return error_response(err)
+
+
+async def _unless_disconnected(raw: Request, work: Awaitable[T]) -> T:
+    """`await work`, cancelled (ClientGone) if the client disconnects first. The request body has
+    been read already, so the next ASGI message can only be http.disconnect."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(raw))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    if task.cancelled() or not task.done():
+        try:
+            await task  # let its cleanup (abort) run
+        except asyncio.CancelledError:
+            pass
+        raise ClientGone()
+    return task.result()
+
+
+async def _wait_disconnect(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _install_error_handlers(app: FastAPI, metrics: IngressMetrics) -> None:
+    def respond(err: APIError) -> JSONResponse:
+        metrics.count_error(err.status)
+        return error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _describe_validation(exc.errors())
+        return respond(APIError(HTTPStatus.BAD_REQUEST, message, param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return respond(APIError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(APIError)
+    async def _api(request: Request, exc: APIError) -> JSONResponse:
+        return respond(exc)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return respond(to_api_error(exc))  # logs it; the client sees a generic 500
+
+
+def _describe_validation(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """pydantic errors as one message, and the first offending field as `param`."""
+    parts, param = [], None
+    for err in errors:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        parts.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
+        if param is None and loc:
+            param = loc[0]
+    return "; ".join(parts) or "invalid request", param

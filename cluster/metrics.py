@@ -1,0 +1,166 @@
+"""Prometheus metrics of the ingress, named `k3serve:*`, with vLLM's bucket layouts.
+
+Latencies are measured here, at the ingress, not on a decode replica: on a replica TTFT would
+start after the remote prefill and under-report (PD_PRIOR_ART.md section 4).
+
+    arrival ──queue──> prefill ──handoff──> first token ... token ... last token
+    |<────────────── TTFT ──────────────────>|<── ITL ──>|
+    |<──────────────────────────── e2e ──────────────────────────────>|
+    TPOT = (last token - first token) / (num_output_tokens - 1)
+
+The app drives one `RequestTimer` per request (`start_request`, `on_delta`, `finish` / `fail`).
+Queue, prefill and handoff times are only known to the serving layer, which reports them with
+`observe_queue_time` and friends; it also sets the per-(pool, replica) gauges with
+`set_pool_stats`. Every series carries `model_name`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# vLLM v1's layouts (vllm/v1/metrics/loggers.py; Ray Serve LLM copies them)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+REQUEST_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                        240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+POOL_LABELS = ("model_name", "pool", "replica")
+
+
+class IngressMetrics:
+    """All ingress series in one registry (a fresh one unless `registry` is given)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "",
+                 pools: Sequence[tuple[str, str]] = ()) -> None:
+        """pools: (pool, replica) pairs whose gauges start at 0, e.g. [("prefill", "0"), ("decode", "0")]."""
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.model_name = model_name
+        reg, m = self.registry, ("model_name",)
+
+        def hist(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(f"k3serve:{name}", doc, m, buckets=buckets, registry=reg)
+
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first generated token, at the ingress.",
+                         TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive token-bearing deltas.", ITL_BUCKETS)
+        self.tpot = hist("time_per_output_token_seconds", "(last - first token time) / (output tokens - 1) per request.",
+                         ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to last token, at the ingress.", REQUEST_TIME_BUCKETS)
+        self.queue_time = hist("request_queue_time_seconds", "Time waiting before prefill started.",
+                               REQUEST_TIME_BUCKETS)
+        self.prefill_time = hist("request_prefill_time_seconds", "Prefill time (on the prefill pool).",
+                                 REQUEST_TIME_BUCKETS)
+        self.handoff_time = hist("handoff_time_seconds", "KV + KDA state handoff from prefill to decode.",
+                                 REQUEST_TIME_BUCKETS)
+        self.success = Counter("k3serve:request_success", "Finished requests by finish reason.",
+                               ("model_name", "finish_reason"), registry=reg)
+        self.errors = Counter("k3serve:request_errors", "Requests answered with an error, by HTTP status "
+                              "(499: the client went away).", ("model_name", "status"), registry=reg)
+        self.prompt_tokens = Counter("k3serve:prompt_tokens", "Prompt tokens of served requests.", m, registry=reg)
+        self.generation_tokens = Counter("k3serve:generation_tokens", "Generated tokens.", m, registry=reg)
+        self.running = Gauge("k3serve:num_requests_running", "Requests running on a replica.", POOL_LABELS,
+                             registry=reg)
+        self.waiting = Gauge("k3serve:num_requests_waiting", "Requests waiting on a replica.", POOL_LABELS,
+                             registry=reg)
+        self.kv_block_usage = Gauge("k3serve:kv_block_usage_ratio", "Fraction of MLA KV blocks in use.",
+                                    POOL_LABELS, registry=reg)
+        self.kda_slot_usage = Gauge("k3serve:kda_slot_usage_ratio", "Fraction of KDA state slots in use.",
+                                    POOL_LABELS, registry=reg)
+        for series in (self.ttft, self.itl, self.tpot, self.e2e, self.queue_time, self.prefill_time,
+                       self.handoff_time, self.prompt_tokens, self.generation_tokens):
+            series.labels(model_name)  # exported from the start, at 0
+        for pool, replica in pools:
+            self.set_pool_stats(pool, replica, 0, 0, 0.0, 0.0)
+
+    # ---- per request ------------------------------------------------------------------------
+    def start_request(self) -> "RequestTimer":
+        return RequestTimer(self)
+
+    def count_error(self, status: int) -> None:
+        self.errors.labels(self.model_name, str(int(status))).inc()
+
+    # ---- reported by the serving layer ------------------------------------------------------
+    def observe_queue_time(self, seconds: float) -> None:
+        self.queue_time.labels(self.model_name).observe(seconds)
+
+    def observe_prefill_time(self, seconds: float) -> None:
+        self.prefill_time.labels(self.model_name).observe(seconds)
+
+    def observe_handoff_time(self, seconds: float) -> None:
+        self.handoff_time.labels(self.model_name).observe(seconds)
+
+    def set_pool_stats(self, pool: str, replica: str, num_running: int, num_waiting: int,
+                       kv_block_usage: float, kda_slot_usage: float) -> None:
+        labels = (self.model_name, pool, str(replica))
+        self.running.labels(*labels).set(num_running)
+        self.waiting.labels(*labels).set(num_waiting)
+        self.kv_block_usage.labels(*labels).set(kv_block_usage)
+        self.kda_slot_usage.labels(*labels).set(kda_slot_usage)
+
+    def remove_replica(self, pool: str, replica: str) -> None:
+        labels = (self.model_name, pool, str(replica))
+        for gauge in (self.running, self.waiting, self.kv_block_usage, self.kda_slot_usage):
+            try:
+                gauge.remove(*labels)
+            except KeyError:
+                pass
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every series."""
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """One request's clock. `finish` / `fail` count it once; later calls do nothing."""
+
+    def __init__(self, metrics: IngressMetrics, clock=time.perf_counter) -> None:
+        self.metrics = metrics
+        self.clock = clock
+        self.arrival = clock()
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.num_prompt_tokens = 0
+        self.num_output_tokens = 0
+        self.done = False
+
+    def on_delta(self, num_new_tokens: int, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        """A delta arrived; one that carries tokens times TTFT (the first) or ITL (the others)."""
+        self.num_prompt_tokens, self.num_output_tokens = num_prompt_tokens, num_output_tokens
+        if num_new_tokens <= 0:
+            return
+        now, name = self.clock(), self.metrics.model_name
+        if self.first_token_time is None:
+            self.first_token_time = now
+            self.metrics.ttft.labels(name).observe(now - self.arrival)
+        else:
+            self.metrics.itl.labels(name).observe(now - self.last_token_time)
+        self.last_token_time = now
+
+    def finish(self, finish_reason: str) -> None:
+        if self.done:
+            return
+        self.done = True
+        m, name = self.metrics, self.metrics.model_name
+        end = self.clock()
+        m.e2e.labels(name).observe(end - self.arrival)
+        if self.first_token_time is not None and self.num_output_tokens > 1:
+            m.tpot.labels(name).observe((self.last_token_time - self.first_token_time) / (self.num_output_tokens - 1))
+        m.success.labels(name, finish_reason).inc()
+        self._count_tokens()
+
+    def fail(self, status: int) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.metrics.count_error(status)
+        self._count_tokens()
+
+    def _count_tokens(self) -> None:
+        name = self.metrics.model_name
+        self.metrics.prompt_tokens.labels(name).inc(self.num_prompt_tokens)
+        self.metrics.generation_tokens.labels(name).inc(self.num_output_tokens)

@@ -1,0 +1,184 @@
+"""Absorbed MLA decode over the paged latent cache in Triton (split-KV, natural-log LSE), and the LSE merge.
+
+One program = (sequence n, KV split s, group of BLOCK_H heads). It walks its split's pages one block
+(block_size tokens) at a time: scores [BLOCK_H, block] = q_latent·c + q_pe·k_pe, an online softmax in
+base 2, acc += p·c. All heads of a group share each page load (MQA), so the cache is read once per
+head group. Splits write (o, lse) partials that `_merge_kernel` combines; with one split the first
+kernel writes the output directly.
+
+    kv_cache [num_blocks, block_size, L + R] -> row = [ c (L) | k_pe (R) ], V = c
+    o_part   [N, H, S, L] fp32, lse_part [N, H, S] fp32 (natural log; -inf for an empty split)
+
+Tokens past seq_len in the last page are masked at load (their rows may hold anything, poison too)
+and pages past the sequence are never read, so unused block-table entries may be -1.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .._backend import device_of
+
+LN2 = 0.6931471805599453
+LOG2E = 1.4426950408889634
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def supports(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor) -> bool:
+    L, R, block_size = q_latent.shape[-1], q_pe.shape[-1], kv_cache.shape[1]
+    same = q_latent.dtype == q_pe.dtype == kv_cache.dtype
+    shapes = _pow2(L) and _pow2(R) and _pow2(block_size) and block_size >= 16 and kv_cache.stride(-1) == 1
+    return same and q_latent.dtype in DTYPES and shapes and q_latent.shape[0] > 0
+
+
+@triton.jit
+def _decode_kernel(
+    q_latent, q_pe, kv_cache, block_tables, seq_lens, o_part, lse_part, o_out, lse_out,
+    scale_log2, H, pages_per_split,
+    stride_qn, stride_qh, stride_pn, stride_ph, stride_cb, stride_ct, stride_btn,
+    stride_on, stride_oh, stride_os, stride_ln, stride_lh,
+    L: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, DIRECT: tl.constexpr,
+):
+    n = tl.program_id(0)
+    split = tl.program_id(1)
+    heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < H
+    offs_l = tl.arange(0, L)
+    offs_r = tl.arange(0, R)
+    offs_t = tl.arange(0, PAGE)
+
+    seq_len = tl.load(seq_lens + n)
+    num_pages = tl.cdiv(seq_len, PAGE)
+    p_begin = split * pages_per_split
+    p_end = tl.minimum(p_begin + pages_per_split, num_pages)
+
+    q = tl.load(q_latent + n * stride_qn + heads[:, None] * stride_qh + offs_l[None, :], mask=h_ok[:, None], other=0.0)
+    qp = tl.load(q_pe + n * stride_pn + heads[:, None] * stride_ph + offs_r[None, :], mask=h_ok[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, L], tl.float32)
+    for p in range(p_begin, p_end):
+        block = tl.load(block_tables + n * stride_btn + p).to(tl.int64)
+        t_ok = p * PAGE + offs_t < seq_len
+        rows = kv_cache + block * stride_cb + offs_t[:, None] * stride_ct
+        c = tl.load(rows + offs_l[None, :], mask=t_ok[:, None], other=0.0)  # [PAGE, L]
+        k_pe = tl.load(rows + L + offs_r[None, :], mask=t_ok[:, None], other=0.0)  # [PAGE, R]
+        s = tl.dot(q, tl.trans(c)) + tl.dot(qp, tl.trans(k_pe))  # [BLOCK_H, PAGE]
+        s = tl.where(t_ok[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        prob = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(prob, 1)
+        acc = acc * alpha[:, None] + tl.dot(prob.to(c.dtype), c)
+        m_i = m_new
+
+    has = l_i > 0
+    o = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    if DIRECT:
+        tl.store(o_out + n * stride_on + heads[:, None] * stride_oh + offs_l[None, :],
+                 o.to(o_out.dtype.element_ty), mask=h_ok[:, None])
+        tl.store(lse_out + n * stride_ln + heads * stride_lh, lse, mask=h_ok)
+    else:
+        tl.store(o_part + n * stride_on + heads[:, None] * stride_oh + split * stride_os + offs_l[None, :], o,
+                 mask=h_ok[:, None])
+        tl.store(lse_part + (n * H + heads) * tl.num_programs(1) + split, lse, mask=h_ok)
+
+
+@triton.jit
+def _merge_kernel(
+    o_parts, lse_parts, o_out, lse_out, P, H,
+    stride_op, stride_on, stride_oh, stride_lp, stride_ln, stride_lh,
+    stride_out_n, stride_out_h,
+    D: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """One program per (n, h): lse = logsumexp_p lse_p; o = Σ_p exp(lse_p - lse) o_p, empty parts skipped."""
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    parts = tl.arange(0, BLOCK_P)
+    lse = tl.load(lse_parts + parts * stride_lp + n * stride_ln + h * stride_lh, mask=parts < P, other=float("-inf"))
+    m = tl.max(lse, 0)
+    shift = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - shift)  # -inf parts -> 0
+    total = tl.sum(w, 0)
+    coef = w / tl.where(total > 0, total, 1.0)
+    offs_d = tl.arange(0, D)
+    o = tl.zeros([D], tl.float32)
+    for p in range(P):
+        c_p = tl.sum(tl.where(parts == p, coef, 0.0), 0)
+        if c_p > 0:
+            o += c_p * tl.load(o_parts + p * stride_op + n * stride_on + h * stride_oh + offs_d).to(tl.float32)
+    tl.store(o_out + n * stride_out_n + h * stride_out_h + offs_d, o.to(o_out.dtype.element_ty))
+    tl.store(lse_out + n * H + h, shift + tl.log(total))
+
+
+def _num_sm(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def merge_attn_states(outputs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
+    """outputs [P, N, H, D] (D a power of 2), lses [P, N, H] -> (o [N, H, D] outputs.dtype, lse [N, H] fp32)."""
+    P, N, H, D = outputs.shape
+    o = outputs.new_empty(N, H, D)
+    lse = torch.empty(N, H, dtype=torch.float32, device=outputs.device)
+    lses = lses.float()
+    with device_of(outputs):
+        _merge_kernel[(N, H)](
+            outputs, lses, o, lse, P, H, *outputs.stride()[:3], *lses.stride(), o.stride(0), o.stride(1),
+            D=D, BLOCK_P=triton.next_power_of_2(P),
+        )
+    return o, lse
+
+
+def mla_decode_paged(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                     scale: float, max_seq_len: int, num_splits: int | None = None) -> tuple[Tensor, Tensor]:
+    """q_latent [N, H, L], q_pe [N, H, R] -> (o_latent [N, H, L], lse [N, H] fp32). max_seq_len sizes the grid;
+    num_splits None picks enough splits to fill the GPU."""
+    N, H, L = q_latent.shape
+    R, PAGE = q_pe.shape[-1], kv_cache.shape[1]
+    BLOCK_H = 16 if H <= 16 else 32
+    head_groups = triton.cdiv(H, BLOCK_H)
+    max_pages = max(triton.cdiv(max_seq_len, PAGE), 1)
+    if num_splits is None:
+        want = triton.cdiv(2 * _num_sm(q_latent.device), N * head_groups)  # about two waves of programs
+        num_splits = max(1, min(want, triton.cdiv(max_pages, 2)))  # at least two pages per split
+    pages_per_split = triton.cdiv(max_pages, num_splits)
+    num_splits = triton.cdiv(max_pages, pages_per_split)
+    block_tables = block_tables.to(device=q_latent.device, dtype=torch.int32)
+    seq_lens = seq_lens.to(device=q_latent.device, dtype=torch.int32)
+    o = q_latent.new_empty(N, H, L)
+    lse = torch.empty(N, H, dtype=torch.float32, device=q_latent.device)
+    direct = num_splits == 1
+    if direct:
+        o_part, lse_part = o, lse
+        so = (o.stride(0), o.stride(1), 0)
+    else:
+        o_part = torch.empty(N, H, num_splits, L, dtype=torch.float32, device=q_latent.device)
+        lse_part = torch.empty(N, H, num_splits, dtype=torch.float32, device=q_latent.device)
+        so = o_part.stride()[:3]
+    with device_of(q_latent):
+        _decode_kernel[(N, num_splits, head_groups)](
+            q_latent, q_pe, kv_cache, block_tables, seq_lens, o_part, lse_part, o, lse,
+            scale * LOG2E, H, pages_per_split,
+            q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
+            kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
+            *so, lse.stride(0), lse.stride(1),
+            L=L, R=R, PAGE=PAGE, BLOCK_H=BLOCK_H, DIRECT=direct,
+            num_warps=4 if BLOCK_H == 16 else 8, num_stages=2,
+        )
+        if not direct:
+            _merge_kernel[(N, H)](
+                o_part, lse_part, o, lse, num_splits, H,
+                o_part.stride(2), o_part.stride(0), o_part.stride(1),
+                lse_part.stride(2), lse_part.stride(0), lse_part.stride(1),
+                o.stride(0), o.stride(1), D=L, BLOCK_P=triton.next_power_of_2(num_splits),
+            )
+    return o, lse

@@ -1,0 +1,205 @@
+"""MXFP4 (w4a16) routed experts in Triton: two grouped GEMMs over the local experts that have tokens.
+
+    routing (torch, no host sync): (token, k) pairs sorted by local expert -> starts, counts, active list
+    up kernel:   h[pair] = act(x[tok] W1[e]^T, x[tok] W3[e]^T)     bf16, GLU fused in the epilogue
+    down kernel: out[tok] += topk_weight[pair] · h[pair] W2[e]^T    fp32 atomics: weighting and the
+                                                                    top-k sum (finalize) fused
+One program = (active expert slot a, BLOCK_N output columns); it loops over the expert's rows in tiles
+of BLOCK_M (decode: one tile) and streams the expert's packed weights once per tile. Programs past the
+number of active experts exit at once, so the grid needs no host sync.
+
+Weights stay packed ([E, out, in/2] uint8, even element in the low nibble; E8M0 scales [E, out, in/32])
+and are upcast in registers: an E2M1 code moves into an e4m3 byte (sign to bit 7, exponent and
+mantissa to bits 4..2), whose value is exactly code · 2^-6, so the hardware fp8 -> bf16 conversion does
+the work; the scale 2^(s-127) · 2^6 is then a bf16 with exponent field s + 6.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .._backend import device_of
+
+ACT_SILU, ACT_SITU = 0, 1
+
+
+@triton.jit
+def _upcast(packed_ptrs, scale_ptrs, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, n_ok, dtype: tl.constexpr):
+    """[BLOCK_N, BLOCK_K/2] packed bytes + [BLOCK_N, BLOCK_K/32] scales -> [BLOCK_N, BLOCK_K] weights in dtype."""
+    p = tl.load(packed_ptrs, mask=n_ok[:, None], other=0)
+    lo = ((p & 0x08) << 4) | ((p & 0x07) << 2)
+    hi = (p & 0x80) | ((p & 0x70) >> 2)
+    codes = tl.join(lo, hi).reshape(BLOCK_N, BLOCK_K)  # element 2i from the low nibble
+    w = codes.to(tl.float8e4nv, bitcast=True).to(dtype)  # exactly e2m1 * 2^-6
+    s = tl.load(scale_ptrs, mask=n_ok[:, None], other=121).to(tl.int16)
+    scale = ((s + 6) << 7).to(tl.bfloat16, bitcast=True).to(dtype)  # 2^(s - 127 + 6)
+    w = w.reshape(BLOCK_N, BLOCK_K // 32, 32) * scale[:, :, None]
+    return w.reshape(BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _up_kernel(
+    x, w1p, w1s, w3p, w3s, h, sorted_pairs, expert_starts, expert_counts, active_experts, num_active,
+    top_k, I, D, beta, linear_beta,
+    stride_x, stride_pe, stride_pn, stride_se, stride_sn, stride_h,
+    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    a = tl.program_id(0)
+    if a >= tl.load(num_active):
+        return
+    e = tl.load(active_experts + a).to(tl.int64)
+    start = tl.load(expert_starts + e)
+    count = tl.load(expert_counts + e)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_kp = tl.arange(0, BLOCK_K // 2)
+    offs_ks = tl.arange(0, BLOCK_K // 32)
+    w_row = e * stride_pe + offs_n[:, None] * stride_pn
+    s_row = e * stride_se + offs_n[:, None] * stride_sn
+    for m0 in range(0, count, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        r_ok = rows < count
+        pair = tl.load(sorted_pairs + start + rows, mask=r_ok, other=0)
+        tok = (pair // top_k).to(tl.int64)
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            xk = tl.load(x + tok[:, None] * stride_x + k0 + offs_k[None, :], mask=r_ok[:, None], other=0.0)
+            wg = _upcast(w1p + w_row + k0 // 2 + offs_kp[None, :], w1s + s_row + k0 // 32 + offs_ks[None, :],
+                         BLOCK_N, BLOCK_K, n_ok, xk.dtype)
+            acc_g = tl.dot(xk, tl.trans(wg), acc_g)
+            wu = _upcast(w3p + w_row + k0 // 2 + offs_kp[None, :], w3s + s_row + k0 // 32 + offs_ks[None, :],
+                         BLOCK_N, BLOCK_K, n_ok, xk.dtype)
+            acc_u = tl.dot(xk, tl.trans(wu), acc_u)
+        if ACT == 1:  # SiTU-GLU
+            act = beta * _tanh(acc_g / beta) * tl.sigmoid(acc_g) * (linear_beta * _tanh(acc_u / linear_beta))
+        else:  # SwiGLU
+            act = acc_g * tl.sigmoid(acc_g) * acc_u
+        dst = h + (start + rows)[:, None].to(tl.int64) * stride_h + offs_n[None, :]
+        tl.store(dst, act.to(h.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h, w2p, w2s, out, topk_weights, sorted_pairs, expert_starts, expert_counts, active_experts, num_active,
+    top_k, D, I,
+    stride_h, stride_pe, stride_pn, stride_se, stride_sn, stride_out,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    a = tl.program_id(0)
+    if a >= tl.load(num_active):
+        return
+    e = tl.load(active_experts + a).to(tl.int64)
+    start = tl.load(expert_starts + e)
+    count = tl.load(expert_counts + e)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < D
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_kp = tl.arange(0, BLOCK_K // 2)
+    offs_ks = tl.arange(0, BLOCK_K // 32)
+    w_row = e * stride_pe + offs_n[:, None] * stride_pn
+    s_row = e * stride_se + offs_n[:, None] * stride_sn
+    for m0 in range(0, count, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        r_ok = rows < count
+        pair = tl.load(sorted_pairs + start + rows, mask=r_ok, other=0)
+        src = h + (start + rows)[:, None].to(tl.int64) * stride_h
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            hk = tl.load(src + k0 + offs_k[None, :], mask=r_ok[:, None], other=0.0)
+            w = _upcast(w2p + w_row + k0 // 2 + offs_kp[None, :], w2s + s_row + k0 // 32 + offs_ks[None, :],
+                        BLOCK_N, BLOCK_K, n_ok, hk.dtype)
+            acc = tl.dot(hk, tl.trans(w), acc)
+        acc = acc * tl.load(topk_weights + pair, mask=r_ok, other=0.0)[:, None]
+        tok = (pair // top_k).to(tl.int64)
+        tl.atomic_add(out + tok[:, None] * stride_out + offs_n[None, :], acc, mask=r_ok[:, None] & n_ok[None, :])
+
+
+def activation_kind(activation) -> tuple[int, float, float] | None:
+    """(ACT, beta, linear_beta) for the GLUs the kernel fuses, None for any other callable."""
+    from . import silu_glu, situ_glu
+
+    if activation is silu_glu:
+        return ACT_SILU, 0.0, 0.0
+    if isinstance(activation, functools.partial) and activation.func is situ_glu and not activation.args:
+        kw = activation.keywords
+        if set(kw) == {"beta", "linear_beta"}:
+            return ACT_SITU, float(kw["beta"]), float(kw["linear_beta"])
+    return None
+
+
+def _block_k(*dims: int) -> int | None:
+    for bk in (128, 64, 32):
+        if all(d % bk == 0 for d in dims):
+            return bk
+    return None
+
+
+def supports(x: Tensor, weights, activation) -> bool:
+    """bf16 activations, MXFP4 banks with unit inner strides (row shards are fine), a fused GLU."""
+    w1, w3, w2 = weights.w1, weights.w3, weights.w2
+    I, D = w1.shape[1], w1.shape[2]
+    strides_ok = (w1.packed.stride() == w3.packed.stride() and w1.scales.stride() == w3.scales.stride()
+                  and all(t.stride(-1) == 1 for w in (w1, w3, w2) for t in (w.packed, w.scales)))
+    return (x.dtype == torch.bfloat16 and _block_k(I, D) is not None and strides_ok
+            and activation_kind(activation) is not None)
+
+
+def route(topk_ids: Tensor, expert_start: int, num_local: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(sorted_pairs [T*k] int32, starts [E], counts [E], active_experts [E] int32, num_active [1]), all on device.
+
+    Pairs (t*k + j) of local experts come first, grouped by expert; active_experts lists the experts with
+    tokens first, num_active counts them."""
+    key = topk_ids.reshape(-1).to(torch.int32) - expert_start
+    key = torch.where((key >= 0) & (key < num_local), key, num_local)
+    order = torch.sort(key, stable=True).indices.to(torch.int32)
+    counts = torch.bincount(key.long(), minlength=num_local + 1)[:num_local].to(torch.int32)
+    starts = (torch.cumsum(counts, 0, dtype=torch.int32) - counts).to(torch.int32)
+    active = torch.argsort((counts == 0).to(torch.int8), stable=True).to(torch.int32)
+    num_active = (counts > 0).sum(dtype=torch.int32).reshape(1)
+    return order, starts, counts, active, num_active
+
+
+def fused_experts(x: Tensor, weights, topk_weights: Tensor, topk_ids: Tensor, activation, expert_start: int,
+                  block_n: int | None = None) -> Tensor:
+    """x [T, D] bf16, MXFP4 w1/w3 [E, I, D], w2 [E, D, I] -> fp32 [T, D] (this rank's partial sum)."""
+    act, beta, linear_beta = activation_kind(activation)
+    T, D = x.shape
+    top_k = topk_ids.shape[1]
+    w1, w3, w2 = weights.w1, weights.w3, weights.w2
+    E, I = w1.shape[0], w1.shape[1]
+    BLOCK_K = _block_k(I, D)
+    BLOCK_M = 16
+    BLOCK_N = block_n or (32 if T * top_k <= 256 else 64)
+    x = x.contiguous()
+    out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
+    if T == 0:
+        return out
+    pairs, starts, counts, active, num_active = route(topk_ids, expert_start, E)
+    h = torch.empty(T * top_k, I, dtype=x.dtype, device=x.device)
+    tw = topk_weights.reshape(-1).float().contiguous()
+    max_active = min(E, T * top_k)
+    p1, s1, p3, s3, p2, s2 = w1.packed, w1.scales, w3.packed, w3.scales, w2.packed, w2.scales
+    with device_of(x):
+        _up_kernel[(max_active, triton.cdiv(I, BLOCK_N))](
+            x, p1, s1, p3, s3, h, pairs, starts, counts, active, num_active, top_k, I, D, beta, linear_beta,
+            x.stride(0), p1.stride(0), p1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
+            ACT=act, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4, num_stages=3,
+        )
+        _down_kernel[(max_active, triton.cdiv(D, BLOCK_N))](
+            h, p2, s2, out, tw, pairs, starts, counts, active, num_active, top_k, D, I,
+            h.stride(0), p2.stride(0), p2.stride(1), s2.stride(0), s2.stride(1), out.stride(0),
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4, num_stages=3,
+        )
+    return out

@@ -1,0 +1,71 @@
+"""Helpers of the ingress tests: the AsyncEngine as an EngineClient, and pool-usage checks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator
+
+from k3serve.engine.async_engine import AsyncEngine, GenerateRequest
+from k3serve.engine.outputs import RequestDelta
+
+ENGINE_ARGS = dict(block_size=16, max_model_len=512, max_num_seqs=8, cache_memory_bytes=64 * 2**20)
+
+
+class EngineAdapter:
+    """AsyncEngine as an EngineClient (model_name, max_model_len, check_health), plus faults."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = getattr(engine, "model_name", None) or engine.engine.model_name
+        self.max_model_len = getattr(engine, "max_model_len", None) or engine.engine.args.max_model_len
+        self.fail_with: BaseException | None = None
+        self.fail_after_first: BaseException | None = None
+        self.unhealthy = False
+        self.aborted: list[str] = []
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestDelta]:
+        if self.fail_with is not None:
+            return self._fail(self.fail_with)
+        if self.fail_after_first is not None:
+            return self._fail_mid_stream(request, self.fail_after_first)
+        return self.engine.generate(request)
+
+    async def _fail_mid_stream(self, request: GenerateRequest, error: BaseException) -> AsyncIterator[RequestDelta]:
+        stream = self.engine.generate(request)
+        try:
+            yield await stream.__anext__()
+            raise error
+        finally:
+            await stream.aclose()
+
+    async def _fail(self, error: BaseException) -> AsyncIterator[RequestDelta]:
+        raise error
+        yield  # an async generator
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        await self.engine.abort(request_id)
+
+    async def check_health(self) -> None:
+        if self.unhealthy:
+            raise RuntimeError("unhealthy by request of the test")
+        if not self.engine._thread.is_alive():
+            raise RuntimeError("the engine thread stopped")
+
+
+def pool_usage(engine: AsyncEngine) -> tuple[int, int]:
+    """(MLA blocks, KDA slots) in use; prefix-cached blocks and checkpoints do not count."""
+    scheduler = engine.engine.scheduler
+    return scheduler.block_pool.num_used, scheduler.state_pool.num_used
+
+
+async def wait_pools_free(engine: AsyncEngine, timeout: float = 5.0) -> float:
+    """Seconds until the engine holds no block and no slot; fails after `timeout`."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if pool_usage(engine) == (0, 0) and not engine.engine.has_unfinished():
+            return time.monotonic() - start
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"engine still holds (blocks, slots) = {pool_usage(engine)} after {timeout} s")

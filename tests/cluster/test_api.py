@@ -1,0 +1,341 @@
+"""The OpenAI ingress over a real AsyncEngine on the tiny model (random weights: the text is
+noise, so tests compare runs with each other, not with expected words)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from k3serve.cluster.api import EngineOverloadedError
+from k3serve.cluster.metrics import ITL_BUCKETS, REQUEST_TIME_BUCKETS, TTFT_BUCKETS
+from k3serve.engine.async_engine import EngineDeadError
+
+from _api_harness import wait_pools_free
+
+pytestmark = pytest.mark.anyio
+
+PROMPT = "Return a new dictionary with the keys"
+GREEDY = {"temperature": 0.0}
+
+
+def parse_sse(body: str) -> list[dict | str]:
+    """Every event of an SSE body; each must be a `data: ` line followed by a blank line."""
+    assert body.endswith("\n\n"), body[-50:]
+    events = []
+    for block in body.split("\n\n")[:-1]:
+        assert block.startswith("data: "), block
+        data = block[len("data: "):]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
+    return events[:-1]
+
+
+def assert_error(response: httpx.Response, status: int, *, message: str | None = None, param: str | None = None):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == status and isinstance(error["message"], str) and error["message"]
+    assert "Traceback" not in response.text
+    if message is not None:
+        assert message in error["message"], error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def metric_samples(text: str) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+# ---- completions --------------------------------------------------------------------------------
+async def test_completion_text_and_token_prompts_agree(http, client):
+    ids = client.tokenizer.encode(PROMPT)
+    results = []
+    for prompt in (PROMPT, ids, [PROMPT], [ids]):
+        r = await http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, **GREEDY})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+        assert body["model"] == client.model_name and isinstance(body["created"], int)
+        (choice,) = body["choices"]
+        assert choice["index"] == 0 and choice["finish_reason"] == "length" and choice["logprobs"] is None
+        assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 8, "total_tokens": len(ids) + 8}
+        results.append(choice["text"])
+    assert len(set(results)) == 1, results
+
+
+async def test_completion_stream_include_usage(http):
+    payload = {"prompt": PROMPT, "max_tokens": 10, "stream": True, "stream_options": {"include_usage": True}, **GREEDY}
+    r = await http.post("/v1/completions", json=payload)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    chunks = parse_sse(r.text)
+    *content, last = chunks
+    assert all("usage" not in c and c["object"] == "text_completion" for c in content)
+    assert content[-1]["choices"][0]["finish_reason"] == "length"
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 10
+    full = await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 10, **GREEDY})
+    assert "".join(c["choices"][0]["text"] for c in content) == full.json()["choices"][0]["text"]
+
+
+async def test_stop_string_ends_the_text(http):
+    base = (await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 24, **GREEDY})).json()
+    text = base["choices"][0]["text"]
+    stop = next(text[i:i + 2] for i in range(1, len(text) - 1) if text[i:i + 2].isascii() and text[i:i + 2].isalnum())
+    r = await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 24, "stop": [stop], **GREEDY})
+    choice = r.json()["choices"][0]
+    assert choice["text"] == text[: text.index(stop)]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
+
+
+async def test_seed_reproduces_sampled_text(http):
+    payload = {"prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "top_k": 50, "seed": 1234}
+    texts = [(await http.post("/v1/completions", json=payload)).json()["choices"][0]["text"] for _ in range(2)]
+    assert texts[0] == texts[1]
+
+
+async def test_ignore_eos_generates_exactly_max_tokens(http):
+    r = await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 40, "ignore_eos": True, **GREEDY})
+    body = r.json()
+    assert body["usage"]["completion_tokens"] == 40 and body["choices"][0]["finish_reason"] == "length"
+
+
+async def test_completion_logprobs(http):
+    r = await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 6, "logprobs": 2, **GREEDY})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 6
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert logprob <= 0 and 2 <= len(top) <= 3 and top[token] == logprob
+        assert logprob == max(top.values())  # greedy: the chosen token is the best
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
+
+
+# ---- chat ---------------------------------------------------------------------------------------
+async def test_chat_string_and_text_parts_agree(http, client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a dataclass field."}]
+    as_parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in messages]
+    num_prompt = len(client.tokenizer.encode_chat(messages))
+    texts = []
+    for msgs in (messages, as_parts):
+        r = await http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 8, "ignore_eos": True, **GREEDY})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+        (choice,) = body["choices"]
+        assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
+        assert body["usage"]["prompt_tokens"] == num_prompt and body["usage"]["completion_tokens"] == 8
+        texts.append(choice["message"]["content"])
+    assert texts[0] == texts[1]
+
+
+async def test_chat_max_completion_tokens_wins(http):
+    payload = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "max_completion_tokens": 7,
+               "ignore_eos": True, **GREEDY}
+    r = await http.post("/v1/chat/completions", json=payload)
+    assert r.json()["usage"]["completion_tokens"] == 7
+
+
+async def test_chat_stream_in_guidellm_shape(http):
+    """What guidellm sends and reads: stream, usage on every chunk and a final usage chunk."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Tell me about queues."}]}]
+    payload = {"model": None, "messages": messages, "stream": True, "max_completion_tokens": 12, "ignore_eos": True,
+               "stop": None, "stream_options": {"include_usage": True, "continuous_usage_stats": True}, **GREEDY}
+    payload.pop("model")
+    r = await http.post("/v1/chat/completions", json=payload)
+    assert r.status_code == 200, r.text
+    chunks = parse_sse(r.text)
+    first, *content, last = chunks
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all("role" not in c["choices"][0]["delta"] for c in content)
+    counts = [c["usage"]["completion_tokens"] for c in [first, *content]]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 12
+    assert all(c["usage"]["prompt_tokens"] == last["usage"]["prompt_tokens"] for c in content)
+    assert content[-1]["choices"][0]["finish_reason"] == "length"
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 12
+    assert last["usage"]["total_tokens"] == last["usage"]["prompt_tokens"] + 12
+    full = await http.post("/v1/chat/completions", json={**payload, "stream": False, "stream_options": None})
+    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in content)
+    assert streamed == full.json()["choices"][0]["message"]["content"]
+
+
+async def test_chat_logprobs(http):
+    payload = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "ignore_eos": True,
+               "logprobs": True, "top_logprobs": 3, **GREEDY}
+    content = (await http.post("/v1/chat/completions", json=payload)).json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 5
+    for entry in content:
+        assert entry["logprob"] <= 0 and isinstance(entry["bytes"], list) and len(entry["top_logprobs"]) == 3
+        assert entry["top_logprobs"][0]["logprob"] == entry["logprob"]  # greedy: chosen is the best
+        assert [t["logprob"] for t in entry["top_logprobs"]] == sorted((t["logprob"] for t in entry["top_logprobs"]), reverse=True)
+
+
+# ---- models, health, metrics ---------------------------------------------------------------------
+async def test_models_and_health(http, client):
+    models = (await http.get("/v1/models")).json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [client.model_name]
+    assert models["data"][0]["max_model_len"] == 512
+    assert (await http.get("/health")).status_code == 200
+    client.unhealthy = True
+    assert_error(await http.get("/health"), 503)
+
+
+async def test_metrics_after_traffic(http, client):
+    await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, **GREEDY})
+    await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+                                                  "ignore_eos": True, "stream": True, **GREEDY})
+    await http.post("/v1/completions", json={"prompt": PROMPT, "temperature": -1})
+    r = await http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    samples = metric_samples(r.text)
+    m = (("model_name", client.model_name),)
+
+    def value(name: str, *labels: tuple[str, str]) -> float:
+        return samples[(name, tuple(sorted(m + labels)))]
+
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "time_per_output_token_seconds"):
+        assert value(f"k3serve:{name}_count") == 2, name
+    assert value("k3serve:inter_token_latency_seconds_count") == 4 + 3
+    for name in ("request_queue_time_seconds", "request_prefill_time_seconds", "handoff_time_seconds"):
+        assert value(f"k3serve:{name}_count") == 0  # reported by the serving layer, not by this app
+    assert value("k3serve:request_success_total", ("finish_reason", "length")) == 2
+    assert value("k3serve:request_errors_total", ("status", "400")) == 1
+    assert value("k3serve:generation_tokens_total") == 9
+    assert value("k3serve:prompt_tokens_total") > 0
+    pool = (("pool", "decode"), ("replica", "0"))
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_block_usage_ratio", "kda_slot_usage_ratio"):
+        assert value(f"k3serve:{gauge}", *pool) == 0
+    for name, buckets in (("time_to_first_token_seconds", TTFT_BUCKETS), ("inter_token_latency_seconds", ITL_BUCKETS),
+                          ("e2e_request_latency_seconds", REQUEST_TIME_BUCKETS)):
+        les = [float(dict(k[1])["le"]) for k in samples if k[0] == f"k3serve:{name}_bucket"]
+        assert les == [*buckets, float("inf")], name
+
+
+# ---- errors -------------------------------------------------------------------------------------
+CHAT = "/v1/chat/completions"
+BAD_REQUESTS = {  # id: (route, payload, expected param)
+    "temperature-type": ("/v1/completions", {"prompt": PROMPT, "temperature": "hot"}, "temperature"),
+    "temperature-range": ("/v1/completions", {"prompt": PROMPT, "temperature": 5}, "temperature"),
+    "top_p-sampling-params": ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, "top_p"),
+    "max_tokens-0": ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
+    "no-prompt": ("/v1/completions", {"max_tokens": 4}, "prompt"),
+    "n-2": ("/v1/completions", {"prompt": PROMPT, "n": 2}, None),
+    "echo": ("/v1/completions", {"prompt": PROMPT, "echo": True}, None),
+    "batch-of-2": ("/v1/completions", {"prompt": [PROMPT, PROMPT]}, "prompt"),
+    "empty-prompt": ("/v1/completions", {"prompt": []}, "prompt"),
+    "logprobs-50": ("/v1/completions", {"prompt": PROMPT, "logprobs": 50}, "logprobs"),
+    "stream_options-no-stream": ("/v1/completions", {"prompt": PROMPT, "stream_options": {"include_usage": True}}, None),
+    "token-outside-vocab": ("/v1/completions", {"prompt": [1, 2, 10**6]}, None),  # the engine's ValueError
+    "chat-no-messages": (CHAT, {"messages": []}, "messages"),
+    "chat-image-part": (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+                        "messages"),
+    "chat-top_logprobs-alone": (CHAT, {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, None),
+}
+
+
+@pytest.mark.parametrize("route,payload,param", BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())
+async def test_bad_request_is_400(http, route, payload, param):
+    assert_error(await http.post(route, json=payload), 400, param=param)
+
+
+async def test_invalid_json_is_400(http):
+    r = await http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert_error(r, 400)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_context_length(http, stream):
+    long_prompt = list(range(600))
+    error = assert_error(await http.post("/v1/completions", json={"prompt": long_prompt, "stream": stream}), 400)
+    assert error["message"].startswith("This model's maximum context length is 512 tokens.")
+    r = await http.post("/v1/completions", json={"prompt": list(range(500)), "max_tokens": 20, "stream": stream})
+    assert_error(r, 400, message="you requested 520 tokens (500 in the prompt, 20 in the completion)",
+                 param="max_tokens")
+    chat = {"messages": [{"role": "user", "content": "word " * 700}], "stream": stream}
+    assert_error(await http.post("/v1/chat/completions", json=chat), 400, message="maximum context length is 512")
+
+
+async def test_unknown_model_is_404(http, client):
+    assert_error(await http.post("/v1/completions", json={"model": "gpt-4", "prompt": PROMPT}), 404, param="model")
+    r = await http.post("/v1/completions", json={"model": client.model_name, "prompt": PROMPT, "max_tokens": 2})
+    assert r.status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_overloaded_is_503_and_crash_is_generic_500(http, client, stream):
+    client.fail_with = EngineOverloadedError("no decode capacity")
+    payload = {"prompt": PROMPT, "max_tokens": 4, "stream": stream}
+    assert_error(await http.post("/v1/completions", json=payload), 503)
+    client.fail_with = RuntimeError("secret internal detail")
+    error = assert_error(await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                                         "stream": stream}), 500)
+    assert "secret" not in error["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_backend_failing_mid_stream(http, client, engine, metrics, stream):
+    """After the first delta a stream is already 200: the error comes as an SSE error event."""
+    client.fail_after_first = EngineDeadError("engine thread died")
+    r = await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 50, "stream": stream})
+    if stream:
+        assert r.status_code == 200
+        *chunks, error = parse_sse(r.text)
+        assert error["error"]["code"] == 503 and set(error["error"]) == {"message", "type", "param", "code"}
+        assert all("choices" in c for c in chunks)
+    else:
+        assert_error(r, 503)
+    await wait_pools_free(engine)
+    assert len(client.aborted) == 1
+    assert metrics.errors.labels(client.model_name, "503")._value.get() == 1
+
+
+async def test_unknown_route_is_openai_error(http):
+    assert_error(await http.get("/v1/nothing"), 404)
+
+
+# ---- a real server: streaming over HTTP, and clients that go away ---------------------------------
+async def test_uvicorn_streaming_chat(server_url, client):
+    async with httpx.AsyncClient(base_url=server_url, timeout=30) as h:
+        assert (await h.get("/health")).status_code == 200
+        model = (await h.get("/v1/models")).json()["data"][0]["id"]
+        payload = {"model": model, "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}],
+                   "stream": True, "max_completion_tokens": 16, "ignore_eos": True,
+                   "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        events = []
+        async with h.stream("POST", "/v1/chat/completions", json=payload) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            async for line in r.aiter_lines():
+                if line:
+                    assert line.startswith("data: ")
+                    events.append(line[len("data: "):])
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 16
+
+
+async def test_disconnect_while_streaming_frees_the_engine(server_url, client, engine, metrics):
+    payload = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    async with httpx.AsyncClient(base_url=server_url, timeout=30) as h:
+        async with h.stream("POST", "/v1/completions", json=payload) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    break  # one chunk, then hang up
+    await wait_pools_free(engine, timeout=3.0)  # 400 tokens would take far longer
+    assert len(client.aborted) == 1
+    assert metrics.errors.labels(client.model_name, "499")._value.get() == 1
+
+
+async def test_disconnect_while_waiting_frees_the_engine(server_url, client, engine, metrics):
+    payload = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=server_url, timeout=0.3) as h:
+        with pytest.raises(httpx.ReadTimeout):
+            await h.post("/v1/completions", json=payload)
+    await wait_pools_free(engine, timeout=3.0)
+    assert len(client.aborted) == 1
+    assert metrics.errors.labels(client.model_name, "499")._value.get() == 1

@@ -1,0 +1,139 @@
+"""Checksum spec: equal bytes give equal values on any tensor and device; any single changed byte
+or swap of two unequal elements changes the value; and the shares that prefill ranks compute for
+a decode rank add up to what that decode rank computes after landing, for every TP ratio."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _transfer_setup import BLOCK_SIZE, close, connect, fill_random_bytes, make_side, run_transfer, shard, tiny_config
+from k3serve.model.batch import ModelCache
+from k3serve.transfer.checksum import (
+    combine_checksums,
+    combine_request_checksums,
+    mismatched_regions,
+    region_checksum,
+    request_checksums,
+)
+from k3serve.transfer.layout import CacheLayout, HeadSlice
+from k3serve.transfer.tp_map import RequestSpan
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_any_single_changed_byte_changes_the_checksum(dtype: torch.dtype) -> None:
+    t = torch.randn(3, 7, dtype=dtype)  # awkward size: 21 elements
+    base = region_checksum(t)
+    raw = t.view(-1).view(torch.uint8)
+    for i in range(raw.numel()):
+        for delta in (1, 128):
+            flipped = t.clone()
+            b = flipped.view(-1).view(torch.uint8)
+            b[i] = (int(raw[i]) + delta) % 256
+            assert region_checksum(flipped) != base, f"byte {i} + {delta} went unnoticed"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_swapped_elements_change_the_checksum(dtype: torch.dtype) -> None:
+    t = torch.arange(12, dtype=dtype).reshape(3, 4)
+    base = region_checksum(t)
+    for i, j in [(0, 1), (0, 11), (5, 6), (3, 8)]:
+        swapped = t.clone().view(-1)
+        swapped[[i, j]] = swapped[[j, i]]
+        assert region_checksum(swapped) != base
+    assert region_checksum(t.t()) != base  # same values, other order
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_identical_bytes_give_identical_checksums(dtype: torch.dtype) -> None:
+    a = torch.randn(4, 5, dtype=dtype)
+    b = torch.empty(20, dtype=dtype)
+    b.copy_(a.reshape(-1))
+    assert region_checksum(a) == region_checksum(b)
+    assert region_checksum(a[1:3]) == region_checksum(b[5:15].clone())
+    as_bytes = a.view(-1).view(torch.uint8).clone()
+    assert region_checksum(a) == region_checksum(as_bytes)  # bytes are bytes, whatever the dtype
+
+
+def test_position_weighted_and_additive() -> None:
+    """A part checksummed at its offset in the view adds up to the whole view's checksum."""
+    whole = torch.randn(10, 6)
+    top, bottom = whole[:4], whole[4:]
+    assert region_checksum(bottom) != region_checksum(bottom, offset=4 * 6 * 4)  # position matters
+    assert combine_checksums([region_checksum(top), region_checksum(bottom, offset=4 * 6 * 4)]) == region_checksum(whole)
+    assert combine_checksums([region_checksum(bottom, offset=96), region_checksum(top)]) == region_checksum(whole)
+
+
+def test_zero_bytes_count() -> None:
+    """An all-zero region (state never written) is not the checksum of nothing."""
+    assert region_checksum(torch.zeros(8)) != combine_checksums([])
+    assert region_checksum(torch.zeros(8)) != region_checksum(torch.zeros(9))
+
+
+def test_mla_checksum_covers_only_the_requests_token_rows() -> None:
+    config = tiny_config()
+    cache = ModelCache.allocate(config, num_blocks=8, num_slots=2, block_size=BLOCK_SIZE)
+    fill_random_bytes(cache, seed=3)
+    layout = CacheLayout.from_cache(cache, config, 0, 1)
+    blocks, tokens = [5, 2], BLOCK_SIZE + 2  # the second block holds 2 of the request's tokens
+    base = request_checksums(cache, layout, blocks, 0, tokens, heads=None)
+    assert set(base) == {"mla.0", "mla.1"}
+    _change(cache.mla_kv[0], (2, 3, 0))  # block tail: not the request's
+    assert request_checksums(cache, layout, blocks, 0, tokens, heads=None) == base
+    _change(cache.mla_kv[0], (2, 1, 0))  # token row 5
+    assert mismatched_regions(base, request_checksums(cache, layout, blocks, 0, tokens, heads=None)) == ["mla.0"]
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 1), (2, 1), (1, 2), (4, 2), (2, 8), (8, 4)])
+def test_sender_shares_add_up_to_the_receivers_checksum(prefill_tp: int, decode_tp: int, metrics, registry) -> None:
+    config = tiny_config()
+    reference = ModelCache.allocate(config, 8, 3, BLOCK_SIZE, dtype=torch.bfloat16)
+    fill_random_bytes(reference, seed=4)
+    prefill = make_side(config, [shard(reference, s, prefill_tp) for s in range(prefill_tp)])
+    decode = make_side(config, [ModelCache.allocate(config, 8, 3, BLOCK_SIZE, tp_size=decode_tp, dtype=torch.bfloat16) for _ in range(decode_tp)])
+    span = RequestSpan((1, 2, 6), (4, 5, 0), src_slot=1, dst_slot=2, num_tokens=2 * BLOCK_SIZE + 3)
+    try:
+        mapping = connect(prefill, decode)
+        run_transfer(mapping, prefill, decode, span)
+        for r in range(decode_tp):
+            shares = []
+            for s in mapping.sources(r):  # computed on prefill rank s, from its own cache
+                view = mapping.view(s, r)
+                shares.append(
+                    request_checksums(prefill.caches[s], prefill.layouts[s], span.src_block_ids, span.src_slot,
+                                      span.num_tokens, heads=view.heads, include_mla=view.mla)  # fmt: skip
+                )
+            expected = combine_request_checksums(shares)
+            landed = request_checksums(decode.caches[r], decode.layouts[r], span.dst_block_ids, span.dst_slot,
+                                       span.num_tokens, heads=HeadSlice.whole_shard(decode.layouts[r]))  # fmt: skip
+            assert set(landed) == set(decode.layouts[r].region_names)
+            assert mismatched_regions(expected, landed, metrics) == []
+
+            _change(decode.caches[r].kda_conv[1], (span.dst_slot, -1, -1))  # one corrupted value lands
+            landed = request_checksums(decode.caches[r], decode.layouts[r], span.dst_block_ids, span.dst_slot,
+                                       span.num_tokens, heads=HeadSlice.whole_shard(decode.layouts[r]))  # fmt: skip
+            assert mismatched_regions(expected, landed, metrics) == ["kda_conv.1"]
+        counted = registry.get_sample_value("k3serve:transfer_checksum_mismatches_total", {"model": "tiny", "role": "prefill"})
+        assert counted == decode_tp
+    finally:
+        close(prefill, decode)
+
+
+def test_a_missing_region_is_a_mismatch() -> None:
+    assert mismatched_regions({"mla.0": "0" * 16, "kda_conv.0": "1" * 16}, {"mla.0": "0" * 16}) == ["kda_conv.0"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cpu_and_gpu_agree(dtype: torch.dtype) -> None:
+    t = torch.randn(1000, 77).to(dtype)
+    assert region_checksum(t) == region_checksum(t.cuda())
+    assert region_checksum(t[3:9], offset=17) == region_checksum(t.cuda()[3:9], offset=17)
+
+
+def _change(t: torch.Tensor, index: tuple[int, ...]) -> None:
+    """Give one element other bytes (random-byte caches hold values where += 1 changes nothing)."""
+    t[index] = 1.0 if bool(t[index] == 0) else 0.0
