@@ -163,9 +163,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"{'backend':<10} {'size':>9} {'ops':>5} {'median':>11} {'GiB/s':>8}")
     for r in rows:
-        print(
-            f"{r['backend']:<10} {r['size_mib']:>6g} MiB {r['ops']:>5} {r['median_s'] * 1e3:>8.3f} ms {r['gib_s']:>8.2f}"
-        )
+        size = f"{r['size_mib']:>6g} MiB"
+        print(f"{r['backend']:<10} {size} {r['ops']:>5} {r['median_s'] * 1e3:>8.3f} ms {r['gib_s']:>8.2f}")
     if args.out:
         meta = {
             "host": platform.node(),

@@ -93,10 +93,18 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` on the engine thread between two steps; return (or raise) its result."""
+        return await asyncio.wrap_future(self.submit(fn))
+
+    def submit(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future[T]:
+        """Thread-safe form of `call` for callers outside the event loop (e.g. gRPC handlers)."""
         self._check_alive()
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         self._commands.put(("call", (fn, future)))
-        return await asyncio.wrap_future(future)
+        return future
+
+    def fail(self, request_id: str, error: BaseException) -> None:
+        """End the stream of `request_id` (if anyone follows it) by raising `error` there."""
+        self._emit(request_id, error)
 
     def _open(self, request_id: str) -> _Stream:
         stream = _Stream(asyncio.get_running_loop())

@@ -34,3 +34,13 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def kimi_linear_tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(kimi_linear_tiny(), tmp_path_factory.mktemp("kimi-linear-tiny"), seed=0)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` need a CUDA device: skipped (not failed) where there is none."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

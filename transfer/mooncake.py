@@ -202,6 +202,7 @@ class MooncakeBackend(TransferBackend):
             batch.status = TransferStatus.DONE
         elif batch.deadline.passed():
             batch.status = TransferStatus.FAILED
+            batch.errors.append("still pending at its deadline")
             log.warning("mooncake: write to %s (%d bytes) still pending at its deadline", batch.peer, batch.nbytes)
             self._orphan_pending(batch)
         self._reap_orphans()
@@ -211,6 +212,10 @@ class MooncakeBackend(TransferBackend):
         batch = self._handles.pop(handle, None)
         if batch is not None and batch.status is TransferStatus.PENDING:
             self._orphan_pending(batch)
+
+    def error(self, handle: int) -> str:
+        """Why a FAILED handle failed ('' otherwise)."""
+        return "; ".join(self._get(handle).errors)
 
     def close(self) -> None:
         if self._closed:

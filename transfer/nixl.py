@@ -15,11 +15,12 @@ UCX environment defaults (set only when unset, before the agent is created):
     ucx_error_handling_mode=none (UCX backend parameter) when UCX_TLS names only intra-host
                            transports (e.g. "shm,self"), which cannot run with the default
                            peer error handling.
-Target buffers are pre-faulted at register() (one byte per page rewritten with its own value):
+The target reads notifications with get_notifications() -> [(sender agent, payload)], the shape
+LocalBackend uses. Target buffers are pre-faulted at register() (one byte per page rewritten with its own value):
 the first transfer into fresh memory otherwise pays the page faults.
 
 Notifications: write(..., notify=msg) delivers `msg` to the target agent after every op of the
-batch has landed; the target reads it with get_notifications(). A batch that mixes memory kinds
+batch has landed. A batch that mixes memory kinds
 (DRAM and VRAM) becomes several NIXL requests; the message is then sent with send_notif once
 all of them are done (from poll()).
 """
@@ -134,7 +135,8 @@ class NixlBackend(TransferBackend):
         try:
             self._agent = api.nixl_agent(self.agent_name, api.nixl_agent_config(backends=[]))
             if backend not in self._agent.get_plugin_list():
-                raise TransferError(f"NIXL plugin {backend!r} not found; available: {self._agent.get_plugin_list()}")
+                plugins = self._agent.get_plugin_list()
+                raise TransferError(f"NIXL plugin {backend!r} not found; available: {plugins}")
             self._agent.create_backend(backend, params)
         except TransferError:
             raise
@@ -272,12 +274,14 @@ class NixlBackend(TransferBackend):
                     self._agent.send_notif(xfer.peer, xfer.notify, self._backend)
                 except Exception as e:
                     xfer.status = TransferStatus.FAILED
+                    xfer.errors.append(f"notification failed: {e}")
                     log.warning("nixl: notification to %s failed: %s", xfer.peer, e)
                     return xfer.status
                 xfer.notify = None
             xfer.status = TransferStatus.DONE
         elif xfer.deadline.passed():
             xfer.status = TransferStatus.FAILED
+            xfer.errors.append("still pending at its deadline")
             log.warning("nixl: write to %s (%d bytes) still pending at its deadline", xfer.peer, xfer.nbytes)
         self._reap_orphans()
         return xfer.status
@@ -287,13 +291,19 @@ class NixlBackend(TransferBackend):
         if xfer is not None:
             self._drop_reqs(xfer)
 
-    def get_notifications(self) -> list[bytes]:
-        """Notifications that arrived since the last call (target side), oldest first per peer."""
+    def get_notifications(self) -> list[tuple[str, bytes]]:
+        """(sender agent name, payload) of every notification that arrived since the last call
+        (target side); same shape as LocalBackend.get_notifications()."""
         self._check_open()
-        out: list[bytes] = []
-        for msgs in self._agent.get_new_notifs().values():
-            out.extend(bytes(m) for m in msgs)
+        out: list[tuple[str, bytes]] = []
+        for sender, msgs in self._agent.get_new_notifs().items():
+            name = sender.decode() if isinstance(sender, bytes) else str(sender)
+            out.extend((name, bytes(m)) for m in msgs)
         return out
+
+    def error(self, handle: int) -> str:
+        """Why a FAILED handle failed ('' otherwise)."""
+        return "; ".join(self._get(handle).errors)
 
     def close(self) -> None:
         if self._closed:

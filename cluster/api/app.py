@@ -95,7 +95,7 @@ async def _serve(raw: Request, client: EngineClient, metrics: IngressMetrics,
     timer = metrics.start_request()
     try:
         prep = prepare()
-        first, stream = await _unless_disconnected(raw, start(client, prep))
+        first, stream = await _unless_disconnected(raw, start(client, prep, timer))
         if prep.stream:
             return StreamingResponse(stream_sse(client, prep, first, stream, timer),
                                      media_type="text/event-stream", headers=SSE_HEADERS)

@@ -170,7 +170,8 @@ def to_api_error(e: BaseException) -> APIError:
 
 
 # ---- run --------------------------------------------------------------------------------------
-async def start(client: EngineClient, prep: Prepared) -> tuple[RequestDelta, AsyncIterator[RequestDelta]]:
+async def start(client: EngineClient, prep: Prepared,
+                timer: RequestTimer) -> tuple[RequestDelta, AsyncIterator[RequestDelta]]:
     """Open the backend stream and wait for its first delta (errors before it propagate)."""
     stream = client.generate(prep.generate_request)
     try:
@@ -181,6 +182,7 @@ async def start(client: EngineClient, prep: Prepared) -> tuple[RequestDelta, Asy
     except BaseException:
         await _close(client, prep.request_id, stream)
         raise
+    _observe(timer, first)
     return first, stream
 
 
@@ -194,13 +196,12 @@ async def stream_sse(client: EngineClient, prep: Prepared, first: RequestDelta,
             yield _sse(fmt.role_chunk())
         delta = first
         while True:
-            timer.on_delta(len(delta.new_token_ids), delta.num_prompt_tokens, delta.num_output_tokens)
             for chunk in fmt.chunks(delta):
                 yield _sse(chunk)
             if delta.finished:
                 finished = True
                 break
-            delta = await _next(stream, prep.request_id)
+            delta = _observe(timer, await _next(stream, prep.request_id))
         if prep.include_usage:
             yield _sse(fmt.usage_chunk())
         timer.finish(fmt.finish_reason)
@@ -223,16 +224,21 @@ async def aggregate(client: EngineClient, prep: Prepared, first: RequestDelta,
     try:
         delta = first
         while True:
-            timer.on_delta(len(delta.new_token_ids), delta.num_prompt_tokens, delta.num_output_tokens)
             fmt.add(delta)
             if delta.finished:
                 finished = True
                 break
-            delta = await _next(stream, prep.request_id)
+            delta = _observe(timer, await _next(stream, prep.request_id))
     finally:
         await _close(client, prep.request_id, stream, abort=not finished)
     timer.finish(fmt.finish_reason)
     return fmt.response()
+
+
+def _observe(timer: RequestTimer, delta: RequestDelta) -> RequestDelta:
+    """Time a delta as soon as it arrives (TTFT / ITL), before any formatting."""
+    timer.on_delta(len(delta.new_token_ids), delta.num_prompt_tokens, delta.num_output_tokens)
+    return delta
 
 
 async def _next(stream: AsyncIterator[RequestDelta], request_id: str) -> RequestDelta:

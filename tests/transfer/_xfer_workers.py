@@ -78,7 +78,7 @@ def receiver(backend: str, options: dict, conn) -> None:
                     deadline = time.monotonic() + 20
                     seen: list[bytes] = []
                     while time.monotonic() < deadline and want_notify not in seen:
-                        seen += b.get_notifications()
+                        seen += [payload for _sender, payload in b.get_notifications()]
                         time.sleep(0.002)
                     got_notify = want_notify if want_notify in seen else seen
                 src = _pattern(SRC, SRC_SEED)
@@ -217,7 +217,9 @@ def roundtrip(backend: str, options: dict | None = None, notify: bytes | None = 
         return {"seconds": secs, "post_seconds": post_s}
 
 
-def peer_crash(backend: str, options: dict | None = None, bound_s: float = 30) -> tuple[list[str], str | None, float]:
+def peer_crash(
+    backend: str, options: dict | None = None, bound_s: float = 30
+) -> tuple[list[str], str | None, float]:
     """One good write, the receiver dies, a second write must fail (FAILED or TransferError)
     within bound_s: never hang, never report DONE."""
     batches = op_plan()

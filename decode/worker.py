@@ -1,0 +1,251 @@
+"""Decode worker: reserves room for a request, receives its prompt state, continues from token 1.
+
+    ingress                 decode worker                                prefill worker(s)
+    admit(id, prompt) --->  reserve blocks + 1 KDA slot (lease) ------>  (address + reservation)
+    stream(id)        <...  (nothing yet)                                writes MLA KV + KDA state
+                            TransferReady(id, rank, first token, sums) <-- one per prefill rank
+                            all ranks in: verify checksums of the landed bytes
+                              ok   -> engine.add_prefilled_request: decode from the first token
+                              bad  -> fail the request loudly, free the reservation, count it
+    deltas            <---  continuous batching with every other request
+
+The control plane (gRPC `DecodeControl`) is served by this object; every operation that touches
+the engine's pools or cache runs on the engine thread (`AsyncEngine.submit`), so the scheduler
+never races a handler. A reservation that is never completed (prefill died, client left) is
+freed when its lease runs out, when the request is aborted, or when the stream is abandoned.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from k3serve.engine.async_engine import AsyncEngine
+from k3serve.engine.config import EngineArgs
+from k3serve.engine.llm_engine import LLMEngine
+from k3serve.engine.outputs import RequestDelta
+from k3serve.engine.sampling_params import SamplingParams
+from k3serve.transfer.backend import AgentInfo
+from k3serve.transfer.backends import make_backend
+from k3serve.transfer.checksum import combine_request_checksums, mismatched_regions, request_checksums
+from k3serve.transfer.control import (
+    ChecksumMismatchError,
+    DecodeControlServer,
+    HandshakeInfo,
+    InvalidArgumentError,
+    NoCapacityError,
+    Reservation,
+    UnknownRequestError,
+)
+from k3serve.transfer.layout import CacheLayout, HeadSlice, compatibility_hash, register_cache
+from k3serve.transfer.metrics import transfer_metrics
+from k3serve.transfer.tp_map import TPMapping, RankCache
+
+
+class HandoffFailedError(RuntimeError):
+    """A request's state did not arrive intact or in time; it is failed, never continued."""
+
+
+@dataclass
+class _Pending:
+    """A reservation waiting for its handoff."""
+
+    reservation: Reservation
+    deadline: float  # monotonic
+    prompt_token_ids: list[int] | None = None
+    params: SamplingParams | None = None
+    shares: dict[int, dict[str, str]] = field(default_factory=dict)  # prefill rank -> checksums
+    first_token_id: int | None = None
+
+
+@dataclass(frozen=True)
+class DecodeStats:
+    num_running: int
+    num_waiting: int
+    num_reserved: int
+    num_free_blocks: int
+    num_free_slots: int
+    block_usage: float
+    slot_usage: float
+
+
+class DecodeWorker:
+    def __init__(
+        self,
+        args: EngineArgs,
+        transfer: str = "local",
+        prefill_tp: int = 1,
+        lease_seconds: float = 30.0,
+        verify_checksums: bool = True,
+        host: str = "127.0.0.1",
+        transfer_options: dict | None = None,
+    ) -> None:
+        self.engine = AsyncEngine(args)
+        self.engine.on_abort = self._on_engine_abort
+        core = self.engine.engine
+        self.lease_seconds = lease_seconds
+        self.verify_checksums = verify_checksums
+        self.prefill_tp = prefill_tp
+        cache = core.runner.cache
+        self.backend = make_backend(transfer, **(transfer_options or {}))
+        self.regions = register_cache(self.backend, cache)
+        self.layout = CacheLayout.from_cache(cache, core.config, tp_rank=0, tp_size=1)
+        self.compat_hash = compatibility_hash(core.config, args.torch_dtype, args.block_size)
+        self.metrics = transfer_metrics().bind(model=core.model_name, role="decode")
+        self._lock = threading.Lock()
+        self._pending: dict[str, _Pending] = {}
+        self._expected_ranks = self._sources(prefill_tp)
+        self.server = DecodeControlServer(self, self.compat_hash, host=host).start()
+
+    @property
+    def control_address(self) -> str:
+        return self.server.address
+
+    def _sources(self, prefill_tp: int) -> set[int]:
+        """Prefill ranks that write into this (rank 0) decode engine, for a prefill pool of TP P."""
+        if self.engine.engine.config.kda.num_heads % prefill_tp:
+            raise ValueError(f"prefill TP {prefill_tp} does not divide the KDA heads")
+        return set(range(prefill_tp))  # with one decode rank, every prefill rank holds some of its heads
+
+    # ---- ingress side -------------------------------------------------------------------------
+    async def admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Reservation:
+        """Reserve room for a request the ingress routes here; raises NoCapacityError if full."""
+        reservation = await self.engine.call(lambda e: self._reserve(e, request_id, len(prompt_token_ids)))
+        with self._lock:
+            pending = self._pending.get(request_id)
+            if pending is not None:
+                pending.prompt_token_ids, pending.params = list(prompt_token_ids), params
+        return reservation
+
+    def stream(self, request_id: str) -> AsyncIterator[RequestDelta]:
+        return self.engine.stream(request_id)
+
+    async def abort_request(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    async def stats(self) -> DecodeStats:
+        def read(e: LLMEngine) -> DecodeStats:
+            s = e.scheduler
+            return DecodeStats(
+                num_running=s.num_running, num_waiting=s.num_waiting, num_reserved=len(self._pending),
+                num_free_blocks=s.block_pool.num_free_blocks, num_free_slots=s.state_pool.num_free,
+                block_usage=s.block_pool.usage, slot_usage=s.state_pool.usage,
+            )
+        self._expire_leases()
+        return await self.engine.call(read)
+
+    def shutdown(self) -> None:
+        self.server.stop(grace=1.0)
+        self.engine.shutdown()
+        self.backend.close()
+
+    # ---- DecodeControlHandler (gRPC threads) ---------------------------------------------------
+    def handshake(self, peer: AgentInfo, layout_json: str, tp_size: int, tp_rank: int) -> HandshakeInfo:
+        if tp_size != self.prefill_tp:
+            raise InvalidArgumentError(f"this decode pool expects prefill TP {self.prefill_tp}, peer has {tp_size}")
+        peer_layout = CacheLayout.from_json(layout_json)
+        TPMapping([RankCache(peer_layout, {r.name: r for r in peer.regions})], [self._rank_cache()])  # validates
+        return HandshakeInfo(self.backend.agent_info(), self.layout.to_json(), 1, 0)
+
+    def reserve(self, request_id: str, num_tokens: int, lease_seconds: float) -> Reservation:
+        return self.engine.submit(lambda e: self._reserve(e, request_id, num_tokens, lease_seconds)).result()
+
+    def transfer_ready(
+        self, request_id: str, from_rank: int, first_token_id: int, num_tokens: int, checksums: dict[str, str]
+    ) -> None:
+        with self._lock:
+            pending = self._pending.get(request_id)
+            if pending is None:
+                raise UnknownRequestError(f"request {request_id!r} holds no reservation here (aborted or expired)")
+            if from_rank not in self._expected_ranks:
+                raise InvalidArgumentError(f"rank {from_rank} does not write into this decode engine")
+            pending.shares[from_rank] = checksums
+            pending.first_token_id = first_token_id
+            complete = set(pending.shares) == self._expected_ranks
+        if not complete:
+            return
+        if pending.params is None or len(pending.prompt_token_ids or ()) != num_tokens:
+            self._fail(request_id, HandoffFailedError(f"handoff of {request_id!r} does not match what was admitted"))
+            raise InvalidArgumentError(f"request {request_id!r}: {num_tokens} tokens, admitted {pending.prompt_token_ids!r:.40}")
+        self.engine.submit(lambda e: self._adopt(e, request_id, pending)).result()
+
+    def abort(self, request_id: str, reason: str) -> None:
+        self.engine.submit(lambda e: self._drop_reservation(e, request_id, HandoffFailedError(reason))).result()
+
+    def heartbeat(self, request_ids: list[str], sender: str) -> list[str]:
+        now = time.monotonic()
+        unknown = []
+        with self._lock:
+            for rid in request_ids:
+                pending = self._pending.get(rid)
+                if pending is None:
+                    unknown.append(rid)
+                else:
+                    pending.deadline = max(pending.deadline, now + self.lease_seconds)
+        self._expire_leases()
+        return unknown
+
+    # ---- engine thread ---------------------------------------------------------------------------
+    def _reserve(self, e: LLMEngine, request_id: str, num_tokens: int, lease_seconds: float | None = None) -> Reservation:
+        with self._lock:
+            if request_id in self._pending or request_id in e.scheduler.requests:
+                raise InvalidArgumentError(f"request {request_id!r} is already here")
+        held = e.reserve(num_tokens)
+        if held is None:
+            raise NoCapacityError(f"no capacity for {num_tokens} tokens: {e.scheduler.block_pool.num_free_blocks} free blocks, "
+                                  f"{e.scheduler.state_pool.num_free} free slots")
+        lease = lease_seconds or self.lease_seconds
+        reservation = Reservation(tuple(held[0]), held[1], time.time() + lease)
+        with self._lock:
+            self._pending[request_id] = _Pending(reservation, time.monotonic() + lease)
+        return reservation
+
+    def _adopt(self, e: LLMEngine, request_id: str, pending: _Pending) -> None:
+        with self._lock:
+            if self._pending.pop(request_id, None) is None:
+                raise UnknownRequestError(f"request {request_id!r} was aborted during its handoff")
+        res = pending.reservation
+        if self.verify_checksums:
+            expected = combine_request_checksums(pending.shares.values())
+            landed = request_checksums(
+                e.runner.cache, self.layout, res.block_ids, res.slot_id, len(pending.prompt_token_ids),
+                HeadSlice.whole_shard(self.layout),
+            )
+            bad = mismatched_regions(expected, landed, self.metrics)
+            if bad:
+                e.cancel_reservation(list(res.block_ids), res.slot_id)
+                error = ChecksumMismatchError(f"request {request_id!r}: state corrupted in transfer, regions {bad}")
+                self.engine.fail(request_id, HandoffFailedError(str(error)))
+                raise error
+        e.add_prefilled_request(
+            request_id, pending.prompt_token_ids, pending.first_token_id, pending.params, list(res.block_ids), res.slot_id
+        )
+
+    def _drop_reservation(self, e: LLMEngine, request_id: str, error: BaseException) -> bool:
+        with self._lock:
+            pending = self._pending.pop(request_id, None)
+        if pending is None:
+            return False
+        e.cancel_reservation(list(pending.reservation.block_ids), pending.reservation.slot_id)
+        self.engine.fail(request_id, error)
+        return True
+
+    def _on_engine_abort(self, request_id: str) -> None:
+        """Engine thread, after any abort (incl. an abandoned stream): free a pending reservation."""
+        self._drop_reservation(self.engine.engine, request_id, HandoffFailedError("aborted"))
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        self.engine.submit(lambda e: self._drop_reservation(e, request_id, error))
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            expired = [rid for rid, p in self._pending.items() if p.deadline < now]
+        for rid in expired:
+            self.metrics.lease_expired()
+            self._fail(rid, HandoffFailedError(f"request {rid!r}: no handoff within its lease"))
+
+    def _rank_cache(self) -> RankCache:
+        return RankCache(self.layout, self.regions)

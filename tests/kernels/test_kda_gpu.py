@@ -1,0 +1,102 @@
+"""KDA on the GPU (fla): chunked prefill with fp32 in-pass checkpoints and pooled decode against the
+fp32 torch reference, at the benchmarked shapes (8K tokens, 12 and 32 heads; decode batch 1-64)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3serve.kernels import kda
+from k3serve.kernels.kda import chunk_kda, kda_decode, kda_gate, naive
+
+from _close import assert_rel_rms
+
+pytestmark = pytest.mark.gpu
+
+K = V = 128
+POISON = 1e30
+TOL = 1e-2  # bf16 q, k, v and bf16 intermediates inside fla: relative RMS error lands at a few 1e-3
+
+
+def _inputs(T: int, H: int, B: int = 1, dev: str = "cuda"):
+    """bf16 q, k, v; K3 bounded gate g in (-5, 0) fp32; beta in (0, 1)."""
+    q = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
+    f = torch.randn(B, T, H, K, device=dev)
+    g = kda_gate(f, torch.rand(H, device=dev) * 2 - 1, torch.randn(H * K, device=dev), -5.0)
+    beta = torch.rand(B, T, H, device=dev)
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("safe_gate", [True, False], ids=["safe-gate", "plain-gate"])
+@pytest.mark.parametrize("H", [12, 32], ids=lambda h: f"H{h}")
+def test_chunk_8k_varlen_checkpoints(H: int, safe_gate: bool) -> None:
+    """8192 tokens as 3 sequences with random fp32 initial states; checkpoints mid-chunk, on a chunk
+    edge, at the very end, and none."""
+    lens = [3001, 64, 1000, 4127]
+    cu = torch.tensor([0, *lens], device="cuda").cumsum(0)
+    q, k, v, g, beta = _inputs(sum(lens), H)
+    h0 = torch.randn(len(lens), H, K, V, device="cuda")
+    offsets = torch.tensor([1500, 64, -1, 4127], device="cuda")
+    args = dict(initial_state=h0, cu_seqlens=cu, checkpoint_offsets=offsets, use_qk_l2norm_in_kernel=True)
+    o, final, checkpoints = chunk_kda(q, k, v, g, beta, gate_lower_bound=-5.0 if safe_gate else None, **args)
+    assert kda.last_backend["chunk_kda"] == "fla"
+    assert final.dtype == checkpoints.dtype == torch.float32
+    ref_o, ref_final, ref_cp = naive.chunk_kda(q, k, v, g, beta, **args)
+    assert_rel_rms("o", ref_o, o, TOL)
+    assert_rel_rms("final_state", ref_final, final, TOL)
+    wanted = offsets >= 0
+    assert_rel_rms("checkpoints", ref_cp[wanted], checkpoints[wanted], TOL)
+    assert torch.equal(checkpoints[~wanted], torch.zeros_like(checkpoints[~wanted]))
+
+
+def test_chunk_batch_rows_no_state() -> None:
+    """B = 2 rows without cu_seqlens, zero initial state, explicit scale, no checkpoints."""
+    q, k, v, g, beta = _inputs(1000, 12, B=2)
+    o, final, checkpoints = chunk_kda(q, k, v, g, beta, 0.05, use_qk_l2norm_in_kernel=True, gate_lower_bound=-5.0)
+    assert kda.last_backend["chunk_kda"] == "fla" and checkpoints is None
+    ref_o, ref_final, _ = naive.chunk_kda(q, k, v, g, beta, 0.05, use_qk_l2norm_in_kernel=True)
+    assert_rel_rms("o", ref_o, o, TOL)
+    assert_rel_rms("final_state", ref_final, final, TOL)
+
+
+@pytest.mark.parametrize("N", [1, 4, 16, 64], ids=lambda n: f"N{n}")
+@pytest.mark.parametrize("H", [12, 32], ids=lambda h: f"H{h}")
+def test_decode_pool_in_place(H: int, N: int) -> None:
+    """A pool 3x the batch, unused slots poisoned: used slots advance exactly like the reference, the
+    rest stay bit-identical."""
+    num_slots = 3 * N + 1
+    pool = torch.full((num_slots, H, K, V), POISON, device="cuda")
+    slots = torch.randperm(num_slots, device="cuda")[:N]
+    pool[slots] = torch.randn(N, H, K, V, device="cuda")
+    q, k, v, g, beta = (t[0] for t in _inputs(N, H))
+    ref_pool = pool.clone()
+    o = kda_decode(q, k, v, g, beta, pool, slots, use_qk_l2norm_in_kernel=True)
+    assert kda.last_backend["kda_decode"] == "fla"
+    ref_o = naive.kda_decode(q, k, v, g, beta, ref_pool, slots, None, True)
+    assert_rel_rms("o", ref_o, o, TOL)
+    assert_rel_rms("state", ref_pool[slots], pool[slots], 1e-5)
+    unused = torch.ones(num_slots, dtype=torch.bool, device="cuda")
+    unused[slots] = False
+    assert torch.equal(pool[unused], ref_pool[unused])
+
+
+def test_prefill_then_decode_continues_the_state() -> None:
+    """Prefill's fp32 final state feeds decode: 200 prefill tokens + 1 decode token == 201 tokens."""
+    H = 12
+    q, k, v, g, beta = _inputs(201, H)
+    _, final, _ = chunk_kda(*(t[:, :200] for t in (q, k, v, g, beta)), use_qk_l2norm_in_kernel=True)
+    pool = final.clone()
+    o = kda_decode(q[0, 200:], k[0, 200:], v[0, 200:], g[0, 200:], beta[0, 200:], pool,
+                   torch.tensor([0], device="cuda"), use_qk_l2norm_in_kernel=True)
+    ref_o, ref_final, _ = naive.recurrent_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    assert_rel_rms("o_decode", ref_o[0, 200:], o, TOL)
+    assert_rel_rms("state", ref_final, pool, TOL)
+
+
+def test_fp32_inputs_fall_back_to_the_reference() -> None:
+    """fla takes bf16/fp16 only: fp32 inputs run the reference, and say so."""
+    q, k, v, g, beta = (t.float() if t.dtype == torch.bfloat16 else t for t in _inputs(70, 2))
+    chunk_kda(q, k, v, g, beta)
+    assert kda.last_backend["chunk_kda"] == "naive"
