@@ -81,7 +81,9 @@ class DecodeWorker:
         verify_checksums: bool = True,
         host: str = "127.0.0.1",
         transfer_options: dict | None = None,
+        name: str = "decode-0",
     ) -> None:
+        self.name = name
         self.engine = AsyncEngine(args)
         self.engine.on_abort = self._on_engine_abort
         core = self.engine.engine
@@ -96,11 +98,15 @@ class DecodeWorker:
         self.metrics = transfer_metrics().bind(model=core.model_name, role="decode")
         self._lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}
+        self._streams: dict[str, AsyncIterator[RequestDelta]] = {}  # admitted, not yet followed
         self._expected_ranks = self._sources(prefill_tp)
         self.server = DecodeControlServer(self, self.compat_hash, host=host).start()
 
     @property
     def control_address(self) -> str:
+        return self.server.address
+
+    async def address(self) -> str:
         return self.server.address
 
     def _sources(self, prefill_tp: int) -> set[int]:
@@ -111,18 +117,28 @@ class DecodeWorker:
 
     # ---- ingress side -------------------------------------------------------------------------
     async def admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Reservation:
-        """Reserve room for a request the ingress routes here; raises NoCapacityError if full."""
+        """Reserve room for a request the ingress routes here; raises NoCapacityError if full.
+        Its delta stream is opened now, so nothing the handoff produces can be missed."""
         reservation = await self.engine.call(lambda e: self._reserve(e, request_id, len(prompt_token_ids)))
         with self._lock:
             pending = self._pending.get(request_id)
             if pending is not None:
                 pending.prompt_token_ids, pending.params = list(prompt_token_ids), params
+        self._streams[request_id] = self.engine.stream(request_id)
         return reservation
 
-    def stream(self, request_id: str) -> AsyncIterator[RequestDelta]:
-        return self.engine.stream(request_id)
+    async def stream(self, request_id: str) -> AsyncIterator[RequestDelta]:
+        """The deltas of an admitted request, from its first token to the end."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            raise UnknownRequestError(f"request {request_id!r} was not admitted here (or is already streamed)")
+        async for delta in stream:
+            yield delta
 
     async def abort_request(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            await stream.aclose()
         await self.engine.abort(request_id)
 
     async def stats(self) -> DecodeStats:

@@ -51,6 +51,20 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from k3serve.cluster.config import ServeConfig
+    from k3serve.cluster.serve import run
+
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "config")}
+    return run(ServeConfig.load(args.config, **flags))
+
+
+def _status(args: argparse.Namespace) -> int:
+    from k3serve.cluster.status import print_status
+
+    return print_status(args.url)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="k3serve",
@@ -98,6 +112,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.set_defaults(func=_generate)
+
+    p = sub.add_parser(
+        "serve",
+        help="serve the OpenAI API (disaggregated prefill/decode pools, or colocated)",
+        description="Start prefill and decode pools (Ray actors by default) and an OpenAI-compatible ingress. "
+        "With no --model it writes the tiny K3 checkpoint once and serves it. Flags override --config YAML "
+        "(keys: the flag names with underscores).",
+    )
+    p.add_argument("--model", help="checkpoint directory or preset (default: k3-tiny)")
+    p.add_argument("--mode", choices=["disaggregated", "colocated"])
+    p.add_argument("--transfer", choices=["mooncake", "nixl", "local"], help="state transfer backend (default: mooncake)")
+    p.add_argument("--launcher", choices=["ray", "local"], help="Ray actors (default) or in-process workers")
+    p.add_argument("--prefill-replicas", type=int)
+    p.add_argument("--decode-replicas", type=int)
+    p.add_argument("--prefill-tp", type=int)
+    p.add_argument("--decode-tp", type=int)
+    p.add_argument("--host")
+    p.add_argument("--port", type=int, help="0 picks a free port (printed)")
+    p.add_argument("--served-model-name")
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--max-num-batched-tokens", type=int, help="base token budget per step")
+    p.add_argument("--cache-memory-bytes", type=int, help="CPU: cache bytes per engine")
+    p.add_argument("--device")
+    p.add_argument("--ray-address", help="join an existing Ray cluster")
+    p.add_argument("--config", type=Path, help="YAML file with any of the options above")
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("status", help="health, model and pool usage of a running server")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    p.set_defaults(func=_status)
     return parser
 
 

@@ -71,7 +71,9 @@ class PrefillWorker:
         lease_seconds: float = 30.0,
         transfer_timeout_s: float = 30.0,
         transfer_options: dict | None = None,
+        name: str = "prefill-0",
     ) -> None:
+        self.name = name
         self.engine = AsyncEngine(args)
         core = self.engine.engine
         self.lease_seconds = lease_seconds

@@ -176,7 +176,10 @@ def kda_decode(
     S = state_pool.shape[0]
     if state_indices.dtype != torch.int64 or state_indices.shape != (N,):
         raise ValueError(f"state_indices must be int64 [N={N}], got {state_indices.dtype} {tuple(state_indices.shape)}")
-    if ((state_indices < 0) | (state_indices >= S)).any() or state_indices.unique().numel() != N:
+    # Values are checked where they live on the CPU; GPU-resident indices come from the slot pool and are
+    # trusted, so a decode step costs no sync per layer.
+    if not state_indices.is_cuda and (((state_indices < 0) | (state_indices >= S)).any()
+                                      or state_indices.unique().numel() != N):
         raise ValueError(f"state_indices must be distinct slots in [0, {S}), got {state_indices.tolist()}")
     if on_cuda(q, k, v, g, beta, state_pool) and has_module("fla"):
         from . import fla_ops

@@ -14,7 +14,6 @@ block size), else `naive.py`; `last_backend[name]` records which.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from .._backend import has_module, on_cuda
@@ -32,8 +31,11 @@ def _check_cu_seqlens(name: str, cu_seqlens: Tensor, total: int) -> None:
         raise ValueError(f"{name} must rise from 0 to {total}, got {cu_seqlens.tolist()}")
 
 
-def _check_paged(kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor) -> list[int]:
-    """Returns seq_lens as a list. One vectorized check of the used table entries (one sync on a GPU)."""
+def _check_paged(kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor) -> int:
+    """Returns max(seq_lens) (or, for seq_lens on a GPU, the table's capacity, to avoid a sync).
+
+    The values (lengths in range, used table entries naming real blocks) are checked where they live on
+    the CPU; tensors already on a GPU are trusted (the block pool built them), so decode needs no sync."""
     if kv_cache.dim() != 3:
         raise ValueError(f"kv_cache must be [num_blocks, block_size, L+R], got {tuple(kv_cache.shape)}")
     if block_tables.dim() != 2 or block_tables.is_floating_point():
@@ -45,17 +47,18 @@ def _check_paged(kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor) -> li
             f"seq_lens must be integer [N={block_tables.shape[0]}], got {seq_lens.dtype} {tuple(seq_lens.shape)}"
         )
     num_blocks, block_size, _ = kv_cache.shape
+    capacity = block_tables.shape[1] * block_size
+    if seq_lens.is_cuda:
+        return capacity
     lens = seq_lens.tolist()
-    if any(n < 0 or n > block_tables.shape[1] * block_size for n in lens):
-        raise ValueError(f"seq_lens {lens} must lie in [0, max_blocks*block_size={block_tables.shape[1] * block_size}]")
-    used_blocks = torch.tensor([-(-n // block_size) for n in lens], device=block_tables.device)
-    used = torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] < used_blocks[:, None]
-    bad = (used & ((block_tables < 0) | (block_tables >= num_blocks))).any(dim=1)
-    if bad.any():
-        n = int(bad.nonzero()[0])
-        raise ValueError(f"block_tables[{n}] uses a block outside [0, {num_blocks}): "
-                         f"{block_tables[n, : used_blocks[n]].tolist()}")
-    return lens
+    if any(n < 0 or n > capacity for n in lens):
+        raise ValueError(f"seq_lens {lens} must lie in [0, max_blocks*block_size={capacity}]")
+    if not block_tables.is_cuda:
+        for n, length in enumerate(lens):
+            used = block_tables[n, : -(-length // block_size)]
+            if ((used < 0) | (used >= num_blocks)).any():
+                raise ValueError(f"block_tables[{n}] uses a block outside [0, {num_blocks}): {used.tolist()}")
+    return max(lens, default=0)
 
 
 def mla_prefill_attention(
@@ -116,10 +119,10 @@ def mla_decode_paged(
 ) -> tuple[Tensor, Tensor]:
     """Absorbed MLA decode, one query token per sequence.
 
-    q_latent [N, H, L] (= q_nope @ W_UK), q_pe [N, H, R]; scores = (q_latent·c + q_pe·k_pe) * scale over
+    q_latent [N, H, L] (= q_nope @ W_UK), q_pe [N, H, R] (on the GPU rounded to the cache dtype); scores = (q_latent·c + q_pe·k_pe) * scale over
     the seq_lens[n] cached tokens. Returns (o_latent [N, H, L] in q_latent.dtype, lse [N, H] fp32, natural
     log); apply W_UV to o_latent afterwards. A sequence with 0 tokens (an empty DCP shard) gives 0, -inf."""
-    lens = _check_paged(kv_cache, block_tables, seq_lens)
+    max_seq_len = _check_paged(kv_cache, block_tables, seq_lens)
     if q_latent.dim() != 3 or q_pe.dim() != 3 or q_pe.shape[:2] != q_latent.shape[:2]:
         raise ValueError(
             f"q_latent must be [N, H, L] and q_pe [N, H, R], got {tuple(q_latent.shape)} and {tuple(q_pe.shape)}"
@@ -136,8 +139,10 @@ def mla_decode_paged(
 
         if triton_decode.supports(q_latent, q_pe, kv_cache):
             last_backend["mla_decode_paged"] = "triton"
-            return triton_decode.mla_decode_paged(q_latent.contiguous(), q_pe.contiguous(), kv_cache, block_tables,
-                                                  seq_lens, scale, max(lens, default=0))
+            o, lse = triton_decode.mla_decode_paged(q_latent.to(kv_cache.dtype).contiguous(),
+                                                    q_pe.to(kv_cache.dtype).contiguous(), kv_cache, block_tables,
+                                                    seq_lens, scale, max_seq_len)
+            return o.to(q_latent.dtype), lse
     last_backend["mla_decode_paged"] = "naive"
     return naive.mla_decode_paged(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale, kv_lora_rank)
 

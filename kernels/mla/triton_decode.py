@@ -32,10 +32,10 @@ def _pow2(x: int) -> bool:
 
 
 def supports(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor) -> bool:
+    """Cache in bf16/fp16 (queries are cast to it), power-of-2 L, R and block size, unit inner stride."""
     L, R, block_size = q_latent.shape[-1], q_pe.shape[-1], kv_cache.shape[1]
-    same = q_latent.dtype == q_pe.dtype == kv_cache.dtype
     shapes = _pow2(L) and _pow2(R) and _pow2(block_size) and block_size >= 16 and kv_cache.stride(-1) == 1
-    return same and q_latent.dtype in DTYPES and shapes and q_latent.shape[0] > 0
+    return kv_cache.dtype in DTYPES and shapes and q_latent.shape[0] > 0
 
 
 @triton.jit

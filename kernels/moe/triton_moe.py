@@ -164,7 +164,9 @@ def route(topk_ids: Tensor, expert_start: int, num_local: int) -> tuple[Tensor, 
     key = topk_ids.reshape(-1).to(torch.int32) - expert_start
     key = torch.where((key >= 0) & (key < num_local), key, num_local)
     order = torch.sort(key, stable=True).indices.to(torch.int32)
-    counts = torch.bincount(key.long(), minlength=num_local + 1)[:num_local].to(torch.int32)
+    ones = torch.ones_like(key)
+    counts = torch.zeros(num_local + 1, dtype=torch.int32, device=key.device).scatter_add_(0, key.long(), ones)
+    counts = counts[:num_local]  # scatter_add, not bincount: bincount syncs to size its output
     starts = (torch.cumsum(counts, 0, dtype=torch.int32) - counts).to(torch.int32)
     active = torch.argsort((counts == 0).to(torch.int8), stable=True).to(torch.int32)
     num_active = (counts > 0).sum(dtype=torch.int32).reshape(1)

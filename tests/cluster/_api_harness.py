@@ -51,7 +51,10 @@ class EngineAdapter:
     async def check_health(self) -> None:
         if self.unhealthy:
             raise RuntimeError("unhealthy by request of the test")
-        if not self.engine._thread.is_alive():
+        engine_check = getattr(self.engine, "check_health", None)
+        if engine_check is not None:
+            await engine_check()
+        elif not self.engine._thread.is_alive():
             raise RuntimeError("the engine thread stopped")
 
 

@@ -7,10 +7,11 @@ import json
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from k3serve.cluster.api import EngineOverloadedError
-from k3serve.cluster.metrics import ITL_BUCKETS, REQUEST_TIME_BUCKETS, TTFT_BUCKETS
+from k3serve.cluster.api import EngineClient, EngineOverloadedError, build_app
+from k3serve.cluster.metrics import ITL_BUCKETS, REQUEST_TIME_BUCKETS, TTFT_BUCKETS, IngressMetrics
 from k3serve.engine.async_engine import EngineDeadError
 
 from _api_harness import wait_pools_free
@@ -114,6 +115,17 @@ async def test_completion_logprobs(http):
         assert logprob <= 0 and 2 <= len(top) <= 3 and top[token] == logprob
         assert logprob == max(top.values())  # greedy: the chosen token is the best
     assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
+
+
+async def test_bare_async_engine_is_an_engine_client(engine):
+    if not all(hasattr(engine, name) for name in ("model_name", "max_model_len", "check_health")):
+        pytest.skip("this AsyncEngine lacks the EngineClient attributes")
+    assert isinstance(engine, EngineClient)
+    app = build_app(engine, IngressMetrics(CollectorRegistry(), model_name=engine.model_name))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ingress") as h:
+        assert (await h.get("/health")).status_code == 200
+        r = await h.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
 # ---- chat ---------------------------------------------------------------------------------------

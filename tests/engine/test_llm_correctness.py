@@ -104,6 +104,9 @@ def test_greedy_tokens_equal_the_naive_loop(variant: Variant, make_llm, greedy_o
     if variant.forces_preemption:
         args["cache_memory_bytes"] = cache_bytes_for(tiny_checkpoint, PREEMPTION_NUM_BLOCKS, 2 * args["max_num_seqs"])
     llm = make_llm(**args)
+    scheduler_config = llm.engine.scheduler.config
+    for name, value in args.items():  # the engine passed the variant's knobs through
+        assert getattr(scheduler_config, name, value) == value, name
     if variant.forces_preemption:
         assert llm.engine.plan.num_blocks == PREEMPTION_NUM_BLOCKS
     prompts = mixed_prompts()

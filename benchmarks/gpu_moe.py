@@ -1,0 +1,111 @@
+"""MXFP4 latent MoE at K3 per-rank shapes (latent 3584, intermediate 3072, 112 local experts, top-16 of
+896, 1-64 tokens), ours vs torch.
+
+    python benchmarks/gpu_moe.py [--out gpu_moe.json] [--smoke]
+
+ours = k3serve.kernels.moe.fused_experts (Triton w4a16: upcast in registers, SiTU-GLU and the weighted
+top-k sum fused); anchors = dequantize the routed experts to bf16 + torch bmm, and the same bmm on an
+already-bf16 bank (4x the weight bytes). Floor = routed experts' MXFP4 bytes / copy bandwidth (FLOPs
+are far below the matmul rate at these token counts)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from _gpu_common import ceilings, check, device, floor_us, graph_ms, parse_args, rel_err, report, time_ms
+from k3serve.kernels import moe
+from k3serve.kernels.moe import ExpertWeights, fused_experts, naive, situ_glu
+from k3serve.kernels.mxfp4 import MXFP4Tensor, dequantize_mxfp4
+
+SITU = functools.partial(situ_glu, beta=4.0, linear_beta=25.0)
+TOL = 1e-2
+
+
+def random_mxfp4(*shape: int, dev) -> MXFP4Tensor:
+    *lead, out, inp = shape
+    packed = torch.randint(0, 256, (*lead, out, inp // 2), dtype=torch.uint8, device=dev)
+    scales = torch.randint(119, 123, (*lead, out, inp // 32), dtype=torch.uint8, device=dev)
+    return MXFP4Tensor(packed, scales)
+
+
+class TorchExperts:
+    """The anchor: routed experts' rows padded per expert, bmm, SiTU, bmm, weighted index_add."""
+
+    def __init__(self, x, weights: ExpertWeights, topk_weights, topk_ids, expert_start: int):
+        local = topk_ids - expert_start
+        ok = (local >= 0) & (local < weights.w1.shape[0])
+        self.experts = torch.unique(local[ok])  # [A]
+        rows = [torch.nonzero(local == e, as_tuple=True) for e in self.experts.tolist()]
+        m = max(len(t) for t, _ in rows)
+        self.x = x.new_zeros(len(rows), m, x.shape[1])  # [A, M, D]
+        self.w = torch.zeros(len(rows), m, device=x.device)
+        self.tok = torch.zeros(len(rows), m, dtype=torch.int64, device=x.device)
+        for a, (t, j) in enumerate(rows):
+            self.x[a, : len(t)], self.w[a, : len(t)], self.tok[a, : len(t)] = x[t], topk_weights[t, j], t
+        self.weights, self.T, self.D = weights, x.shape[0], x.shape[1]
+        self.bf16 = [self.dequant(w) for w in (weights.w1, weights.w3, weights.w2)]
+
+    def dequant(self, w: MXFP4Tensor) -> torch.Tensor:
+        return dequantize_mxfp4(w.packed[self.experts], w.scales[self.experts], torch.bfloat16)
+
+    def run(self, w1, w3, w2) -> torch.Tensor:
+        h = SITU(torch.bmm(self.x, w1.transpose(1, 2)), torch.bmm(self.x, w3.transpose(1, 2)))
+        y = torch.bmm(h, w2.transpose(1, 2)).float() * self.w[..., None]  # [A, M, D]
+        out = torch.zeros(self.T, self.D, device=y.device)
+        return out.index_add_(0, self.tok.flatten(), y.flatten(0, 1))
+
+    def dequant_and_run(self) -> torch.Tensor:
+        return self.run(*(self.dequant(w) for w in (self.weights.w1, self.weights.w3, self.weights.w2)))
+
+
+def row(T: int, weights: ExpertWeights, top_k: int, num_total: int, dev, ceil) -> dict:
+    E, I, D = weights.w1.shape
+    x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
+    while True:  # fresh routing; at least one pair on this rank (T=1 misses it about 1 time in 8)
+        topk_ids = torch.stack([torch.randperm(num_total, device=dev)[:top_k] for _ in range(T)])
+        if (topk_ids < E).any():
+            break
+    topk_weights = torch.rand(T, top_k, device=dev)
+    out = fused_experts(x, weights, topk_weights, topk_ids, SITU, 0)
+    backend = moe.last_backend["fused_experts"]
+    ref = naive.fused_experts(x, weights, topk_weights, topk_ids, SITU, 0)
+    err = rel_err(ref, out)
+    check(f"moe T{T}", err, TOL)
+    anchor = TorchExperts(x, weights, topk_weights, topk_ids, 0)
+    check("torch anchor", rel_err(ref, anchor.run(*anchor.bf16)), TOL)
+    num_active = anchor.experts.numel()
+    ours = lambda: fused_experts(x, weights, topk_weights, topk_ids, SITU, 0)  # noqa: E731
+    graph = graph_ms(ours, dev)
+    pairs = int(((topk_ids >= 0) & (topk_ids < E)).sum())
+    bytes_moved = num_active * 3 * I * D * (0.5 + 1 / 32) + T * D * (2 + 4)
+    flops = pairs * 6 * I * D
+    return dict(op="moe mxfp4", shape=f"T{T} (experts {num_active}, rows {pairs})", ours=time_ms(ours, dev) * 1e3,
+                graph=None if graph is None else graph * 1e3,
+                anchor=time_ms(anchor.dequant_and_run, dev) * 1e3, anchor_is="dequant to bf16 + bmm",
+                bf16_bank=time_ms(lambda: anchor.run(*anchor.bf16), dev) * 1e3,
+                floor=floor_us(bytes_moved, flops, ceil), err=f"{err:.1e}", backend=backend)
+
+
+def main() -> None:
+    args = parse_args(__doc__)
+    dev = device(args.smoke)
+    torch.manual_seed(0)
+    ceil = ceilings(dev, args.smoke)
+    E, I, D, top_k, total, tokens = (4, 64, 128, 4, 16, [1, 5]) if args.smoke else (112, 3072, 3584, 16, 896,
+                                                                                     [1, 4, 16, 64])
+    weights = ExpertWeights(random_mxfp4(E, I, D, dev=dev), random_mxfp4(E, I, D, dev=dev),
+                            random_mxfp4(E, D, I, dev=dev))
+    rows = [row(T, weights, top_k, total, dev, ceil) for T in tokens]
+    for r in rows:
+        r["x_floor"] = f"{r['ours'] / r['floor']:.1f}"
+        r["graph_x_floor"] = "-" if r["graph"] is None else f"{r['graph'] / r['floor']:.1f}"
+    columns = ["op", "shape", "ours", "graph", "anchor", "anchor_is", "bf16_bank", "floor", "x_floor",
+               "graph_x_floor", "err", "backend"]
+    report(f"MXFP4 MoE, one EP rank (us; D {D}, I {I}, {E} local of {total} experts, top-{top_k})", columns, rows,
+           ceil, args.out, dev)
+
+
+if __name__ == "__main__":
+    main()

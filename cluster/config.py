@@ -1,0 +1,72 @@
+"""`k3serve serve` configuration: flags and/or a YAML file, validated once, here.
+
+YAML keys are the long flag names with dashes as underscores (`prefill_replicas: 2`); flags given
+on the command line win over the file. Cross-checks that would otherwise fail deep inside a
+worker (a TP size that does not divide the heads, a transfer backend without its package) fail
+here with the field's name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class ServeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field("k3-tiny", description="checkpoint directory, or a small preset written once and served")
+    mode: Literal["disaggregated", "colocated"] = Field("disaggregated", description="separate prefill/decode pools, or one engine")
+    transfer: Literal["mooncake", "nixl", "local"] = Field(
+        "mooncake", description="how prefill state reaches decode; 'local' needs the in-process launcher"
+    )
+    launcher: Literal["ray", "local"] = Field("ray", description="Ray actors (pools with restarts) or in-process workers")
+    prefill_replicas: int = Field(1, ge=1, description="prefill engines")
+    decode_replicas: int = Field(1, ge=1, description="decode engines")
+    prefill_tp: int = Field(1, ge=1, description="tensor-parallel ranks per prefill engine")
+    decode_tp: int = Field(1, ge=1, description="tensor-parallel ranks per decode engine")
+    host: str = Field("127.0.0.1", description="ingress bind address")
+    port: int = Field(8000, ge=0, le=65535, description="ingress port (0 = any free port, printed at start)")
+    served_model_name: str | None = Field(None, description="model id clients use; default: preset or directory name")
+    block_size: int = Field(64, ge=1, description="tokens per MLA KV block (and KDA checkpoint granularity)")
+    max_model_len: int = Field(4096, ge=2, description="prompt + output tokens per request")
+    max_num_seqs: int = Field(64, ge=1, description="running requests per engine")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="base token budget per step (adaptive above it)")
+    cache_memory_bytes: int | None = Field(None, gt=0, description="CPU: bytes for MLA blocks + KDA slots per engine")
+    device: str = Field("cpu", description="'cpu' or 'cuda'")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    seed: int = Field(0, description="weights seed of a preset checkpoint; engine RNG seed")
+    lease_seconds: float = Field(30.0, gt=0, description="longest a reservation or pinned state waits for its handoff")
+    verify_checksums: bool = Field(True, description="decode verifies every handoff's checksums before continuing")
+    ray_address: str | None = Field(None, description="join this Ray cluster; default: start a local one")
+
+    @model_validator(mode="after")
+    def _cross_check(self) -> "ServeConfig":
+        if self.mode == "disaggregated" and self.transfer == "local" and self.launcher == "ray":
+            raise ValueError("transfer 'local' moves bytes inside one process: use --launcher local, or mooncake / nixl")
+        if self.decode_tp != 1:
+            raise ValueError(f"decode_tp={self.decode_tp}: decode engines run one rank per replica in this release")
+        if self.mode == "colocated" and self.prefill_tp != 1:
+            raise ValueError("colocated mode runs one engine with prefill_tp=1")
+        return self
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, **overrides: Any) -> "ServeConfig":
+        """File values, then `overrides` (flags that were given; None means not given)."""
+        data: dict[str, Any] = {}
+        if path is not None:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+            if not isinstance(loaded, dict):
+                raise ValueError(f"{path}: a serve config is a mapping of option: value")
+            data.update(loaded)
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**data)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """EngineArgs of every engine in the deployment."""
+        keys = ("model", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                "cache_memory_bytes", "device", "dtype", "seed", "served_model_name")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}

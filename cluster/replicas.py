@@ -1,0 +1,84 @@
+"""Handles on prefill and decode replicas, whatever runs them.
+
+The router (`cluster/router.py`) talks to replicas through these two small protocols. In-process
+workers (`PrefillWorker`, `DecodeWorker`, `--launcher local`) satisfy them directly; Ray actors
+are wrapped by `RayPrefillReplica` and `RayDecodeReplica`, which turn each call into an actor call and the decode stream into a Ray
+streaming generator. A replica that dies surfaces as an exception from the call in flight.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
+
+if TYPE_CHECKING:
+    from k3serve.decode.worker import DecodeStats
+    from k3serve.engine.outputs import RequestDelta
+    from k3serve.engine.sampling_params import SamplingParams
+    from k3serve.prefill.worker import HandoffTarget, PrefillResult
+    from k3serve.transfer.control import Reservation
+
+
+class PrefillReplica(Protocol):
+    name: str
+
+    async def prefill(
+        self, request_id: str, prompt_token_ids: list[int], params: "SamplingParams", target: "HandoffTarget"
+    ) -> "PrefillResult": ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def load(self) -> tuple[int, int]: ...
+
+
+class DecodeReplica(Protocol):
+    name: str
+
+    async def address(self) -> str: ...
+
+    async def admit(self, request_id: str, prompt_token_ids: list[int], params: "SamplingParams") -> "Reservation": ...
+
+    def stream(self, request_id: str) -> AsyncIterator["RequestDelta"]: ...
+
+    async def abort_request(self, request_id: str) -> None: ...
+
+    async def stats(self) -> "DecodeStats": ...
+
+
+class RayPrefillReplica:
+    """A prefill worker in a Ray actor (see cluster/actors.py)."""
+
+    def __init__(self, name: str, actor: Any) -> None:
+        self.name, self.actor = name, actor
+
+    async def prefill(self, request_id, prompt_token_ids, params, target):
+        return await self.actor.prefill.remote(request_id, prompt_token_ids, params, target)
+
+    async def abort(self, request_id: str) -> None:
+        await self.actor.abort.remote(request_id)
+
+    async def load(self) -> tuple[int, int]:
+        return await self.actor.load.remote()
+
+
+class RayDecodeReplica:
+    """A decode worker in a Ray actor; its control address changes when Ray restarts it."""
+
+    def __init__(self, name: str, actor: Any) -> None:
+        self.name, self.actor = name, actor
+
+    async def address(self) -> str:
+        return await self.actor.control_address.remote()
+
+    async def admit(self, request_id, prompt_token_ids, params):
+        return await self.actor.admit.remote(request_id, prompt_token_ids, params)
+
+    async def stream(self, request_id: str):
+        refs = self.actor.stream.options(num_returns="streaming").remote(request_id)
+        async for ref in refs:
+            yield await ref
+
+    async def abort_request(self, request_id: str) -> None:
+        await self.actor.abort_request.remote(request_id)
+
+    async def stats(self):
+        return await self.actor.stats.remote()

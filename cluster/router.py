@@ -1,0 +1,211 @@
+"""The disaggregated backend of the ingress: an `EngineClient` over prefill and decode pools.
+
+One request:
+    1. tokenize, check the context;  pick a decode replica by free capacity (blocks and slots),
+       `admit` there (reservation + an opened delta stream);     NoCapacity everywhere -> 503
+    2. pick a prefill replica by load with prefix affinity; `prefill` pushes the prompt state
+       into the reservation. If that replica fails before the decode side adopted the request,
+       retry once on another replica (the reservation is rewritten whole, then checksummed).
+    3. stream the decode replica's deltas (the first one carries the prefill's first token).
+    Client gone or any failure: abort on both sides; the decode reservation and the prefill
+    pin are freed by their owners (immediately, or when the in-flight write has landed).
+
+Replica stats are refreshed in the background and feed routing and the pool gauges.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from typing import AsyncIterator, Sequence
+
+from k3serve.cluster.api.errors import EngineOverloadedError
+from k3serve.cluster.metrics import IngressMetrics
+from k3serve.cluster.replicas import DecodeReplica, PrefillReplica
+from k3serve.engine.async_engine import GenerateRequest
+from k3serve.engine.outputs import RequestDelta
+from k3serve.model.tokenizer import Tokenizer
+from k3serve.prefill.worker import HandoffTarget
+from k3serve.transfer.control import NoCapacityError
+
+log = logging.getLogger(__name__)
+
+AFFINITY_TOKENS = 256  # prompts that share their first tokens go to the same prefill replica
+AFFINITY_SLACK = 2  # ... unless it has this many more requests in flight than the least loaded
+
+
+class ReplicaUnavailableError(EngineOverloadedError):
+    """No healthy replica could serve the request (answered with 503)."""
+
+
+class DisaggregatedRouter:
+    def __init__(
+        self,
+        prefill: Sequence[PrefillReplica],
+        decode: Sequence[DecodeReplica],
+        tokenizer: Tokenizer,
+        model_name: str,
+        max_model_len: int,
+        metrics: IngressMetrics | None = None,
+        refresh_seconds: float = 0.25,
+    ) -> None:
+        self.prefill, self.decode = list(prefill), list(decode)
+        self.tokenizer, self.model_name, self.max_model_len = tokenizer, model_name, max_model_len
+        self.metrics = metrics
+        self.refresh_seconds = refresh_seconds
+        self._decode_stats: dict[str, object] = {}
+        self._decode_addresses: dict[str, str] = {}
+        self._inflight: dict[str, int] = {r.name: 0 for r in self.prefill}  # prefill requests in flight
+        self._healthy: dict[str, bool] = {}
+        self._refresher: asyncio.Task | None = None
+
+    # ---- EngineClient ---------------------------------------------------------------------------
+    async def check_health(self) -> None:
+        """Healthy once every pool has at least one replica answering."""
+        await self._refresh()
+        for pool, replicas in (("prefill", self.prefill), ("decode", self.decode)):
+            if not any(self._healthy.get(r.name) for r in replicas):
+                raise ReplicaUnavailableError(f"no healthy {pool} replica")
+
+    async def abort(self, request_id: str) -> None:
+        """The stream's own cleanup aborts on both sides; nothing is left to do by id."""
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestDelta]:
+        self._start_refresher()
+        prompt = request.prompt
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; max_model_len={self.max_model_len}")
+        rid, params = request.request_id, request.sampling_params
+        decode, reservation = await self._admit(rid, prompt_ids, params)
+        stream = decode.stream(rid)
+        finished = False
+        try:
+            address = self._decode_addresses[decode.name]
+            result = await self._prefill(rid, prompt_ids, params, HandoffTarget(address, reservation), stream)
+            if self.metrics is not None:
+                self.metrics.observe_prefill_time(result.prefill_seconds)
+                self.metrics.observe_handoff_time(result.transfer_seconds)
+            if result.finished:  # ended at its first token: nothing was handed off
+                finished = True
+                yield result.delta
+                return
+            async for delta in stream:
+                yield delta
+                finished = delta.finished
+        finally:
+            if not finished:
+                await _quietly(decode.abort_request(rid))
+            await _quietly(stream.aclose())
+
+    # ---- routing --------------------------------------------------------------------------------
+    async def _admit(self, rid: str, prompt_ids: list[int], params) -> tuple[DecodeReplica, object]:
+        """Decode replica with the most free blocks that has a free slot; next one on NoCapacity."""
+        if not self._decode_stats:
+            await self._refresh()
+        needed = -(-len(prompt_ids) // 1)
+        order = sorted(
+            (r for r in self.decode if self._healthy.get(r.name, True)),
+            key=lambda r: -getattr(self._decode_stats.get(r.name), "num_free_blocks", 0),
+        )
+        for replica in order:
+            try:
+                if replica.name not in self._decode_addresses:
+                    self._decode_addresses[replica.name] = await replica.address()
+                return replica, await replica.admit(rid, prompt_ids, params)
+            except NoCapacityError:
+                continue
+            except (ValueError, TypeError):
+                raise
+            except Exception as e:  # replica down: try the next one; the refresher marks it
+                log.warning("decode replica %s failed to admit %s: %r", replica.name, rid, e)
+                self._healthy[replica.name] = False
+                self._decode_addresses.pop(replica.name, None)
+        raise EngineOverloadedError(f"no decode replica has room for {needed} tokens now; retry later")
+
+    def _prefill_order(self, prompt_ids: list[int]) -> list[PrefillReplica]:
+        """Rendezvous hashing on the prompt's first tokens (prefix affinity), unless that
+        replica is loaded well above the least loaded one; the rest by load."""
+        healthy = [r for r in self.prefill if self._healthy.get(r.name, True)] or list(self.prefill)
+        key = ",".join(map(str, prompt_ids[:AFFINITY_TOKENS])).encode()
+        by_hash = sorted(healthy, key=lambda r: hashlib.sha1(key + r.name.encode()).digest())
+        least = min(self._inflight[r.name] for r in healthy)
+        preferred = by_hash[0]
+        by_load = sorted(healthy, key=lambda r: self._inflight[r.name])
+        if self._inflight[preferred.name] <= least + AFFINITY_SLACK:
+            return [preferred] + [r for r in by_load if r is not preferred]
+        return by_load
+
+    async def _prefill(self, rid, prompt_ids, params, target: HandoffTarget, stream):
+        """Run the prompt on one prefill replica; once more elsewhere if it fails before handing off."""
+        errors = []
+        for replica in self._prefill_order(prompt_ids)[:2]:
+            self._inflight[replica.name] += 1
+            try:
+                return await replica.prefill(rid, prompt_ids, params, target)
+            except (ValueError, TypeError):
+                raise
+            except Exception as e:
+                log.warning("prefill replica %s failed on %s: %r", replica.name, rid, e)
+                errors.append(f"{replica.name}: {e!r}")
+                await _quietly(replica.abort(rid))
+            finally:
+                self._inflight[replica.name] -= 1
+        raise ReplicaUnavailableError(f"prefill failed for request {rid}: {'; '.join(errors)}")
+
+    # ---- stats and health ---------------------------------------------------------------------
+    def _start_refresher(self) -> None:
+        if self._refresher is None or self._refresher.done():
+            self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_seconds)
+            await self._refresh()
+
+    async def _refresh(self) -> None:
+        async def prefill_load(r: PrefillReplica) -> None:
+            try:
+                running, waiting = await asyncio.wait_for(r.load(), 5.0)
+                self._healthy[r.name] = True
+                if self.metrics is not None:
+                    self.metrics.set_pool_stats("prefill", r.name, running, waiting, 0.0, 0.0)
+            except Exception:
+                self._healthy[r.name] = False
+
+        async def decode_stats(r: DecodeReplica) -> None:
+            try:
+                stats = await asyncio.wait_for(r.stats(), 5.0)
+                address = await r.address()
+                if self._decode_addresses.get(r.name) not in (None, address):
+                    log.info("decode replica %s restarted at %s", r.name, address)
+                self._decode_addresses[r.name] = address
+                self._decode_stats[r.name] = stats
+                self._healthy[r.name] = True
+                if self.metrics is not None:
+                    self.metrics.set_pool_stats(
+                        "decode", r.name, stats.num_running, stats.num_waiting, stats.block_usage, stats.slot_usage
+                    )
+            except Exception:
+                self._healthy[r.name] = False
+
+        await asyncio.gather(*(prefill_load(r) for r in self.prefill), *(decode_stats(r) for r in self.decode))
+
+    async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+
+
+async def _quietly(awaitable) -> None:
+    try:
+        await awaitable
+    except Exception:  # cleanup on a failing path must not mask the original error
+        pass
+
+
+def now() -> float:
+    return time.perf_counter()
