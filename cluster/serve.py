@@ -11,8 +11,10 @@ serve the app themselves.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -127,6 +129,23 @@ def _start_ray(config: ServeConfig, engine_kwargs: dict) -> Deployment:
     return Deployment(router, metrics, config, stops)
 
 
+def _uvicorn_server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises SIGINT/SIGTERM after a graceful stop, which would kill the process
+        before the workers are shut down; here the signals only stop the server."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+        def stop(self) -> None:
+            self.should_exit = True
+
+    return Server
+
+
 def run(config: ServeConfig) -> int:
     """Serve until SIGINT/SIGTERM (uvicorn turns both into a graceful stop), then shut every
     worker (and Ray, if started here) down."""
@@ -134,12 +153,16 @@ def run(config: ServeConfig) -> int:
 
     from k3serve.cluster.api import build_app
 
+    _Server = _uvicorn_server_class()
     deployment = start_deployment(config)
     try:
         app = build_app(deployment.client, deployment.metrics)
-        server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning"))
+        server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning"))
 
         async def main() -> None:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, server.stop)
             serving = asyncio.create_task(server.serve())
             while not server.started and not serving.done():
                 await asyncio.sleep(0.05)

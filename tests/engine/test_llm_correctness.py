@@ -35,6 +35,7 @@ SHARED_PREFIX_LEN = 500  # each of 3 groups shares one; its last block boundary 
 STANDALONE_LENS = [1, 2, 3, 9, 16, 31, 63, 64, 65, 100, 127, 128, 129, 200, 256, 300, 450, 700, 1000, 2000]
 LONG_PROMPT_LEN = 1000  # prompts this long generate fewer tokens: the naive loop is O(len^2) per token
 PREEMPTION_NUM_BLOCKS = 40  # 2560 tokens of MLA cache for ~12k prompt tokens: requests must be preempted
+PREEMPTION_BUDGET = 512  # admitted prompts grow chunk by chunk into the cache while others decode
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,11 @@ CHUNKED = dict(
 VARIANTS = [
     Variant("default"),
     Variant("chunked_prefill", CHUNKED),
-    Variant("preemption", dict(max_num_seqs=32), forces_preemption=True),
+    Variant(
+        "preemption",
+        dict(max_num_seqs=32, max_num_batched_tokens=PREEMPTION_BUDGET, max_adaptive_batched_tokens=PREEMPTION_BUDGET),
+        forces_preemption=True,
+    ),
     Variant("prefix_hits_in_pass", dict(kda_checkpoint_mode="in_pass"), two_waves=True),
     Variant("prefix_hits_align", dict(kda_checkpoint_mode="align"), two_waves=True),
     Variant("prefix_caching_off", dict(enable_prefix_caching=False), two_waves=True),

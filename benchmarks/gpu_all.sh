@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# GPU tests and benchmarks in one go (H200 machine: torch 2.11+cu130, triton 3.6, fla-core carried in .whl/).
+#   OUT=/some/dir bash benchmarks/gpu_all.sh
+# Writes pytest.log, gpu_{kda,mla,moe}.{log,json} and gpu.txt under $OUT; each stage has its own time limit.
+set -u
+OUT=${OUT:-/tmp/k3serve-gpu}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.draw --format=csv > "$OUT/gpu.txt"
+python3 -c 'import torch, triton, fla; print(torch.__version__, triton.__version__, fla.__version__)' >> "$OUT/gpu.txt"
+cat "$OUT/gpu.txt"
+timeout "${PYTEST_S:-240}" python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/pytest.log" | tail -25
+for op in ${OPS:-kda mla moe}; do
+  timeout "${BENCH_S:-150}" python3 benchmarks/gpu_$op.py --out "$OUT/gpu_$op.json" > "$OUT/gpu_$op.log" 2>&1
+  echo "== gpu_$op rc=$?"; tail -30 "$OUT/gpu_$op.log"
+done
