@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.llm_engine import LLMEngine
 from k3serve.engine.outputs import RequestDelta
+from k3serve.engine.tp_group import TPGroup
 from k3serve.engine.sampling_params import SamplingParams
 
 
@@ -49,8 +50,8 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, args: EngineArgs | None = None, **engine_args: Any) -> None:
-        self.engine = LLMEngine(args if args is not None else EngineArgs.from_kwargs(**engine_args))
+    def __init__(self, args: EngineArgs | None = None, group: TPGroup | None = None, **engine_args: Any) -> None:
+        self.engine = LLMEngine(args if args is not None else EngineArgs.from_kwargs(**engine_args), group)
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
@@ -148,6 +149,7 @@ class AsyncEngine:
             while True:
                 block = not self.engine.has_unfinished()
                 if not self._drain_commands(block):
+                    self.engine.close()
                     return
                 for delta in self.engine.step():
                     self._emit(delta.request_id, delta)

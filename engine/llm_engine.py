@@ -22,14 +22,14 @@ from k3serve.engine.memory import PoolPlan, cache_sizes, plan_pools
 from k3serve.engine.outputs import RequestDelta, TokenLogprobs
 from k3serve.engine.prefix_cache import PrefixCache
 from k3serve.engine.request import Request
-from k3serve.engine.runner import ModelRunner
+from k3serve.engine.runner import load_runner
+from k3serve.engine.tp_group import TPGroup
 from k3serve.engine.sampler import Sampler, prompt_logprobs
 from k3serve.engine.sampling_params import SamplingParams
 from k3serve.engine.scheduler import Scheduler, SchedulerConfig
 from k3serve.engine.state_pool import StatePool
-from k3serve.model.batch import ModelCache
 from k3serve.model.config import ModelConfig
-from k3serve.model.loader import load_model
+from k3serve.model.parallel import TensorParallel
 from k3serve.model.presets import PRESETS
 from k3serve.model.tokenizer import Tokenizer
 
@@ -62,7 +62,10 @@ class _Tracked:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
+    """`group`: rank 0's TP group when the engine spans several ranks (the followers run
+    `engine.tp_group.follow_forever`); None for a single-rank engine."""
+
+    def __init__(self, args: EngineArgs, group: TPGroup | None = None) -> None:
         self.args = args
         torch.manual_seed(args.seed)
         self.model_dir = resolve_model_dir(args.model, args.seed, args.model_cache_dir)
@@ -74,12 +77,13 @@ class LLMEngine:
                 f"max_model_len={args.max_model_len} exceeds the model's max_position_embeddings="
                 f"{self.config.max_position_embeddings}"
             )
-        model = load_model(self.model_dir, dtype=args.torch_dtype, device=args.device)
+        if (group.world_size if group else 1) != args.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={args.tensor_parallel_size} but the TP group has "
+                             f"{group.world_size if group else 1} ranks")
         self.plan = self._plan_pools()
-        cache = ModelCache.allocate(
-            self.config, self.plan.num_blocks, self.plan.num_slots, args.block_size, 1, args.torch_dtype, args.device
-        )
-        self.runner = ModelRunner(model, cache)
+        if group is not None:
+            group.lead(("plan", self.plan))  # every rank sizes its pools alike
+        self.runner = load_runner(args, self.model_dir, self.plan, TensorParallel(0, args.tensor_parallel_size), group)
         block_pool, state_pool = BlockPool(self.plan.num_blocks, args.block_size), StatePool(self.plan.num_slots)
         budget = args.max_num_batched_tokens or default_token_budget(_device_memory(args.device))
         self.scheduler = Scheduler(
@@ -210,6 +214,7 @@ class LLMEngine:
         if tracked is None:
             return None
         request = self.scheduler.finish_request(request_id, "abort")
+        self._pending = [d for d in self._pending if d.request_id != request_id]  # nothing after the last delta
         return RequestDelta(
             request_id=request_id,
             new_token_ids=[],
@@ -221,6 +226,13 @@ class LLMEngine:
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
         )
+
+    def close(self) -> None:
+        """Release the TP followers (they exit their loop) and the process group."""
+        group = self.runner.group
+        if group is not None:
+            group.lead(("stop",))
+            group.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)

@@ -7,12 +7,19 @@ The runner is the only place that turns the scheduler's lists into tensors (once
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from k3serve.engine.config import EngineArgs
+from k3serve.engine.memory import PoolPlan
+
 from k3serve.engine.scheduler_output import NO_SLOT, ScheduledSeq, SchedulerOutput
+from k3serve.engine.tp_group import TPGroup
 from k3serve.model.batch import ForwardBatch, ModelCache
+from k3serve.model.loader import load_model
 from k3serve.model.model import KimiForCausalLM
+from k3serve.model.parallel import TensorParallel
 
 
 @dataclass
@@ -21,13 +28,27 @@ class RunnerOutput:
     chunk_logits: dict[str, torch.Tensor]  # request_id -> [num_scheduled_tokens, vocab], if asked
 
 
+def load_runner(
+    args: EngineArgs, model_dir: Path, plan: PoolPlan, tp: TensorParallel, group: TPGroup | None = None
+) -> ModelRunner:
+    """This rank's model shard and cache pools (the same plan on every rank of an engine)."""
+    model = load_model(model_dir, tp, args.torch_dtype, args.device)
+    cache = ModelCache.allocate(
+        model.config, plan.num_blocks, plan.num_slots, plan.block_size, tp.world_size, args.torch_dtype, args.device
+    )
+    return ModelRunner(model, cache, group)
+
+
 class ModelRunner:
-    def __init__(self, model: KimiForCausalLM, cache: ModelCache) -> None:
+    def __init__(self, model: KimiForCausalLM, cache: ModelCache, group: TPGroup | None = None) -> None:
         self.model = model
         self.cache = cache
+        self.group = group  # set on rank 0 of a TP engine: every step is announced to the other ranks
         self.device = next(model.parameters()).device
 
     def execute(self, output: SchedulerOutput, want_chunk_logits: set[str] = frozenset()) -> RunnerOutput:
+        if self.group is not None and self.group.is_leader:
+            self.group.lead(("step", output, want_chunk_logits))
         # Single-token chunks first: the decode paths get one contiguous slice of the batch.
         seqs = sorted(output.seqs, key=lambda s: s.num_scheduled_tokens != 1)
         for seq in seqs:
