@@ -22,11 +22,19 @@ def _limit_threads(num_threads: int) -> None:
 
 @ray.remote(max_restarts=-1, max_task_retries=0)
 class PrefillActor:
-    def __init__(self, engine_kwargs: dict[str, Any], worker_kwargs: dict[str, Any], num_threads: int = 1) -> None:
+    """Rank 0 of a prefill engine (the whole engine when TP is 1)."""
+
+    def __init__(
+        self, engine_kwargs: dict[str, Any], worker_kwargs: dict[str, Any], num_threads: int = 1,
+        init_method: str | None = None,
+    ) -> None:
+        from k3serve.engine.tp_group import TPGroup
         from k3serve.prefill.worker import PrefillWorker
 
         _limit_threads(num_threads)
-        self.worker = PrefillWorker(EngineArgs(**engine_kwargs), **worker_kwargs)
+        args = EngineArgs(**engine_kwargs)
+        group = TPGroup(0, args.tensor_parallel_size, init_method) if init_method else None
+        self.worker = PrefillWorker(args, group=group, **worker_kwargs)
 
     async def prefill(self, request_id, prompt_token_ids, params, target):
         return await self.worker.prefill(request_id, prompt_token_ids, params, target)
@@ -39,6 +47,16 @@ class PrefillActor:
 
     def shutdown(self) -> None:
         self.worker.shutdown()
+
+
+@ray.remote(max_restarts=0)
+class PrefillRankActor:
+    """Rank > 0 of a TP prefill engine: follows rank 0 until it stops."""
+
+    def run(self, rank: int, engine_kwargs: dict[str, Any], init_method: str, transfer: str, num_threads: int = 1) -> None:
+        from k3serve.prefill.rank import follower_main
+
+        follower_main(rank, EngineArgs(**engine_kwargs), init_method, transfer, num_threads=num_threads)
 
 
 @ray.remote(max_restarts=-1, max_task_retries=0)

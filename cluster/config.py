@@ -51,6 +51,8 @@ class ServeConfig(BaseModel):
             raise ValueError(f"decode_tp={self.decode_tp}: decode engines run one rank per replica in this release")
         if self.mode == "colocated" and self.prefill_tp != 1:
             raise ValueError("colocated mode runs one engine with prefill_tp=1")
+        if self.mode == "disaggregated" and self.prefill_tp > 1 and self.transfer == "local":
+            raise ValueError("prefill_tp > 1 runs ranks in separate processes: use transfer mooncake or nixl")
         return self
 
     @classmethod

@@ -80,16 +80,50 @@ def _router(config: ServeConfig, prefill: list, decode: list, engine_kwargs: dic
 
 
 def _start_local(config: ServeConfig, engine_kwargs: dict) -> Deployment:
+    """Workers in this process; the ranks > 0 of a TP prefill engine in child processes."""
+    import multiprocessing
+
     from k3serve.decode.worker import DecodeWorker
+    from k3serve.engine.tp_group import TPGroup
+    from k3serve.prefill.rank import follower_main
     from k3serve.prefill.worker import PrefillWorker
 
     prefill_kw, decode_kw = _worker_kwargs(config)
-    args = EngineArgs(**engine_kwargs)
-    prefill = [PrefillWorker(args, name=f"prefill-{i}", **prefill_kw) for i in range(config.prefill_replicas)]
-    decode = [DecodeWorker(args, name=f"decode-{i}", **decode_kw) for i in range(config.decode_replicas)]
+    prefill_args = EngineArgs(**engine_kwargs, tensor_parallel_size=config.prefill_tp)
+    decode_args = EngineArgs(**engine_kwargs)
+    stops: list[Callable[[], None]] = []
+    prefill = []
+    ctx = multiprocessing.get_context("spawn")
+    for i in range(config.prefill_replicas):
+        group = None
+        if config.prefill_tp > 1:
+            init = f"tcp://127.0.0.1:{_free_port()}"
+            for rank in range(1, config.prefill_tp):
+                proc = ctx.Process(target=follower_main, args=(rank, prefill_args, init, config.transfer), daemon=True)
+                proc.start()
+                stops.append(lambda p=proc: _join_or_kill(p))
+            group = TPGroup(0, config.prefill_tp, init)
+        worker = PrefillWorker(prefill_args, name=f"prefill-{i}", group=group, **prefill_kw)
+        stops.append(worker.shutdown)
+        prefill.append(worker)
+    decode = [DecodeWorker(decode_args, name=f"decode-{i}", **decode_kw) for i in range(config.decode_replicas)]
+    stops += [w.shutdown for w in decode]
     router, metrics = _router(config, prefill, decode, engine_kwargs)
-    stops = [w.shutdown for w in prefill + decode]
     return Deployment(router, metrics, config, stops)
+
+
+def _join_or_kill(process, timeout_s: float = 30.0) -> None:
+    process.join(timeout_s)
+    if process.is_alive():
+        process.kill()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _start_ray(config: ServeConfig, engine_kwargs: dict) -> Deployment:
@@ -113,7 +147,7 @@ def _start_ray(config: ServeConfig, engine_kwargs: dict) -> Deployment:
         stops.append(ray.shutdown)
     prefill_kw, decode_kw = _worker_kwargs(config)
     prefill_actors = [
-        PrefillActor.options(num_cpus=1).remote(engine_kwargs, {**prefill_kw, "name": f"prefill-{i}"})
+        _start_ray_prefill(config, engine_kwargs, {**prefill_kw, "name": f"prefill-{i}"}, stops)
         for i in range(config.prefill_replicas)
     ]
     decode_actors = [
@@ -144,6 +178,44 @@ def _uvicorn_server_class():
             self.should_exit = True
 
     return Server
+
+
+def _start_ray_prefill(config: ServeConfig, engine_kwargs: dict, worker_kwargs: dict, stops: list) -> Any:
+    """One prefill replica: a single actor, or TP ranks packed in a placement group (rank 0 is the
+    replica's API; ranks > 0 follow it). A TP replica is not restarted piecewise."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from k3serve.cluster.actors import PrefillActor, PrefillRankActor
+
+    tp = config.prefill_tp
+    kwargs = {**engine_kwargs, "tensor_parallel_size": tp}
+    if tp == 1:
+        return PrefillActor.options(num_cpus=1).remote(kwargs, worker_kwargs)
+    resource = {"GPU": 1} if config.device.startswith("cuda") else {"CPU": 1}
+    pg = placement_group([resource] * tp, strategy="STRICT_PACK")
+    ray.get(pg.ready(), timeout=120)
+    stops.append(lambda: remove_placement_group(pg))
+    init = f"tcp://{_bundle_ip(pg)}:{_free_port()}"
+
+    def in_bundle(i: int) -> dict:
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+                "num_cpus": resource.get("CPU", 0), "num_gpus": resource.get("GPU", 0)}
+
+    for rank in range(1, tp):
+        follower = PrefillRankActor.options(**in_bundle(rank)).remote()
+        follower.run.remote(rank, kwargs, init, config.transfer)  # returns when rank 0 says "stop"
+    return PrefillActor.options(max_restarts=0, **in_bundle(0)).remote(kwargs, worker_kwargs, init_method=init)
+
+
+def _bundle_ip(pg) -> str:
+    """The node address of a placement group's first bundle (where rank 0 listens)."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    node_id = placement_group_table(pg)["bundles_to_node_id"][0]
+    return next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
 
 
 def run(config: ServeConfig) -> int:

@@ -330,7 +330,8 @@ class Scheduler:
     def _admit(self, req: Request, step: _Step) -> bool:
         """Start (or restart) the waiting head; False if it does not fit yet."""
         hit = MISS
-        if self.prefix_cache is not None:
+        if self.prefix_cache is not None and getattr(req.sampling_params, "prompt_logprobs", None) is None:
+            # a request that wants prompt logprobs must compute every prompt position (as vLLM v1)
             hit = self.prefix_cache.lookup(req.all_token_ids)
         if hit.num_tokens:  # hold the hit before allocating, so allocation cannot evict it
             self.block_pool.share(hit.block_ids)

@@ -91,6 +91,17 @@ def test_every_listed_metric_is_on_a_dashboard():
     used = set()
     for path in DASHBOARDS:
         for _, expr in queries(json.loads(path.read_text())):
-            used.update(re.findall(r"k3serve:[a-z_]+", expr))
+            used.update(re.findall(r"k3serve:[a-z0-9_]+", expr))
     shown = {re.sub(r"_(bucket|sum|count)$", "", name) for name in used}
     assert set(load_metrics()) <= shown, f"not on any dashboard: {sorted(set(load_metrics()) - shown)}"
+
+
+@pytest.mark.parametrize("expr, problem", [
+    ("rate(k3serve:time_to_first_token_seconds[5m])", "unknown metric 'k3serve:time_to_first_token_seconds'"),
+    ("k3serve:gpu_cache_usage_perc", "unknown metric"),
+    ('k3serve:num_requests_running{engine="0"}', "no label 'engine'"),
+    ("sum by (pool) (rate(k3serve:handoff_time_seconds_count[5m]))", "by (pool)"),
+], ids=["histogram-without-suffix", "vllm-name", "unknown-label", "by-missing-label"])
+def test_checker_rejects(expr, problem):
+    problems = check_expr(expr, exported_series(load_metrics()))
+    assert any(problem in p for p in problems), problems

@@ -180,11 +180,6 @@ def test_prompt_logprobs_score_every_prompt_token_after_the_first(make_llm, prom
         assert len(entry) in (2, 3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="scheduler.py _admit looks up the prefix cache for requests that want prompt logprobs; "
-    "the hit skips those positions and prompt_logprobs comes back empty",
-)
 def test_prompt_logprobs_are_complete_even_when_the_prompt_is_cached(llm, prompt):
     llm.generate(prompt, greedy(max_tokens=1))  # leaves the prompt's blocks and KDA checkpoint cached
     out = llm.generate(prompt, greedy(max_tokens=1, prompt_logprobs=0))[0]

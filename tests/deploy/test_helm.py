@@ -1,0 +1,255 @@
+"""deploy/helm/k3serve: `helm lint --strict`, then `helm template` of the default values and of
+every deploy/helm/examples/*.yaml, each with and without the Prometheus Operator API, validated:
+
+  core kinds       kubernetes-validate, strict (unknown fields fail), Kubernetes 1.31 and 1.37
+  RayCluster       KubeRay v1.6.2's CRD schema (tests/deploy/schemas, vendored by vendor_crds.py),
+                   closed like the strict core schemas; each group's pod `template` validated as
+                   a core PodTemplate
+  ServiceMonitor,  prometheus-operator v0.93.0's CRD schemas, closed; the PrometheusRule's groups
+  PrometheusRule   must be deploy/prometheus/rules verbatim and pass `promtool check rules`
+
+A kind with no schema fails the test: nothing rendered goes unchecked.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+from functools import cache
+from pathlib import Path
+
+import pytest
+import yaml
+
+from _deploy import CONFIG_KEYS, DEPLOY, need_module, need_tool
+
+CHART = DEPLOY / "helm" / "k3serve"
+EXAMPLES = sorted((DEPLOY / "helm" / "examples").glob("*.yaml"))
+SCHEMAS = Path(__file__).resolve().parent / "schemas"
+K8S_VERSIONS = ("1.31", "1.37")
+MONITORING_API = "monitoring.coreos.com/v1"
+CASES = [None, *EXAMPLES]
+
+
+def case_id(case) -> str:
+    return "default" if case is None else case.stem
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    run = subprocess.run([need_tool("helm"), *args], capture_output=True, text=True, timeout=60)
+    if check:
+        assert run.returncode == 0, f"helm {' '.join(args)}:\n{run.stdout}\n{run.stderr}"
+    return run
+
+
+@cache
+def render(values: Path | None = None, monitoring: bool = False, sets: tuple[str, ...] = ()) -> tuple[dict, ...]:
+    args = ["template", "k3", str(CHART), "--namespace", "llm"]
+    if values is not None:
+        args += ["-f", str(values)]
+    if monitoring:
+        args += ["--api-versions", MONITORING_API]
+    for s in sets:
+        args += ["--set", s]
+    return tuple(doc for doc in yaml.safe_load_all(helm(*args).stdout) if doc)
+
+
+def of_kind(docs, kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+@cache
+def crd_validator(kind: str):
+    import jsonschema
+
+    vendored = json.loads((SCHEMAS / f"{kind.lower()}.json").read_text())
+    schema = close(copy.deepcopy(vendored["schema"]))
+    return vendored["apiVersion"], jsonschema.Draft7Validator(schema)
+
+
+def close(node):
+    """additionalProperties: false wherever an object lists its properties (the API server would
+    prune an unknown field silently; `kubernetes-validate --strict` rejects it, and so do we)."""
+    if isinstance(node, dict):
+        if "properties" in node and "additionalProperties" not in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+            node["additionalProperties"] = False
+        for value in node.values():
+            close(value)
+    elif isinstance(node, list):
+        for value in node:
+            close(value)
+    return node
+
+
+def validate_core(doc: dict) -> None:
+    kv = need_module("kubernetes_validate")
+    for version in K8S_VERSIONS:
+        try:
+            kv.validate(doc, version, strict=True)
+        except kv.ValidationError as e:
+            path = ".".join(str(p) for p in e.path)
+            raise AssertionError(f"{doc['kind']}/{doc['metadata']['name']} (k8s {version}) {path}: {e.message}") from None
+
+
+def validate_crd(doc: dict) -> None:
+    api_version, validator = crd_validator(doc["kind"])
+    assert doc["apiVersion"] == api_version
+    errors = [f"{'.'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(doc)]
+    assert not errors, f"{doc['kind']}/{doc['metadata']['name']}:\n" + "\n".join(errors)
+
+
+def pod_templates(cluster: dict) -> list[tuple[str, dict]]:
+    spec = cluster["spec"]
+    groups = [("head", spec["headGroupSpec"])] + [(g["groupName"], g) for g in spec.get("workerGroupSpecs", [])]
+    return [(name, g["template"]) for name, g in groups]
+
+
+def validate(doc: dict, tmp_path: Path) -> None:
+    kind = doc["kind"]
+    if kind == "RayCluster":
+        validate_crd(doc)
+        for name, template in pod_templates(doc):
+            validate_core({"apiVersion": "v1", "kind": "PodTemplate",
+                           "metadata": {"name": f"{doc['metadata']['name']}-{name}"}, "template": template})
+    elif kind in ("ServiceMonitor", "PrometheusRule"):
+        validate_crd(doc)
+        if kind == "PrometheusRule":
+            check_rule_groups(doc, tmp_path)
+    elif kind in ("ConfigMap", "Service", "Ingress"):
+        validate_core(doc)
+    else:
+        raise AssertionError(f"no schema to check kind {kind}: add one to tests/deploy/test_helm.py")
+
+
+def check_rule_groups(doc: dict, tmp_path: Path) -> None:
+    source = [g for p in sorted((DEPLOY / "prometheus" / "rules").glob("*.yaml")) for g in yaml.safe_load(p.read_text())["groups"]]
+    assert doc["spec"]["groups"] == source, "PrometheusRule groups differ from deploy/prometheus/rules"
+    rule_file = tmp_path / "prometheusrule.yaml"
+    rule_file.write_text(yaml.safe_dump({"groups": doc["spec"]["groups"]}))
+    run = subprocess.run([need_tool("promtool"), "check", "rules", str(rule_file)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("values", CASES, ids=case_id)
+def test_lint_strict(values):
+    args = ["lint", "--strict", str(CHART)] + ([] if values is None else ["-f", str(values)])
+    helm(*args)
+
+
+@pytest.mark.parametrize("monitoring", [False, True], ids=["plain", "prometheus-operator"])
+@pytest.mark.parametrize("values", CASES, ids=case_id)
+def test_rendered_manifests_validate(values, monitoring, tmp_path):
+    docs = render(values, monitoring)
+    assert len(of_kind(docs, "RayCluster")) == 1
+    for doc in docs:
+        validate(doc, tmp_path)
+
+
+def test_monitoring_objects_follow_the_api_or_the_toggle():
+    kinds = lambda docs: sorted(d["kind"] for d in docs)  # noqa: E731
+    assert "ServiceMonitor" not in kinds(render())
+    assert {"ServiceMonitor", "PrometheusRule"} <= set(kinds(render(monitoring=True)))
+    off = ("monitoring.serviceMonitor.enabled=false", "monitoring.prometheusRule.enabled=false")
+    assert not {"ServiceMonitor", "PrometheusRule"} & set(kinds(render(monitoring=True, sets=off)))
+    forced = ("monitoring.serviceMonitor.enabled=true", "monitoring.prometheusRule.enabled=true")
+    assert {"ServiceMonitor", "PrometheusRule"} <= set(kinds(render(sets=forced)))
+
+
+def test_config_file_uses_the_serve_flags():
+    for values in CASES:
+        (cm,) = [d for d in of_kind(render(values), "ConfigMap") if d["metadata"]["name"].endswith("-config")]
+        cfg = yaml.safe_load(cm["data"]["config.yaml"])
+        assert set(cfg) <= CONFIG_KEYS, f"{case_id(values)}: unknown keys {set(cfg) - CONFIG_KEYS}"
+        assert cfg["host"] == "0.0.0.0"
+    cfg = yaml.safe_load(of_kind(render(DEPLOY / "helm" / "examples" / "tiny-cpu.yaml"), "ConfigMap")[0]["data"]["config.yaml"])
+    assert cfg["model"] == "k3-tiny" and cfg["transfer"] == "nixl" and cfg["prefill_tp"] == 1
+
+
+def test_head_runs_k3serve_behind_health():
+    docs = render()
+    (cluster,) = of_kind(docs, "RayCluster")
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert "exec k3serve serve --config /etc/k3serve/config.yaml" in head["args"][0]
+    assert head["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert "livenessProbe" not in head  # KubeRay's Ray health check: /health 503 must not restart the head
+    assert cluster["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
+    (service,) = of_kind(docs, "Service")
+    assert service["spec"]["selector"] == {"ray.io/cluster": cluster["metadata"]["name"], "ray.io/node-type": "head"}
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+    assert {"name": "http", "containerPort": 8000} in head["ports"]
+
+
+def worker_groups(values) -> dict[str, dict]:
+    (cluster,) = of_kind(render(values), "RayCluster")
+    return {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
+
+
+def test_gb300_pools_span_trays():
+    groups = worker_groups(DEPLOY / "helm" / "examples" / "gb300-mooncake.yaml")
+    for name in ("prefill", "decode"):
+        g = groups[name]
+        assert g["replicas"] == g["minReplicas"] == g["maxReplicas"] == 8  # 4 TP8 replicas x 2 trays
+        assert g["resources"] == {f"k3serve_{name}": "4"}
+        pod = g["template"]["spec"]
+        limits = pod["containers"][0]["resources"]["limits"]
+        assert limits["nvidia.com/gpu"] == 4 and limits["rdma/ib"] == 1
+        assert pod["containers"][0]["resources"]["claims"] == [{"name": "imex"}]
+        assert pod["resourceClaims"][0]["resourceClaimTemplateName"] == "k3serve-compute-domain-channel"
+        assert "IPC_LOCK" in pod["containers"][0]["securityContext"]["capabilities"]["add"]
+
+
+def test_autoscaling_bounds_become_pod_bounds():
+    groups = worker_groups(DEPLOY / "helm" / "examples" / "h200-nixl-hf.yaml")
+    assert (groups["prefill"]["minReplicas"], groups["prefill"]["replicas"], groups["prefill"]["maxReplicas"]) == (1, 1, 3)
+    assert (groups["decode"]["minReplicas"], groups["decode"]["replicas"], groups["decode"]["maxReplicas"]) == (1, 2, 3)
+    (cluster,) = of_kind(render(DEPLOY / "helm" / "examples" / "h200-nixl-hf.yaml"), "RayCluster")
+    assert cluster["spec"]["enableInTreeAutoscaling"] is True
+    init = cluster["spec"]["headGroupSpec"]["template"]["spec"]["initContainers"][0]
+    assert init["command"][:2] == ["hf", "download"]
+
+
+def test_cpu_pools_ask_for_no_accelerator():
+    for group in worker_groups(DEPLOY / "helm" / "examples" / "tiny-cpu.yaml").values():
+        container = group["template"]["spec"]["containers"][0]
+        assert set(container["resources"]["limits"]) == {"cpu", "memory"}
+        assert "securityContext" not in container
+
+
+def test_dashboards_configmap_carries_deploy_grafana():
+    (cm,) = [d for d in of_kind(render(), "ConfigMap") if d["metadata"]["name"].endswith("-dashboards")]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    files = {p.name: json.loads(p.read_text()) for p in (DEPLOY / "grafana").glob("*.json")}
+    assert {name: json.loads(text) for name, text in cm["data"].items()} == files
+
+
+@pytest.mark.parametrize("sets, error", [
+    (("serving.transfer=rdma",), "serving.transfer must be one of"),
+    (("prefill.tp=6",), "spans pods of 4 GPUs unevenly"),
+    (("decode.tp=3", "decode.gpusPerPod=4"), "does not divide gpusPerPod"),
+    (("model.source=hf",), "model.hf.id is required"),
+    (("unknownKey=1",), "Additional property unknownKey is not allowed"),
+], ids=["bad-transfer", "uneven-tp", "tp-not-dividing", "hf-without-id", "unknown-key"])
+def test_bad_values_are_rejected(sets, error):
+    args = ["template", "k3", str(CHART)]
+    for s in sets:
+        args += ["--set", s]
+    run = helm(*args, check=False)
+    assert run.returncode != 0 and error in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("where", ["raycluster", "pod-template", "servicemonitor", "service"])
+def test_validation_rejects_a_misspelt_field(where, tmp_path):
+    kind = {"raycluster": "RayCluster", "pod-template": "RayCluster", "servicemonitor": "ServiceMonitor",
+            "service": "Service"}[where]
+    (doc,) = copy.deepcopy(of_kind(render(monitoring=True), kind))
+    if where == "raycluster":
+        doc["spec"]["workerGroupSpecs"][0]["maxReplica"] = 4
+    elif where == "pod-template":
+        doc["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
+    elif where == "servicemonitor":
+        doc["spec"]["endpoints"][0]["scrapeInterval"] = "15s"
+    else:
+        doc["spec"]["ports"][0]["targetPorts"] = "http"
+    with pytest.raises(AssertionError, match="Additional properties|additional properties"):
+        validate(doc, tmp_path)
