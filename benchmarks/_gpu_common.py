@@ -32,12 +32,12 @@ def device(smoke: bool) -> torch.device:
     return torch.device("cpu")
 
 
-def time_ms(fn, dev: torch.device, rep_ms: int = 200) -> float:
+def time_ms(fn, dev: torch.device, rep_ms: int = 100) -> float:
     """Median milliseconds of fn()."""
     if dev.type == "cuda":
         import triton.testing
 
-        return float(triton.testing.do_bench(fn, warmup=50, rep=rep_ms, return_mode="median"))
+        return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
     fn()
     times = []
     for _ in range(3):

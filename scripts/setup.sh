@@ -1,10 +1,19 @@
 #!/usr/bin/env bash
 # Create .venv with the CPU build of torch and k3serve (editable) with its serving and test extras.
 # Safe to re-run. CPU torch goes first: a looser torch spec would pull a multi-GB CUDA build.
-# System packages (Debian, root): libibverbs1 for Mooncake; install them with --system-deps.
+#   --system-deps  Debian packages (root): libibverbs1, which Mooncake links even without RDMA
+#   --test-tools   what the deploy tests run: promtool, helm, kubectl, kubernetes-validate, ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ "${1:-}" = "--system-deps" ] && command -v apt-get >/dev/null; then
+SYSTEM_DEPS=0; TEST_TOOLS=0
+for arg in "$@"; do
+  case "$arg" in
+    --system-deps) SYSTEM_DEPS=1 ;;
+    --test-tools) TEST_TOOLS=1 ;;
+    *) echo "usage: $0 [--system-deps] [--test-tools]" >&2; exit 2 ;;
+  esac
+done
+if [ "$SYSTEM_DEPS" = 1 ] && command -v apt-get >/dev/null; then
   apt-get install -y -q libibverbs1 >/dev/null || (apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null)
 fi
 PYTHON=${PYTHON:-python3}
@@ -13,4 +22,7 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q "torch==${K3SERVE_TORCH_VERSION:-2.13.0}"
 .venv/bin/python -m pip install -q -e ".[serve,test]"
 .venv/bin/python -m pip install -q --no-deps "nixl-cu13==1.5.1"
+if [ "$TEST_TOOLS" = 1 ]; then
+  bash scripts/install_deploy_tools.sh .venv
+fi
 echo "k3serve installed in $(pwd)/.venv"

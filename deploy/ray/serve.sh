@@ -6,8 +6,8 @@
 #
 # Waits up to K3SERVE_WAIT_S seconds (default 900) for K3SERVE_WAIT_GPUS GPUs to join (default:
 # prefill_replicas * prefill_tp + decode_replicas * decode_tp from the config; 0 = do not wait),
-# then execs the server (RAY_ADDRESS=auto: the cluster this node belongs to). Extra arguments go
-# to `k3serve serve` and win over the file.
+# then execs the server with --ray-address auto (join the cluster this node belongs to). Extra
+# arguments go to `k3serve serve` and win over the file.
 set -euo pipefail
 CONFIG=${1:?usage: serve.sh CONFIG.yaml [k3serve serve flags...]}
 shift
@@ -19,7 +19,6 @@ if [ -f "$ENV_FILE" ]; then
     . "$ENV_FILE"
     set +a
 fi
-export RAY_ADDRESS=auto
 "$VENV/bin/python" - "$CONFIG" "${K3SERVE_WAIT_S:-900}" "${K3SERVE_WAIT_GPUS:-}" <<'PY'
 import sys, time
 import ray, yaml
@@ -39,4 +38,4 @@ while (have := ray.cluster_resources().get("GPU", 0)) < need:
     time.sleep(10)
 print(f"cluster has {have:g} GPUs (config needs {need})", flush=True)
 PY
-exec "$VENV/bin/k3serve" serve --config "$CONFIG" "$@"
+exec "$VENV/bin/k3serve" serve --config "$CONFIG" --ray-address auto "$@"

@@ -156,8 +156,7 @@ def merge_attn_states(outputs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
         raise ValueError(
             f"outputs must be [P, N, H, D] and lses [P, N, H], got {tuple(outputs.shape)} and {tuple(lses.shape)}"
         )
-    D = outputs.shape[-1]
-    if on_cuda(outputs, lses) and has_module("triton") and D & (D - 1) == 0 and outputs.numel() > 0:
+    if on_cuda(outputs, lses) and has_module("triton") and outputs.numel() > 0:
         from . import triton_decode
 
         last_backend["merge_attn_states"] = "triton"

@@ -3,8 +3,8 @@
 One program = (sequence n, KV split s, group of BLOCK_H heads). It walks its split's pages one block
 (block_size tokens) at a time: scores [BLOCK_H, block] = q_latent·c + q_pe·k_pe, an online softmax in
 base 2, acc += p·c. All heads of a group share each page load (MQA), so the cache is read once per
-head group. Splits write (o, lse) partials that `_merge_kernel` combines; with one split the first
-kernel writes the output directly.
+head group. Splits write (o, lse) partials that `_merge_kernel` combines (parallel over heads and
+64-column slices, parts in chunks of 16); with one split the first kernel writes the output directly.
 
     kv_cache [num_blocks, block_size, L + R] -> row = [ c (L) | k_pe (R) ], V = c
     o_part   [N, H, S, L] fp32, lse_part [N, H, S] fp32 (natural log; -inf for an empty split)
@@ -95,29 +95,47 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_kernel(
-    o_parts, lse_parts, o_out, lse_out, P, H,
+    o_parts, lse_parts, o_out, lse_out, P, H, D,
     stride_op, stride_on, stride_oh, stride_lp, stride_ln, stride_lh,
     stride_out_n, stride_out_h,
-    D: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK_P: tl.constexpr,
 ):
-    """One program per (n, h): lse = logsumexp_p lse_p; o = Σ_p exp(lse_p - lse) o_p, empty parts skipped."""
+    """One program per (n, h, BLOCK_D columns): lse = logsumexp_p lse_p; o = Σ_p exp(lse_p - lse) o_p.
+    Parts with lse -inf are never loaded (their outputs may hold anything)."""
     n = tl.program_id(0)
     h = tl.program_id(1)
+    lse_row = lse_parts + n * stride_ln + h * stride_lh
     parts = tl.arange(0, BLOCK_P)
-    lse = tl.load(lse_parts + parts * stride_lp + n * stride_ln + h * stride_lh, mask=parts < P, other=float("-inf"))
+    lse = tl.load(lse_row + parts * stride_lp, mask=parts < P, other=float("-inf"))
     m = tl.max(lse, 0)
     shift = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - shift)  # -inf parts -> 0
-    total = tl.sum(w, 0)
-    coef = w / tl.where(total > 0, total, 1.0)
-    offs_d = tl.arange(0, D)
-    o = tl.zeros([D], tl.float32)
-    for p in range(P):
-        c_p = tl.sum(tl.where(parts == p, coef, 0.0), 0)
-        if c_p > 0:
-            o += c_p * tl.load(o_parts + p * stride_op + n * stride_on + h * stride_oh + offs_d).to(tl.float32)
-    tl.store(o_out + n * stride_out_n + h * stride_out_h + offs_d, o.to(o_out.dtype.element_ty))
-    tl.store(lse_out + n * H + h, shift + tl.log(total))
+    total = tl.sum(tl.exp(lse - shift), 0)  # -inf parts add 0
+    inv_total = 1.0 / tl.where(total > 0, total, 1.0)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    o = tl.zeros([BLOCK_D], tl.float32)
+    for p0 in range(0, P, CHUNK_P):
+        chunk = p0 + tl.arange(0, CHUNK_P)
+        lse_c = tl.load(lse_row + chunk * stride_lp, mask=chunk < P, other=float("-inf"))
+        coef = tl.exp(lse_c - shift) * inv_total  # [CHUNK_P]
+        keep = coef > 0
+        tile = tl.load(o_parts + chunk[:, None] * stride_op + n * stride_on + h * stride_oh + offs_d[None, :],
+                       mask=keep[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        o += tl.sum(tl.where(keep[:, None], coef[:, None] * tile, 0.0), 0)
+    tl.store(o_out + n * stride_out_n + h * stride_out_h + offs_d, o.to(o_out.dtype.element_ty), mask=d_ok)
+    if tl.program_id(2) == 0:
+        tl.store(lse_out + n * H + h, shift + tl.log(total))
+
+
+def _merge(o_parts: Tensor, lse_parts: Tensor, part_strides: tuple[int, int, int],
+           lse_strides: tuple[int, int, int], P: int, o: Tensor, lse: Tensor) -> None:
+    """o [N, H, D], lse [N, H] (contiguous) from P parts addressed by (part, n, h) strides."""
+    N, H, D = o.shape
+    BLOCK_D = 64
+    _merge_kernel[(N, H, triton.cdiv(D, BLOCK_D))](
+        o_parts, lse_parts, o, lse, P, H, D, *part_strides, *lse_strides, o.stride(0), o.stride(1),
+        BLOCK_D=BLOCK_D, BLOCK_P=triton.next_power_of_2(P), CHUNK_P=min(16, triton.next_power_of_2(P)),
+    )
 
 
 def _num_sm(device: torch.device) -> int:
@@ -125,16 +143,13 @@ def _num_sm(device: torch.device) -> int:
 
 
 def merge_attn_states(outputs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
-    """outputs [P, N, H, D] (D a power of 2), lses [P, N, H] -> (o [N, H, D] outputs.dtype, lse [N, H] fp32)."""
+    """outputs [P, N, H, D], lses [P, N, H] -> (o [N, H, D] outputs.dtype, lse [N, H] fp32)."""
     P, N, H, D = outputs.shape
     o = outputs.new_empty(N, H, D)
     lse = torch.empty(N, H, dtype=torch.float32, device=outputs.device)
     lses = lses.float()
     with device_of(outputs):
-        _merge_kernel[(N, H)](
-            outputs, lses, o, lse, P, H, *outputs.stride()[:3], *lses.stride(), o.stride(0), o.stride(1),
-            D=D, BLOCK_P=triton.next_power_of_2(P),
-        )
+        _merge(outputs, lses, outputs.stride()[:3], lses.stride(), P, o, lse)
     return o, lse
 
 
@@ -175,10 +190,6 @@ def mla_decode_paged(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, block_tab
             num_warps=4 if BLOCK_H == 16 else 8, num_stages=2,
         )
         if not direct:
-            _merge_kernel[(N, H)](
-                o_part, lse_part, o, lse, num_splits, H,
-                o_part.stride(2), o_part.stride(0), o_part.stride(1),
-                lse_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-                o.stride(0), o.stride(1), D=L, BLOCK_P=triton.next_power_of_2(num_splits),
-            )
+            _merge(o_part, lse_part, (o_part.stride(2), o_part.stride(0), o_part.stride(1)),
+                   (lse_part.stride(2), lse_part.stride(0), lse_part.stride(1)), num_splits, o, lse)
     return o, lse

@@ -6,7 +6,8 @@
                                                                     top-k sum (finalize) fused
 One program = (active expert slot a, BLOCK_N output columns); it loops over the expert's rows in tiles
 of BLOCK_M (decode: one tile) and streams the expert's packed weights once per tile. Programs past the
-number of active experts exit at once, so the grid needs no host sync.
+number of active experts exit at once, so the grid needs no host sync. BLOCK_N / BLOCK_K / warps /
+stages are autotuned per (bucket of T*k rows, I, D) on first use.
 
 Weights stay packed ([E, out, in/2] uint8, even element in the low nibble; E8M0 scales [E, out, in/32])
 and are upcast in registers: an E2M1 code moves into an e4m3 byte (sign to bit 7, exponent and
@@ -47,10 +48,23 @@ def _tanh(x):
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
 
+def _configs() -> list[triton.Config]:
+    """Tile shapes tried once per (rows bucket, I, D); the first is the plain default."""
+    shapes = [(32, 128, 4, 3), (32, 256, 4, 3), (16, 256, 4, 4), (16, 512, 4, 3), (64, 256, 8, 3), (32, 64, 4, 4)]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st) for n, k, w, st in shapes]
+
+
+def _prune(configs, named_args, **_):
+    """Keep the tiles whose BLOCK_K divides both reduction dims (the kernels have no K tail)."""
+    dims = (named_args["I"], named_args["D"])
+    return [c for c in configs if all(d % c.kwargs["BLOCK_K"] == 0 for d in dims)]
+
+
+@triton.autotune(configs=_configs(), key=["rows_bucket", "I", "D"], prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _up_kernel(
     x, w1p, w1s, w3p, w3s, h, sorted_pairs, expert_starts, expert_counts, active_experts, num_active,
-    top_k, I, D, beta, linear_beta,
+    top_k, I, D, beta, linear_beta, rows_bucket,
     stride_x, stride_pe, stride_pn, stride_se, stride_sn, stride_h,
     ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -90,10 +104,12 @@ def _up_kernel(
         tl.store(dst, act.to(h.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
 
 
+@triton.autotune(configs=_configs(), key=["rows_bucket", "I", "D"], prune_configs_by={"early_config_prune": _prune},
+                 reset_to_zero=["out"])
 @triton.jit
 def _down_kernel(
     h, w2p, w2s, out, topk_weights, sorted_pairs, expert_starts, expert_counts, active_experts, num_active,
-    top_k, D, I,
+    top_k, D, I, rows_bucket,
     stride_h, stride_pe, stride_pn, stride_se, stride_sn, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -139,20 +155,13 @@ def activation_kind(activation) -> tuple[int, float, float] | None:
     return None
 
 
-def _block_k(*dims: int) -> int | None:
-    for bk in (128, 64, 32):
-        if all(d % bk == 0 for d in dims):
-            return bk
-    return None
-
-
 def supports(x: Tensor, weights, activation) -> bool:
     """bf16 activations, MXFP4 banks with unit inner strides (row shards are fine), a fused GLU."""
     w1, w3, w2 = weights.w1, weights.w3, weights.w2
     I, D = w1.shape[1], w1.shape[2]
     strides_ok = (w1.packed.stride() == w3.packed.stride() and w1.scales.stride() == w3.scales.stride()
                   and all(t.stride(-1) == 1 for w in (w1, w3, w2) for t in (w.packed, w.scales)))
-    return (x.dtype == torch.bfloat16 and _block_k(I, D) is not None and strides_ok
+    return (x.dtype == torch.bfloat16 and I % 64 == 0 and D % 64 == 0 and strides_ok
             and activation_kind(activation) is not None)
 
 
@@ -173,17 +182,14 @@ def route(topk_ids: Tensor, expert_start: int, num_local: int) -> tuple[Tensor, 
     return order, starts, counts, active, num_active
 
 
-def fused_experts(x: Tensor, weights, topk_weights: Tensor, topk_ids: Tensor, activation, expert_start: int,
-                  block_n: int | None = None) -> Tensor:
+def fused_experts(x: Tensor, weights, topk_weights: Tensor, topk_ids: Tensor, activation, expert_start: int) -> Tensor:
     """x [T, D] bf16, MXFP4 w1/w3 [E, I, D], w2 [E, D, I] -> fp32 [T, D] (this rank's partial sum)."""
     act, beta, linear_beta = activation_kind(activation)
     T, D = x.shape
     top_k = topk_ids.shape[1]
     w1, w3, w2 = weights.w1, weights.w3, weights.w2
     E, I = w1.shape[0], w1.shape[1]
-    BLOCK_K = _block_k(I, D)
     BLOCK_M = 16
-    BLOCK_N = block_n or (32 if T * top_k <= 256 else 64)
     x = x.contiguous()
     out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
     if T == 0:
@@ -193,15 +199,16 @@ def fused_experts(x: Tensor, weights, topk_weights: Tensor, topk_ids: Tensor, ac
     tw = topk_weights.reshape(-1).float().contiguous()
     max_active = min(E, T * top_k)
     p1, s1, p3, s3, p2, s2 = w1.packed, w1.scales, w3.packed, w3.scales, w2.packed, w2.scales
+    rows_bucket = min(triton.next_power_of_2(T * top_k), 4096)  # autotune key: decode and prefill differ
     with device_of(x):
-        _up_kernel[(max_active, triton.cdiv(I, BLOCK_N))](
+        _up_kernel[lambda meta: (max_active, triton.cdiv(I, meta["BLOCK_N"]))](
             x, p1, s1, p3, s3, h, pairs, starts, counts, active, num_active, top_k, I, D, beta, linear_beta,
-            x.stride(0), p1.stride(0), p1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
-            ACT=act, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4, num_stages=3,
+            rows_bucket, x.stride(0), p1.stride(0), p1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
+            ACT=act, BLOCK_M=BLOCK_M,
         )
-        _down_kernel[(max_active, triton.cdiv(D, BLOCK_N))](
-            h, p2, s2, out, tw, pairs, starts, counts, active, num_active, top_k, D, I,
+        _down_kernel[lambda meta: (max_active, triton.cdiv(D, meta["BLOCK_N"]))](
+            h, p2, s2, out, tw, pairs, starts, counts, active, num_active, top_k, D, I, rows_bucket,
             h.stride(0), p2.stride(0), p2.stride(1), s2.stride(0), s2.stride(1), out.stride(0),
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4, num_stages=3,
+            BLOCK_M=BLOCK_M,
         )
     return out

@@ -25,12 +25,31 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 SCRAPE_LABELS = frozenset({"job", "instance"})
 # Series that Prometheus itself makes (allowed in rules, never on dashboards).
 PROMETHEUS_SERIES = {"up": SCRAPE_LABELS}
-# The keys of the `k3serve serve --config` file: the long flags, dashes as underscores.
+# Keys every deploy config sets (`k3serve serve --config`: the long flags, dashes as underscores).
 CONFIG_KEYS = frozenset({
     "model", "mode", "transfer", "prefill_replicas", "decode_replicas", "prefill_tp", "decode_tp",
     "block_size", "max_num_batched_tokens", "max_model_len", "max_num_seqs", "host", "port",
-    "served_model_name",
+    "served_model_name", "device",
 })
+
+
+def serve_config_class():
+    """k3serve's own config model (cluster/config.py), which `k3serve serve --config` loads."""
+    need_module("pydantic")
+    from k3serve.cluster.config import ServeConfig  # noqa: PLC0415
+
+    return ServeConfig
+
+
+def config_problems(cfg: dict) -> list[str]:
+    """Why `k3serve serve` would refuse this config, by its own ServeConfig ([] = accepted)."""
+    import pydantic
+
+    try:
+        serve_config_class()(**cfg)
+    except pydantic.ValidationError as e:
+        return [f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}" for err in e.errors()]
+    return []
 
 
 def missing(reason: str):

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from _deploy import CONFIG_KEYS, DEPLOY, need_module, need_tool
+from _deploy import CONFIG_KEYS, DEPLOY, config_problems, need_module, need_tool
 
 CHART = DEPLOY / "helm" / "k3serve"
 EXAMPLES = sorted((DEPLOY / "helm" / "examples").glob("*.yaml"))
@@ -156,14 +156,17 @@ def test_monitoring_objects_follow_the_api_or_the_toggle():
     assert {"ServiceMonitor", "PrometheusRule"} <= set(kinds(render(sets=forced)))
 
 
-def test_config_file_uses_the_serve_flags():
+def test_config_file_is_one_k3serve_accepts():
     for values in CASES:
         (cm,) = [d for d in of_kind(render(values), "ConfigMap") if d["metadata"]["name"].endswith("-config")]
         cfg = yaml.safe_load(cm["data"]["config.yaml"])
-        assert set(cfg) <= CONFIG_KEYS, f"{case_id(values)}: unknown keys {set(cfg) - CONFIG_KEYS}"
-        assert cfg["host"] == "0.0.0.0"
+        assert CONFIG_KEYS <= set(cfg), f"{case_id(values)}: missing {CONFIG_KEYS - set(cfg)}"
+        assert cfg["host"] == "0.0.0.0" and cfg["ray_address"] == "auto"
+        problems = [p for p in config_problems(cfg) if "decode_tp" not in p]  # decode TP > 1: test_configs.py
+        assert not problems, f"{case_id(values)}: {problems}"
     cfg = yaml.safe_load(of_kind(render(DEPLOY / "helm" / "examples" / "tiny-cpu.yaml"), "ConfigMap")[0]["data"]["config.yaml"])
-    assert cfg["model"] == "k3-tiny" and cfg["transfer"] == "nixl" and cfg["prefill_tp"] == 1
+    assert cfg["model"] == "k3-tiny" and cfg["transfer"] == "nixl" and cfg["device"] == "cpu"
+    assert yaml.safe_load(of_kind(render(), "ConfigMap")[0]["data"]["config.yaml"])["device"] == "cuda"
 
 
 def test_head_runs_k3serve_behind_health():
