@@ -45,6 +45,9 @@ class PrefillActor:
     async def load(self) -> tuple[int, int]:
         return await self.worker.load()
 
+    def metrics_text(self) -> str:
+        return self.worker.metrics_text()
+
     def shutdown(self) -> None:
         self.worker.shutdown()
 
@@ -82,6 +85,9 @@ class DecodeActor:
 
     async def stats(self):
         return await self.worker.stats()
+
+    def metrics_text(self) -> str:
+        return self.worker.metrics_text()
 
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -71,6 +71,8 @@ class IngressMetrics:
                                     POOL_LABELS, registry=reg)
         self.kda_slot_usage = Gauge("k3serve:kda_slot_usage_ratio", "Fraction of KDA state slots in use.",
                                     POOL_LABELS, registry=reg)
+        self.replicas_healthy = Gauge("k3serve:replicas_healthy", "Replicas of a pool answering health checks.",
+                                      ("model_name", "pool"), registry=reg)
         for series in (self.ttft, self.itl, self.tpot, self.e2e, self.queue_time, self.prefill_time,
                        self.handoff_time, self.prompt_tokens, self.generation_tokens):
             series.labels(model_name)  # exported from the start, at 0
@@ -101,6 +103,9 @@ class IngressMetrics:
         self.waiting.labels(*labels).set(num_waiting)
         self.kv_block_usage.labels(*labels).set(kv_block_usage)
         self.kda_slot_usage.labels(*labels).set(kda_slot_usage)
+
+    def set_replicas_healthy(self, pool: str, num_healthy: int) -> None:
+        self.replicas_healthy.labels(self.model_name, pool).set(num_healthy)
 
     def remove_replica(self, pool: str, replica: str) -> None:
         labels = (self.model_name, pool, str(replica))

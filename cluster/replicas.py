@@ -32,6 +32,8 @@ class PrefillReplica(Protocol):
 
     async def load(self) -> tuple[int, int]: ...
 
+    def metrics_text(self) -> str | Any: ...
+
 
 class DecodeReplica(Protocol):
     name: str

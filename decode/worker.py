@@ -152,6 +152,12 @@ class DecodeWorker:
         self._expire_leases()
         return await self.engine.call(read)
 
+    def metrics_text(self) -> str:
+        """This process's k3serve metrics (transfer counters, pins), for the ingress to re-export."""
+        from k3serve.cluster.replica_metrics import render_worker_metrics
+
+        return render_worker_metrics()
+
     def shutdown(self) -> None:
         self.server.stop(grace=1.0)
         self.engine.shutdown()

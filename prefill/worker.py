@@ -164,6 +164,12 @@ class PrefillWorker:
 
         return await self.engine.call(read)
 
+    def metrics_text(self) -> str:
+        """This process's k3serve metrics (transfer counters, pins), for the ingress to re-export."""
+        from k3serve.cluster.replica_metrics import render_worker_metrics
+
+        return render_worker_metrics()
+
     def shutdown(self) -> None:
         self.engine.shutdown()  # stops the followers too (rank 0 announces "stop")
         self.sender.close()

@@ -29,7 +29,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 # post -> confirmed, seconds: a few MB over NVLink (~1 ms) up to a long prompt over TCP (~tens of s).
 TRANSFER_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
-_LABELS = ("model", "role")
+_LABELS = ("model_name", "role")
 
 
 @dataclass(frozen=True)

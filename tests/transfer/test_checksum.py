@@ -115,7 +115,7 @@ def test_sender_shares_add_up_to_the_receivers_checksum(prefill_tp: int, decode_
             landed = request_checksums(decode.caches[r], decode.layouts[r], span.dst_block_ids, span.dst_slot,
                                        span.num_tokens, heads=HeadSlice.whole_shard(decode.layouts[r]))  # fmt: skip
             assert mismatched_regions(expected, landed, metrics) == ["kda_conv.1"]
-        counted = registry.get_sample_value("k3serve:transfer_checksum_mismatches_total", {"model": "tiny", "role": "prefill"})
+        counted = registry.get_sample_value("k3serve:transfer_checksum_mismatches_total", {"model_name": "tiny", "role": "prefill"})
         assert counted == decode_tp
     finally:
         close(prefill, decode)

@@ -41,7 +41,7 @@ class Engine:
 
     def sample(self, name: str, **labels: str) -> float:
         """Current value of metric `k3serve:transfer_{name}` for this engine (0 if never touched)."""
-        value = self.registry.get_sample_value(f"k3serve:transfer_{name}", {"model": "tiny", "role": "prefill", **labels})
+        value = self.registry.get_sample_value(f"k3serve:transfer_{name}", {"model_name": "tiny", "role": "prefill", **labels})
         return value or 0.0
 
     def start_request(self, num_blocks: int) -> tuple[list[int], int]:
