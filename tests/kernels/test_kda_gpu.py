@@ -51,6 +51,16 @@ def test_chunk_8k_varlen_checkpoints(H: int, safe_gate: bool) -> None:
     assert torch.equal(checkpoints[~wanted], torch.zeros_like(checkpoints[~wanted]))
 
 
+def test_chunk_batch_rows_no_state() -> None:
+    """B = 2 rows without cu_seqlens, zero initial state, explicit scale, no checkpoints."""
+    q, k, v, g, beta = _inputs(1000, 12, B=2)
+    o, final, checkpoints = chunk_kda(q, k, v, g, beta, 0.05, use_qk_l2norm_in_kernel=True, gate_lower_bound=-5.0)
+    assert kda.last_backend["chunk_kda"] == "fla" and checkpoints is None
+    ref_o, ref_final, _ = naive.chunk_kda(q, k, v, g, beta, 0.05, use_qk_l2norm_in_kernel=True)
+    assert_rel_rms("o", ref_o, o, TOL)
+    assert_rel_rms("final_state", ref_final, final, TOL)
+
+
 @pytest.mark.parametrize("N", [1, 4, 16, 64], ids=lambda n: f"N{n}")
 @pytest.mark.parametrize("H", [12, 32], ids=lambda h: f"H{h}")
 def test_decode_pool_in_place(H: int, N: int) -> None:
