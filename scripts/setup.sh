@@ -18,7 +18,7 @@ if [ "$SYSTEM_DEPS" = 1 ] && command -v apt-get >/dev/null; then
 fi
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q --upgrade pip "setuptools>=77"
 .venv/bin/python -m pip install -q "torch==${K3SERVE_TORCH_VERSION:-2.13.0}"
 .venv/bin/python -m pip install -q -e ".[serve,test]"
 .venv/bin/python -m pip install -q --no-deps "nixl-cu13==1.5.1"
