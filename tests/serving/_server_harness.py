@@ -248,3 +248,9 @@ def _kill_all(pids) -> None:
     for pid in pids:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
+
+
+def serve(spec: ServerSpec, model_dir: Path, artifacts_dir: Path, tag: str) -> Iterator[Server]:
+    """A fixture body: one server for the fixture's scope, its log kept under the artifacts dir."""
+    with launch(spec, model_dir, keep_log=artifacts_dir / "server-logs" / f"{tag}-{spec.id}.log") as server:
+        yield server

@@ -21,7 +21,7 @@ from typing import Iterator
 
 import pytest
 
-from _server_harness import Server, ServerSpec, launch
+from _server_harness import Server, ServerSpec, serve as _serve
 
 DISAGG = ServerSpec()
 COLOCATED = ServerSpec(mode="colocated", launcher="local")
@@ -33,11 +33,6 @@ def artifacts_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = Path(configured) if configured else tmp_path_factory.mktemp("artifacts")
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-def _serve(spec: ServerSpec, model_dir: Path, artifacts_dir: Path, tag: str) -> Iterator[Server]:
-    with launch(spec, model_dir, keep_log=artifacts_dir / "server-logs" / f"{tag}-{spec.id}.log") as server:
-        yield server
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ import pytest
 
 from k3serve.model.tokenizer import Tokenizer
 
-from _server_harness import Server, ServerSpec
+from _server_harness import Server, ServerSpec, serve
 
 MAX_TOKENS = 16
 NUM_CONCURRENT = 16
@@ -159,9 +159,7 @@ def layout_server(request: pytest.FixtureRequest, tiny_checkpoint: Path, artifac
     if spec == ServerSpec():
         yield request.getfixturevalue("disagg_server")
         return
-    from conftest import _serve
-
-    yield from _serve(spec, tiny_checkpoint, artifacts_dir, "e2e")
+    yield from serve(spec, tiny_checkpoint, artifacts_dir, "e2e")
 
 
 @pytest.mark.timeout(300)
