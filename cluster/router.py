@@ -17,6 +17,7 @@ Replica stats are refreshed in the background and feed routing and the pool gaug
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import time
@@ -96,7 +97,12 @@ class DisaggregatedRouter:
                 finished = True
                 yield result.delta
                 return
+            first_logprobs = result.first_logprobs
             async for delta in stream:
+                if first_logprobs is not None and delta.logprobs is None:
+                    # The first token was sampled by the prefill engine; its logprobs come from there.
+                    delta = dataclasses.replace(delta, logprobs=first_logprobs)  # decode's first delta: that token
+                first_logprobs = None
                 yield delta
                 finished = delta.finished
         finally:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from k3serve.engine.async_engine import AsyncEngine, GenerateRequest
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.llm_engine import LLMEngine
-from k3serve.engine.outputs import RequestDelta
+from k3serve.engine.outputs import RequestDelta, TokenLogprobs
 from k3serve.engine.request import Request
 from k3serve.engine.sampling_params import SamplingParams
 from k3serve.engine.tp_group import TPGroup
@@ -53,6 +53,7 @@ class PrefillResult:
     prefill_seconds: float  # queue + prompt compute, as seen by this worker
     transfer_seconds: float  # writes posted -> decode acknowledged every rank
     num_bytes: int
+    first_logprobs: list[TokenLogprobs] | None = None  # of the first token, if logprobs were requested
 
 
 def make_sender(args: EngineArgs, runner, config, rank: int, transfer: str, transfer_options: dict | None) -> RankSender:
@@ -144,7 +145,7 @@ class PrefillWorker:
         self.metrics.observe_seconds(time.perf_counter() - t0)
         self._release(request_id, None)
         return PrefillResult(first, False, None, len(prompt_token_ids), prefill_seconds, time.perf_counter() - t0,
-                             num_bytes)
+                             num_bytes, last.logprobs)
 
     def _push_all(self, job: HandoffJob) -> list[RankShare]:
         """Engine thread: every rank pushes its share now; rank 0 collects the answers."""

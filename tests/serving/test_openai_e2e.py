@@ -35,11 +35,6 @@ MESSAGES = [{"role": "system", "content": "Answer briefly."},
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
 LAYOUTS = [ServerSpec(), ServerSpec(transfer="nixl"), ServerSpec(decode_replicas=2)]
-DISAGG_ONLY_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="disaggregated: the first token's logprobs are lost at the handoff (PrefillResult carries no "
-           "logprobs; the decode engine emits the first token with logprobs=None)",
-)
 
 
 def client_of(server: Server) -> openai.OpenAI:
@@ -132,10 +127,9 @@ def test_completion_stream_equals_non_stream(any_server: Server, tokenizer: Toke
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("route", ["chat", "completions"])
-def test_streamed_tokens_equal_completion_tokens(any_server: Server, route: str, request: pytest.FixtureRequest) -> None:
-    """One logprobs entry per generated token reaches the client: their number is the usage."""
-    if any_server.spec.mode == "disaggregated":
-        request.applymarker(DISAGG_ONLY_BUG)
+def test_streamed_tokens_equal_completion_tokens(any_server: Server, route: str) -> None:
+    """One logprobs entry per generated token reaches the client (the first one sampled by the
+    prefill engine included): their number is the usage."""
     with client_of(any_server) as client:
         if route == "chat":
             chunks = list(client.chat.completions.create(
