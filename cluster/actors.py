@@ -42,11 +42,11 @@ class PrefillActor:
     async def abort(self, request_id: str) -> None:
         await self.worker.abort(request_id)
 
-    async def load(self) -> tuple[int, int]:
-        return await self.worker.load()
+    async def stats(self):
+        return await self.worker.stats()
 
-    def metrics_text(self) -> str:
-        return self.worker.metrics_text()
+    async def metrics_text(self) -> str:
+        return await self.worker.metrics_text()
 
     def shutdown(self) -> None:
         self.worker.shutdown()
@@ -86,8 +86,8 @@ class DecodeActor:
     async def stats(self):
         return await self.worker.stats()
 
-    def metrics_text(self) -> str:
-        return self.worker.metrics_text()
+    async def metrics_text(self) -> str:
+        return await self.worker.metrics_text()
 
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
 from k3serve.cluster.api.errors import EngineOverloadedError
 
 if TYPE_CHECKING:
-    from k3serve.decode.worker import DecodeStats
+    from k3serve.engine.llm_engine import EngineStats
     from k3serve.engine.outputs import RequestDelta
     from k3serve.engine.sampling_params import SamplingParams
     from k3serve.prefill.worker import HandoffTarget, PrefillResult
@@ -30,9 +30,9 @@ class PrefillReplica(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
-    async def load(self) -> tuple[int, int]: ...
+    async def stats(self) -> "EngineStats": ...
 
-    def metrics_text(self) -> str | Any: ...
+    async def metrics_text(self) -> str: ...
 
 
 class DecodeReplica(Protocol):
@@ -46,7 +46,9 @@ class DecodeReplica(Protocol):
 
     async def abort_request(self, request_id: str) -> None: ...
 
-    async def stats(self) -> "DecodeStats": ...
+    async def stats(self) -> "EngineStats": ...
+
+    async def metrics_text(self) -> str: ...
 
 
 class ReplicaDiedError(EngineOverloadedError):
@@ -59,11 +61,19 @@ def _process_gone_errors() -> tuple[type[BaseException], ...]:
     return rx.RayActorError, rx.WorkerCrashedError, rx.ObjectLostError
 
 
-class RayPrefillReplica:
-    """A prefill worker in a Ray actor (see cluster/actors.py)."""
-
+class _RayReplica:
     def __init__(self, name: str, actor: Any) -> None:
         self.name, self.actor = name, actor
+
+    async def stats(self):
+        return await self.actor.stats.remote()
+
+    async def metrics_text(self) -> str:
+        return await self.actor.metrics_text.remote()
+
+
+class RayPrefillReplica(_RayReplica):
+    """A prefill worker in a Ray actor (see cluster/actors.py)."""
 
     async def prefill(self, request_id, prompt_token_ids, params, target):
         return await self.actor.prefill.remote(request_id, prompt_token_ids, params, target)
@@ -71,15 +81,9 @@ class RayPrefillReplica:
     async def abort(self, request_id: str) -> None:
         await self.actor.abort.remote(request_id)
 
-    async def load(self) -> tuple[int, int]:
-        return await self.actor.load.remote()
 
-
-class RayDecodeReplica:
+class RayDecodeReplica(_RayReplica):
     """A decode worker in a Ray actor; its control address changes when Ray restarts it."""
-
-    def __init__(self, name: str, actor: Any) -> None:
-        self.name, self.actor = name, actor
 
     async def address(self) -> str:
         return await self.actor.control_address.remote()
@@ -97,6 +101,3 @@ class RayDecodeReplica:
 
     async def abort_request(self, request_id: str) -> None:
         await self.actor.abort_request.remote(request_id)
-
-    async def stats(self):
-        return await self.actor.stats.remote()

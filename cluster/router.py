@@ -20,11 +20,11 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
-import time
 from typing import AsyncIterator, Sequence
 
 from k3serve.cluster.api.errors import EngineOverloadedError
 from k3serve.cluster.metrics import IngressMetrics
+from k3serve.cluster.replica_metrics import ReplicaMetricsCollector
 from k3serve.cluster.replicas import DecodeReplica, PrefillReplica
 from k3serve.engine.async_engine import GenerateRequest
 from k3serve.engine.outputs import RequestDelta
@@ -56,6 +56,7 @@ class DisaggregatedRouter:
         self.prefill, self.decode = list(prefill), list(decode)
         self.tokenizer, self.model_name, self.max_model_len = tokenizer, model_name, max_model_len
         self.metrics = metrics
+        self.replica_metrics = ReplicaMetricsCollector(metrics.registry if metrics is not None else None)
         self.refresh_seconds = refresh_seconds
         self._decode_stats: dict[str, object] = {}
         self._decode_addresses: dict[str, str] = {}
@@ -186,32 +187,28 @@ class DisaggregatedRouter:
             await self._refresh()
 
     async def _refresh(self) -> None:
-        async def prefill_load(r: PrefillReplica) -> None:
-            try:
-                running, waiting = await asyncio.wait_for(r.load(), 5.0)
-                self._healthy[r.name] = True
-                if self.metrics is not None:
-                    self.metrics.set_pool_stats("prefill", r.name, running, waiting, 0.0, 0.0)
-            except Exception:
-                self._healthy[r.name] = False
-
-        async def decode_stats(r: DecodeReplica) -> None:
+        async def refresh(pool: str, r) -> None:
             try:
                 stats = await asyncio.wait_for(r.stats(), 5.0)
-                address = await r.address()
-                if self._decode_addresses.get(r.name) not in (None, address):
-                    log.info("decode replica %s restarted at %s", r.name, address)
-                self._decode_addresses[r.name] = address
-                self._decode_stats[r.name] = stats
+                if pool == "decode":
+                    address = await r.address()
+                    if self._decode_addresses.get(r.name) not in (None, address):
+                        log.info("decode replica %s restarted at %s", r.name, address)
+                    self._decode_addresses[r.name] = address
+                    self._decode_stats[r.name] = stats
                 self._healthy[r.name] = True
                 if self.metrics is not None:
                     self.metrics.set_pool_stats(
-                        "decode", r.name, stats.num_running, stats.num_waiting, stats.block_usage, stats.slot_usage
+                        pool, r.name, stats.num_running, stats.num_waiting, stats.block_usage, stats.slot_usage
                     )
+                    self.replica_metrics.update(r.name, await asyncio.wait_for(r.metrics_text(), 5.0))
             except Exception:
                 self._healthy[r.name] = False
 
-        await asyncio.gather(*(prefill_load(r) for r in self.prefill), *(decode_stats(r) for r in self.decode))
+        await asyncio.gather(*(refresh("prefill", r) for r in self.prefill), *(refresh("decode", r) for r in self.decode))
+        if self.metrics is not None:
+            for pool, replicas in (("prefill", self.prefill), ("decode", self.decode)):
+                self.metrics.set_replicas_healthy(pool, sum(bool(self._healthy.get(r.name)) for r in replicas))
 
     async def close(self) -> None:
         if self._refresher is not None:
@@ -223,7 +220,3 @@ async def _quietly(awaitable) -> None:
         await awaitable
     except Exception:  # cleanup on a failing path must not mask the original error
         pass
-
-
-def now() -> float:
-    return time.perf_counter()

@@ -154,7 +154,7 @@ def _start_ray(config: ServeConfig, engine_kwargs: dict) -> Deployment:
         DecodeActor.options(num_cpus=1).remote(engine_kwargs, {**decode_kw, "name": f"decode-{i}"})
         for i in range(config.decode_replicas)
     ]
-    ray.get([a.load.remote() for a in prefill_actors] + [a.stats.remote() for a in decode_actors])  # wait until up
+    ray.get([a.stats.remote() for a in prefill_actors + decode_actors])  # wait until up
     for actor in prefill_actors + decode_actors:
         stops.append(lambda a=actor: ray.get(a.shutdown.remote(), timeout=30))
     prefill = [RayPrefillReplica(f"prefill-{i}", a) for i, a in enumerate(prefill_actors)]

@@ -24,7 +24,7 @@ from typing import AsyncIterator
 
 from k3serve.engine.async_engine import AsyncEngine
 from k3serve.engine.config import EngineArgs
-from k3serve.engine.llm_engine import LLMEngine
+from k3serve.engine.llm_engine import EngineStats, LLMEngine
 from k3serve.engine.outputs import RequestDelta
 from k3serve.engine.sampling_params import SamplingParams
 from k3serve.transfer.backend import AgentInfo
@@ -58,17 +58,6 @@ class _Pending:
     params: SamplingParams | None = None
     shares: dict[int, dict[str, str]] = field(default_factory=dict)  # prefill rank -> checksums
     first_token_id: int | None = None
-
-
-@dataclass(frozen=True)
-class DecodeStats:
-    num_running: int
-    num_waiting: int
-    num_reserved: int
-    num_free_blocks: int
-    num_free_slots: int
-    block_usage: float
-    slot_usage: float
 
 
 class DecodeWorker:
@@ -141,18 +130,11 @@ class DecodeWorker:
             await stream.aclose()
         await self.engine.abort(request_id)
 
-    async def stats(self) -> DecodeStats:
-        def read(e: LLMEngine) -> DecodeStats:
-            s = e.scheduler
-            return DecodeStats(
-                num_running=s.num_running, num_waiting=s.num_waiting, num_reserved=len(self._pending),
-                num_free_blocks=s.block_pool.num_free_blocks, num_free_slots=s.state_pool.num_free,
-                block_usage=s.block_pool.usage, slot_usage=s.state_pool.usage,
-            )
+    async def stats(self) -> EngineStats:
         self._expire_leases()
-        return await self.engine.call(read)
+        return await self.engine.call(lambda e: e.stats(num_reserved=len(self._pending)))
 
-    def metrics_text(self) -> str:
+    async def metrics_text(self) -> str:
         """This process's k3serve metrics (transfer counters, pins), for the ingress to re-export."""
         from k3serve.cluster.replica_metrics import render_worker_metrics
 

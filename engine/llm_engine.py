@@ -51,6 +51,19 @@ def resolve_model_dir(model: str, seed: int, cache_dir: str) -> Path:
     return out
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """What routing and the pool gauges need from one engine (plain values: it crosses processes)."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_free_slots: int
+    block_usage: float  # fraction of MLA blocks in use (incl. reservations and pins)
+    slot_usage: float  # fraction of KDA slots in use
+    num_reserved: int = 0  # decode: reservations waiting for their handoff
+
+
 @dataclass
 class _Tracked:
     """Engine-side state of one request that the scheduler does not need."""
@@ -225,6 +238,14 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
+        )
+
+    def stats(self, num_reserved: int = 0) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=s.num_running, num_waiting=s.num_waiting, num_free_blocks=s.block_pool.num_free_blocks,
+            num_free_slots=s.state_pool.num_free, block_usage=s.block_pool.usage, slot_usage=s.state_pool.usage,
+            num_reserved=num_reserved,
         )
 
     def close(self) -> None:

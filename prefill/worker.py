@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from k3serve.engine.async_engine import AsyncEngine, GenerateRequest
 from k3serve.engine.config import EngineArgs
-from k3serve.engine.llm_engine import LLMEngine
+from k3serve.engine.llm_engine import EngineStats, LLMEngine
 from k3serve.engine.outputs import RequestDelta, TokenLogprobs
 from k3serve.engine.request import Request
 from k3serve.engine.sampling_params import SamplingParams
@@ -142,7 +142,6 @@ class PrefillWorker:
             raise
         num_bytes = sum(s.num_bytes for s in shares)
         self.metrics.add_bytes(num_bytes)
-        self.metrics.observe_seconds(time.perf_counter() - t0)
         self._release(request_id, None)
         return PrefillResult(first, False, None, len(prompt_token_ids), prefill_seconds, time.perf_counter() - t0,
                              num_bytes, last.logprobs)
@@ -157,15 +156,15 @@ class PrefillWorker:
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
 
-    async def load(self) -> tuple[int, int]:
-        """(running, waiting) requests, for load-based routing."""
-        def read(e: LLMEngine) -> tuple[int, int]:
+    async def stats(self) -> EngineStats:
+        """Load and pool usage, for routing and the pool gauges."""
+        def read(e: LLMEngine) -> EngineStats:
             self.pins.expire()  # leases of abandoned handoffs end here at the latest
-            return e.scheduler.num_running, e.scheduler.num_waiting
+            return e.stats()
 
         return await self.engine.call(read)
 
-    def metrics_text(self) -> str:
+    async def metrics_text(self) -> str:
         """This process's k3serve metrics (transfer counters, pins), for the ingress to re-export."""
         from k3serve.cluster.replica_metrics import render_worker_metrics
 
