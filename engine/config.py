@@ -34,7 +34,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     kda_checkpoint_mode: Literal["in_pass", "align", "none"] = "in_pass"
     cache_memory_bytes: int | None = None
-    """Bytes for MLA blocks + KDA slots on CPU; None = 512 MiB."""
+    """Bytes for MLA blocks + KDA slots; None = 512 MiB on CPU, on CUDA what gpu_memory_utilization leaves."""
     gpu_memory_utilization: float = 0.9
     num_kda_slots: int | None = None
     """KDA state slots; None = max_num_seqs working slots + as many for prefix checkpoints."""

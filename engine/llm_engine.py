@@ -124,7 +124,7 @@ class LLMEngine:
     def _plan_pools(self) -> PoolPlan:
         args = self.args
         sizes = cache_sizes(self.config, args.tensor_parallel_size, args.torch_dtype)
-        if args.device.startswith("cuda"):
+        if args.device.startswith("cuda") and args.cache_memory_bytes is None:
             free, _ = torch.cuda.mem_get_info(torch.device(args.device))
             total = torch.cuda.get_device_properties(torch.device(args.device)).total_memory
             cache_bytes = int(free - (1 - args.gpu_memory_utilization) * total)
@@ -261,10 +261,12 @@ class LLMEngine:
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
         deltas, self._pending = self._pending, []
+        if deltas:  # handoff first tokens reach their clients now, not after the next forward pass
+            return deltas
         output = self.scheduler.schedule()
         self.num_preemptions += len(output.preempted_request_ids)
         if output.is_empty:
-            return deltas
+            return []
         want_chunk = {
             s.request_id for s in output.seqs if s.is_prefill and self._tracked[s.request_id].params.prompt_logprobs is not None
         }
@@ -286,7 +288,7 @@ class LLMEngine:
             sampled = dict(zip(ids, out.sampled_token_ids))
             logprobs = dict(zip(ids, out.logprobs))
         finished = {r.request_id: r for r in self.scheduler.update_from_output(output, sampled)}
-        return deltas + [self._delta(rid, token, logprobs.get(rid), finished.get(rid)) for rid, token in sampled.items()]
+        return [self._delta(rid, token, logprobs.get(rid), finished.get(rid)) for rid, token in sampled.items()]
 
     def _delta(self, request_id: str, token_id: int, logprobs: TokenLogprobs | None, done: Request | None) -> RequestDelta:
         tracked = self._tracked[request_id]

@@ -3,13 +3,17 @@ else the torch reference (`naive.py`). GPU modules are imported only after that 
 installs never need triton or fla.
 
 Each op package keeps `last_backend: dict[str, str]` (function name -> "naive" | "fla" | "triton"):
-the GPU tests assert on it, so a silent fallback to the reference fails them."""
+the GPU tests assert on it, so a silent fallback to the reference fails them.
+
+`reference_kernels()` (or K3SERVE_REFERENCE_KERNELS=1 in the environment) forces the reference on
+CUDA tensors too: the anchor of the engine benchmark and the oracle of the GPU engine tests."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import importlib.util
+import os
 
 import torch
 from torch import Tensor
@@ -23,6 +27,26 @@ def has_module(name: str) -> bool:
 def on_cuda(*tensors: Tensor | None) -> bool:
     """True when every given tensor (None skipped) lives on a CUDA device."""
     return all(t is None or t.is_cuda for t in tensors)
+
+
+_force_reference = os.environ.get("K3SERVE_REFERENCE_KERNELS", "") not in ("", "0")
+
+
+@contextlib.contextmanager
+def reference_kernels(enabled: bool = True):
+    """Within the block, every op runs its torch reference (`naive.py`), also on CUDA tensors."""
+    global _force_reference
+    saved, _force_reference = _force_reference, enabled
+    try:
+        yield
+    finally:
+        _force_reference = saved
+
+
+def gpu_kernels(*tensors: Tensor | None) -> bool:
+    """Whether an op may dispatch to its GPU implementation: every tensor on CUDA, and the reference
+    is not forced."""
+    return not _force_reference and on_cuda(*tensors)
 
 
 def device_of(t: Tensor) -> contextlib.AbstractContextManager:

@@ -170,6 +170,29 @@ K3_TINY: dict[str, Any] = {
     "text_config": {**K3_TINY_TEXT, "quantization_config": MXFP4_QUANTIZATION},
 }
 
+# k3-tiny with K3's per-head sizes (KDA head_dim 128, MLA latent 512 + rope 64) and MoE dims that are
+# multiples of 64: small enough to write as a checkpoint and run on a CPU, but every op meets the GPU
+# kernels' shape rules (the GPU engine tests and `benchmarks/gpu_engine.py`). Not a served preset.
+K3_TINY_GPU_TEXT: dict[str, Any] = {
+    **K3_TINY_TEXT,
+    "hidden_size": 256,
+    "q_lora_rank": 128,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "routed_expert_hidden_size": 128,
+    "linear_attn_config": {**K3_TINY_TEXT["linear_attn_config"], "head_dim": 128, "num_heads": 12},
+}
+
+K3_TINY_GPU: dict[str, Any] = {
+    "model_type": "kimi_k3",
+    "architectures": ["KimiK3ForConditionalGeneration"],
+    "text_config": {**K3_TINY_GPU_TEXT, "quantization_config": MXFP4_QUANTIZATION},
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "kimi-k3": KIMI_K3,
     "kimi-linear-48b-a3b": KIMI_LINEAR_48B_A3B,

@@ -41,12 +41,30 @@ def causal_conv1d(
         raise ValueError(
             f"cu_seqlens must be int64 [N+1] with N >= 1, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
         )
+    N, S = cu_seqlens.numel() - 1, conv_state.shape[0]
+    if state_indices.dtype != torch.int64 or state_indices.shape != (N,):
+        raise ValueError(f"state_indices must be int64 [N={N}], got {state_indices.dtype} {tuple(state_indices.shape)}")
+    if x.is_cuda and cu_seqlens.is_cuda and state_indices.is_cuda:
+        # Values on a GPU come from the engine's batch and slot pool and are trusted (as in kda_decode):
+        # checking them would cost a host sync per layer. T == N means one token per sequence (decode).
+        if T == N:
+            return _decode_one_token(x, weight, conv_state, state_indices, activation)
+        return naive.causal_conv1d(x, weight, conv_state, cu_seqlens, state_indices, activation)
     lens = cu_seqlens.diff()
     if cu_seqlens[0] != 0 or cu_seqlens[-1] != T or (lens < 1).any():
         raise ValueError(f"cu_seqlens must rise strictly from 0 to T={T}, got {cu_seqlens.tolist()}")
-    N, S = lens.numel(), conv_state.shape[0]
-    if state_indices.dtype != torch.int64 or state_indices.shape != (N,):
-        raise ValueError(f"state_indices must be int64 [N={N}], got {state_indices.dtype} {tuple(state_indices.shape)}")
     if ((state_indices < 0) | (state_indices >= S)).any() or state_indices.unique().numel() != N:
         raise ValueError(f"state_indices must be distinct slots in [0, {S}), got {state_indices.tolist()}")
     return naive.causal_conv1d(x, weight, conv_state, cu_seqlens, state_indices, activation)
+
+
+def _decode_one_token(x: Tensor, weight: Tensor, conv_state: Tensor, state_indices: Tensor,
+                      activation: str | None) -> Tensor:
+    """One new token per sequence, all sequences at once (no per-sequence loop, no host sync): the same
+    products and W-term sums as the reference's window, in fp32."""
+    window = torch.cat([conv_state[state_indices].float(), x.float()[:, :, None]], dim=-1)  # [N, C, W]
+    y = (window * weight.float()).sum(-1)
+    conv_state[state_indices] = window[:, :, 1:].to(conv_state.dtype)
+    if activation == "silu":
+        y = torch.nn.functional.silu(y)
+    return y.to(x.dtype)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._backend import has_module, on_cuda
+from .._backend import gpu_kernels, has_module
 from . import naive
 
 last_backend: dict[str, str] = {}  # "chunk_kda" / "kda_decode" -> "fla" | "naive": what ran last
@@ -142,7 +142,7 @@ def chunk_kda(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if gate_lower_bound is not None and not -5.0 <= gate_lower_bound < 0.0:
         raise ValueError(f"gate_lower_bound must be in [-5, 0), got {gate_lower_bound}")
-    if on_cuda(q, k, v, g, beta, initial_state) and has_module("fla"):
+    if gpu_kernels(q, k, v, g, beta, initial_state) and has_module("fla"):
         from . import fla_ops
 
         if fla_ops.supports_chunk(q, v, chunk_size):
@@ -181,7 +181,7 @@ def kda_decode(
     if not state_indices.is_cuda and (((state_indices < 0) | (state_indices >= S)).any()
                                       or state_indices.unique().numel() != N):
         raise ValueError(f"state_indices must be distinct slots in [0, {S}), got {state_indices.tolist()}")
-    if on_cuda(q, k, v, g, beta, state_pool) and has_module("fla"):
+    if gpu_kernels(q, k, v, g, beta, state_pool) and has_module("fla"):
         from . import fla_ops
 
         if fla_ops.supports_decode(q, v, state_pool):

@@ -34,13 +34,19 @@ from .._backend import device_of
 DTYPES = (torch.bfloat16, torch.float16)
 
 
+def _head_dims_ok(K: int, V: int) -> bool:
+    """The head sizes fla's KDA kernels are built and tested for (Kimi: 128); tiny CPU test models
+    (head_dim 16) stay on the reference."""
+    return 64 <= K <= 256 and 64 <= V <= 256
+
+
 def supports_chunk(q: Tensor, v: Tensor, chunk_size: int) -> bool:
-    return q.dtype in DTYPES and chunk_size in (32, 64) and q.shape[-1] <= 256 and v.shape[-1] <= 256
+    return q.dtype in DTYPES and chunk_size in (32, 64) and _head_dims_ok(q.shape[-1], v.shape[-1])
 
 
 def supports_decode(q: Tensor, v: Tensor, state_pool: Tensor) -> bool:
     H, K, V = state_pool.shape[1:]
-    return q.dtype in DTYPES and K <= 256 and state_pool.stride()[1:] == (K * V, V, 1)
+    return q.dtype in DTYPES and _head_dims_ok(K, V) and state_pool.stride()[1:] == (K * V, V, 1)
 
 
 def _checkpoints(h: Tensor, k: Tensor, gc: Tensor, v_new: Tensor, offsets: list[int], row_starts: list[int],

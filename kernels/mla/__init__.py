@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .._backend import has_module, on_cuda
+from .._backend import gpu_kernels, has_module
 from . import naive
 
 last_backend: dict[str, str] = {}  # "mla_decode_paged" / "merge_attn_states" -> "triton" | "naive"
@@ -134,7 +134,7 @@ def mla_decode_paged(
             f"q_latent {tuple(q_latent.shape)} and q_pe {tuple(q_pe.shape)} do not split kv_cache rows of "
             f"{kv_cache.shape[2]} as L={kv_lora_rank} + R"
         )
-    if on_cuda(q_latent, q_pe, kv_cache) and has_module("triton"):
+    if gpu_kernels(q_latent, q_pe, kv_cache) and has_module("triton"):
         from . import triton_decode
 
         if triton_decode.supports(q_latent, q_pe, kv_cache):
@@ -156,7 +156,7 @@ def merge_attn_states(outputs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
         raise ValueError(
             f"outputs must be [P, N, H, D] and lses [P, N, H], got {tuple(outputs.shape)} and {tuple(lses.shape)}"
         )
-    if on_cuda(outputs, lses) and has_module("triton") and outputs.numel() > 0:
+    if gpu_kernels(outputs, lses) and has_module("triton") and outputs.numel() > 0:
         from . import triton_decode
 
         last_backend["merge_attn_states"] = "triton"

@@ -32,9 +32,10 @@ def _pow2(x: int) -> bool:
 
 
 def supports(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor) -> bool:
-    """Cache in bf16/fp16 (queries are cast to it), power-of-2 L, R and block size, unit inner stride."""
+    """Cache in bf16/fp16 (queries are cast to it), power-of-2 L, R and block size, each >= 16 (the
+    smallest tl.dot operand), unit inner stride."""
     L, R, block_size = q_latent.shape[-1], q_pe.shape[-1], kv_cache.shape[1]
-    shapes = _pow2(L) and _pow2(R) and _pow2(block_size) and block_size >= 16 and kv_cache.stride(-1) == 1
+    shapes = all(_pow2(d) and d >= 16 for d in (L, R, block_size)) and kv_cache.stride(-1) == 1
     return kv_cache.dtype in DTYPES and shapes and q_latent.shape[0] > 0
 
 

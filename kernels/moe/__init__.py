@@ -15,7 +15,7 @@ from torch import Tensor
 
 from k3serve.kernels.mxfp4 import MXFP4Tensor
 
-from .._backend import has_module, on_cuda
+from .._backend import gpu_kernels, has_module
 from . import naive
 
 last_backend: dict[str, str] = {}  # "fused_experts" -> "triton" | "naive"
@@ -96,7 +96,7 @@ def fused_experts(
     if expert_start < 0:
         raise ValueError(f"expert_start={expert_start} must be >= 0")
     mxfp4 = all(isinstance(w, MXFP4Tensor) for w in (weights.w1, weights.w3, weights.w2))
-    if mxfp4 and on_cuda(x, weights.w1.packed, topk_weights, topk_ids) and has_module("triton"):
+    if mxfp4 and gpu_kernels(x, weights.w1.packed, topk_weights, topk_ids) and has_module("triton"):
         from . import triton_moe
 
         if triton_moe.supports(x, weights, activation):

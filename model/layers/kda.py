@@ -101,6 +101,7 @@ class KimiDeltaAttention(Sharded):
             cu_seqlens=batch.cu_seqlens,
             checkpoint_offsets=batch.checkpoint_offsets,
             use_qk_l2norm_in_kernel=True,
+            gate_lower_bound=self.lower_bound,  # K3 bounded gate: g >= lower_bound by construction
         )
         recurrent[batch.slot_ids] = final
         if checkpoints is not None:
