@@ -47,6 +47,7 @@ class ServerSpec:
     launcher: str = "ray"
     prefill_replicas: int = 1
     decode_replicas: int = 1
+    prefill_tp: int = 1
     extra_args: tuple[str, ...] = ()
 
     @property
@@ -55,6 +56,8 @@ class ServerSpec:
         if self.mode == "colocated":
             return "colocated"
         name = f"{self.transfer}-{self.prefill_replicas}P{self.decode_replicas}D"
+        if self.prefill_tp > 1:
+            name += f"-prefill-tp{self.prefill_tp}"
         return name if self.launcher == "ray" else f"{name}-{self.launcher}"
 
     def argv(self, model_dir: Path | str) -> list[str]:
@@ -63,7 +66,7 @@ class ServerSpec:
                 "--port", "0", *SMALL_ENGINE_ARGS]
         if self.mode == "disaggregated":
             args += ["--transfer", self.transfer, "--prefill-replicas", str(self.prefill_replicas),
-                     "--decode-replicas", str(self.decode_replicas)]
+                     "--decode-replicas", str(self.decode_replicas), "--prefill-tp", str(self.prefill_tp)]
         return args + list(self.extra_args)
 
 

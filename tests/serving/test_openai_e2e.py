@@ -34,7 +34,7 @@ MESSAGES = [{"role": "system", "content": "Answer briefly."},
             {"role": "user", "content": "Which day of the week comes after Tuesday?"}]
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
-LAYOUTS = [ServerSpec(), ServerSpec(transfer="nixl"), ServerSpec(decode_replicas=2)]
+LAYOUTS = [ServerSpec(), ServerSpec(transfer="nixl"), ServerSpec(decode_replicas=2), ServerSpec(prefill_tp=2)]
 
 
 def client_of(server: Server) -> openai.OpenAI:
