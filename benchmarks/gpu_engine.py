@@ -209,6 +209,35 @@ def experts_hit(step) -> list[int]:
     return hits
 
 
+def profile_step(step, dev: torch.device, steps: int = 3, top: int = 15) -> dict:
+    """Where an eager step's time goes: torch.profiler over `steps` steps, per step. GPU busy = the sum of
+    the device time of every kernel and copy (overlap ignored)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    device_us = sum(getattr(e, "self_device_time_total", 0.0) for e in events if e.device_type.name == "CUDA")
+    by_cpu = sorted((e for e in events if e.device_type.name == "CPU"), key=lambda e: -e.self_cpu_time_total)
+
+    def count(*names: str) -> float:
+        return sum(e.count for e in events if e.key in names) / steps
+
+    return {
+        "gpu_busy_ms_per_step": device_us / 1e3 / steps,
+        "kernel_launches_per_step": count("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+                                          "cudaLaunchKernelExC"),
+        "syncs_per_step": count("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"),
+        "aten_ops_per_step": sum(e.count for e in events if e.key.startswith("aten::")) / steps,
+        "top_self_cpu_us_per_step": [(e.key, round(e.self_cpu_time_total / steps), e.count // steps)
+                                     for e in by_cpu[:top]],
+    }
+
+
 def backends() -> str:
     used = {**kda.last_backend, **mla.last_backend, **moe.last_backend}
     short = {"kda_decode": "kda", "mla_decode_paged": "mla", "fused_experts": "moe"}
@@ -223,6 +252,7 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=2048)
     parser.add_argument("--budget-s", type=float, default=150.0, help="skip what would start after this")
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="time nothing; profile one eager step of ours per row")
     args = parser.parse_args()
     started = time.perf_counter()
     if torch.cuda.is_available():
@@ -258,6 +288,14 @@ def main() -> None:
                 result["skipped"].append(f"{cfg_name} N{n}: over --budget-s")
                 continue
             step = decode_step_fn(model, cache, n, ctx)
+            if args.profile:
+                for _ in range(3):
+                    step()
+                prof = {"config": cfg_name, "batch": n, "ours_backends": backends(), **profile_step(step, dev)}
+                result.setdefault("profiles", []).append(prof)
+                save()
+                print(json.dumps(prof), flush=True)
+                continue
             t0 = time.perf_counter()
             ours_ms, ours_all = time_step(step, dev, warmup=3, iters=3 if args.smoke else 15)
             used = backends()

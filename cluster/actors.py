@@ -1,7 +1,9 @@
 """Ray actors hosting one prefill or decode worker each (imported only with `--launcher ray`).
 
 An actor is a replica: Ray restarts it when it dies (`max_restarts=-1`); a restarted decode
-actor publishes a new control address, which the router picks up on its next refresh. Worker
+actor publishes a new control address, which the router picks up on its next refresh. A TP
+replica (rank 0 plus `*RankActor` followers in a placement group) is started with
+`max_restarts=0`: its ranks live and die together. Worker
 calls pass through unchanged; the decode stream is a Ray streaming generator.
 """
 
@@ -62,16 +64,41 @@ class PrefillRankActor:
         follower_main(rank, EngineArgs(**engine_kwargs), init_method, transfer, num_threads=num_threads)
 
 
+@ray.remote(max_restarts=0)
+class DecodeRankActor:
+    """Rank > 0 of a TP decode engine: follows rank 0 until it stops; answers handshakes."""
+
+    def run(self, rank: int, engine_kwargs: dict[str, Any], init_method: str, transfer: str, host: str,
+            prefill_tp: int, num_threads: int = 1) -> None:
+        from k3serve.decode.rank import follower_main
+
+        follower_main(rank, EngineArgs(**engine_kwargs), init_method, transfer, host, prefill_tp,
+                      num_threads=num_threads)
+
+
 @ray.remote(max_restarts=-1, max_task_retries=0)
 class DecodeActor:
-    def __init__(self, engine_kwargs: dict[str, Any], worker_kwargs: dict[str, Any], num_threads: int = 1) -> None:
+    """Rank 0 of a decode engine (the whole engine when TP is 1)."""
+
+    def __init__(
+        self, engine_kwargs: dict[str, Any], worker_kwargs: dict[str, Any], num_threads: int = 1,
+        init_method: str | None = None,
+    ) -> None:
         from k3serve.decode.worker import DecodeWorker
+        from k3serve.engine.tp_group import TPGroup
 
         _limit_threads(num_threads)
-        self.worker = DecodeWorker(EngineArgs(**engine_kwargs), **worker_kwargs)
+        args = EngineArgs(**engine_kwargs)
+        group = TPGroup(0, args.tensor_parallel_size, init_method) if init_method else None
+        self.worker = DecodeWorker(args, group=group, **worker_kwargs)
 
     def control_address(self) -> str:
+        """Rank 0's control address."""
         return self.worker.control_address
+
+    def control_addresses(self) -> tuple[str, ...]:
+        """Every rank's control address, rank order (what a HandoffTarget names)."""
+        return self.worker.control_addresses
 
     async def admit(self, request_id, prompt_token_ids, params):
         return await self.worker.admit(request_id, prompt_token_ids, params)

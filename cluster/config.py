@@ -2,8 +2,9 @@
 
 YAML keys are the long flag names with dashes as underscores (`prefill_replicas: 2`); flags given
 on the command line win over the file. Cross-checks that would otherwise fail deep inside a
-worker (a TP size that does not divide the heads, a transfer backend without its package) fail
-here with the field's name.
+worker (a transfer backend without its package, 'local' transfer across processes) fail here
+with the field's name; a TP size that does not divide the model's KDA heads fails at startup
+(`cluster.serve._check_tp`), once the checkpoint's config is known.
 """
 
 from __future__ import annotations
@@ -47,12 +48,12 @@ class ServeConfig(BaseModel):
     def _cross_check(self) -> "ServeConfig":
         if self.mode == "disaggregated" and self.transfer == "local" and self.launcher == "ray":
             raise ValueError("transfer 'local' moves bytes inside one process: use --launcher local, or mooncake / nixl")
-        if self.decode_tp != 1:
-            raise ValueError(f"decode_tp={self.decode_tp}: decode engines run one rank per replica in this release")
         if self.mode == "colocated" and self.prefill_tp != 1:
             raise ValueError("colocated mode runs one engine with prefill_tp=1")
-        if self.mode == "disaggregated" and self.prefill_tp > 1 and self.transfer == "local":
-            raise ValueError("prefill_tp > 1 runs ranks in separate processes: use transfer mooncake or nixl")
+        if self.mode == "colocated" and self.decode_tp != 1:
+            raise ValueError("colocated mode runs one engine with decode_tp=1")
+        if self.mode == "disaggregated" and max(self.prefill_tp, self.decode_tp) > 1 and self.transfer == "local":
+            raise ValueError("prefill_tp or decode_tp > 1 runs ranks in separate processes: use transfer mooncake or nixl")
         return self
 
     @classmethod

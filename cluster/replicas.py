@@ -38,7 +38,7 @@ class PrefillReplica(Protocol):
 class DecodeReplica(Protocol):
     name: str
 
-    async def address(self) -> str: ...
+    async def addresses(self) -> tuple[str, ...]: ...
 
     async def admit(self, request_id: str, prompt_token_ids: list[int], params: "SamplingParams") -> "Reservation": ...
 
@@ -85,8 +85,8 @@ class RayPrefillReplica(_RayReplica):
 class RayDecodeReplica(_RayReplica):
     """A decode worker in a Ray actor; its control address changes when Ray restarts it."""
 
-    async def address(self) -> str:
-        return await self.actor.control_address.remote()
+    async def addresses(self) -> tuple[str, ...]:
+        return tuple(await self.actor.control_addresses.remote())
 
     async def admit(self, request_id, prompt_token_ids, params):
         return await self.actor.admit.remote(request_id, prompt_token_ids, params)

@@ -59,7 +59,7 @@ class DisaggregatedRouter:
         self.replica_metrics = ReplicaMetricsCollector(metrics.registry if metrics is not None else None)
         self.refresh_seconds = refresh_seconds
         self._decode_stats: dict[str, object] = {}
-        self._decode_addresses: dict[str, str] = {}
+        self._decode_addresses: dict[str, tuple[str, ...]] = {}  # every decode rank, rank order
         self._inflight: dict[str, int] = {r.name: 0 for r in self.prefill}  # prefill requests in flight
         self._decoding: dict[str, int] = {r.name: 0 for r in self.decode}  # admitted here, not yet ended
         self._healthy: dict[str, bool] = {}
@@ -129,7 +129,7 @@ class DisaggregatedRouter:
             admitted = False
             try:
                 if replica.name not in self._decode_addresses:
-                    self._decode_addresses[replica.name] = await replica.address()
+                    self._decode_addresses[replica.name] = await replica.addresses()
                 reservation = await replica.admit(rid, prompt_ids, params)
                 admitted = True  # generate() uncounts it when the request ends
                 return replica, reservation
@@ -170,7 +170,7 @@ class DisaggregatedRouter:
                 raise
             except Exception as e:
                 log.warning("prefill replica %s failed on %s: %r", replica.name, rid, e)
-                errors.append(f"{replica.name}: {e!r}")
+                errors.append(f"{replica.name}: {type(e).__name__}")  # the client sees this; the log has the rest
                 await _quietly(replica.abort(rid))
             finally:
                 self._inflight[replica.name] -= 1
@@ -191,7 +191,7 @@ class DisaggregatedRouter:
             try:
                 stats = await asyncio.wait_for(r.stats(), 5.0)
                 if pool == "decode":
-                    address = await r.address()
+                    address = await asyncio.wait_for(r.addresses(), 5.0)
                     if self._decode_addresses.get(r.name) not in (None, address):
                         log.info("decode replica %s restarted at %s", r.name, address)
                     self._decode_addresses[r.name] = address

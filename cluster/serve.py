@@ -55,9 +55,22 @@ def start_deployment(config: ServeConfig) -> Deployment:
         engine = AsyncEngine(EngineArgs(**engine_kwargs))
         metrics = IngressMetrics(model_name=engine.model_name)
         return Deployment(engine, metrics, config, [engine.shutdown])
+    _check_tp(config, engine_kwargs["model"])
     if config.launcher == "ray":
         return _start_ray(config, engine_kwargs)
     return _start_local(config, engine_kwargs)
+
+
+def _check_tp(config: ServeConfig, model_dir: str) -> None:
+    """Both pools shard the KDA heads by their TP size: refuse a size that does not divide them
+    here, before any worker starts, rather than deep inside one."""
+    from k3serve.model.config import ModelConfig
+
+    heads = ModelConfig.from_dir(model_dir).kda.num_heads
+    for field_name, tp in (("prefill_tp", config.prefill_tp), ("decode_tp", config.decode_tp)):
+        if heads % tp:
+            raise ValueError(f"{field_name}={tp} does not divide the {heads} KDA heads of {config.model}: "
+                             "every rank must hold whole heads")
 
 
 def _worker_kwargs(config: ServeConfig) -> tuple[dict, dict]:
@@ -80,34 +93,46 @@ def _router(config: ServeConfig, prefill: list, decode: list, engine_kwargs: dic
 
 
 def _start_local(config: ServeConfig, engine_kwargs: dict) -> Deployment:
-    """Workers in this process; the ranks > 0 of a TP prefill engine in child processes."""
+    """Workers in this process; the ranks > 0 of a TP engine (prefill or decode) in child processes."""
     import multiprocessing
 
+    from k3serve.decode import rank as decode_rank
     from k3serve.decode.worker import DecodeWorker
     from k3serve.engine.tp_group import TPGroup
-    from k3serve.prefill.rank import follower_main
+    from k3serve.prefill import rank as prefill_rank
     from k3serve.prefill.worker import PrefillWorker
 
     prefill_kw, decode_kw = _worker_kwargs(config)
     prefill_args = EngineArgs(**engine_kwargs, tensor_parallel_size=config.prefill_tp)
-    decode_args = EngineArgs(**engine_kwargs)
+    decode_args = EngineArgs(**engine_kwargs, tensor_parallel_size=config.decode_tp)
     stops: list[Callable[[], None]] = []
-    prefill = []
     ctx = multiprocessing.get_context("spawn")
+
+    def tp_group(tp: int, target: Callable, follower_args: Callable[[int, str], tuple]) -> TPGroup | None:
+        """Rank 0's group of a TP engine; ranks > 0 start first, in child processes."""
+        if tp == 1:
+            return None
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        for rank in range(1, tp):
+            proc = ctx.Process(target=target, args=follower_args(rank, init), daemon=True)
+            proc.start()
+            stops.append(lambda p=proc: _join_or_kill(p))
+        return TPGroup(0, tp, init)
+
+    prefill = []
     for i in range(config.prefill_replicas):
-        group = None
-        if config.prefill_tp > 1:
-            init = f"tcp://127.0.0.1:{_free_port()}"
-            for rank in range(1, config.prefill_tp):
-                proc = ctx.Process(target=follower_main, args=(rank, prefill_args, init, config.transfer), daemon=True)
-                proc.start()
-                stops.append(lambda p=proc: _join_or_kill(p))
-            group = TPGroup(0, config.prefill_tp, init)
+        group = tp_group(config.prefill_tp, prefill_rank.follower_main,
+                         lambda rank, init: (rank, prefill_args, init, config.transfer))
         worker = PrefillWorker(prefill_args, name=f"prefill-{i}", group=group, **prefill_kw)
         stops.append(worker.shutdown)
         prefill.append(worker)
-    decode = [DecodeWorker(decode_args, name=f"decode-{i}", **decode_kw) for i in range(config.decode_replicas)]
-    stops += [w.shutdown for w in decode]
+    decode = []
+    for i in range(config.decode_replicas):
+        group = tp_group(config.decode_tp, decode_rank.follower_main,
+                         lambda rank, init: (rank, decode_args, init, config.transfer, "127.0.0.1", config.prefill_tp))
+        worker = DecodeWorker(decode_args, name=f"decode-{i}", group=group, **decode_kw)
+        stops.append(worker.shutdown)
+        decode.append(worker)
     router, metrics = _router(config, prefill, decode, engine_kwargs)
     return Deployment(router, metrics, config, stops)
 
@@ -129,7 +154,6 @@ def _free_port() -> int:
 def _start_ray(config: ServeConfig, engine_kwargs: dict) -> Deployment:
     import ray
 
-    from k3serve.cluster.actors import DecodeActor, PrefillActor
     from k3serve.cluster.replicas import RayDecodeReplica, RayPrefillReplica
 
     stops: list[Callable[[], None]] = []
@@ -139,7 +163,7 @@ def _start_ray(config: ServeConfig, engine_kwargs: dict) -> Deployment:
             ray.init(address=config.ray_address, include_dashboard=False, log_to_driver=False)
         else:
             ray.init(
-                num_cpus=max(4, config.prefill_replicas + config.decode_replicas + 1),
+                num_cpus=max(4, config.prefill_replicas * config.prefill_tp + config.decode_replicas * config.decode_tp + 1),
                 include_dashboard=False,
                 _temp_dir=tempfile.mkdtemp(prefix="k3serve-ray-"),
                 log_to_driver=False,
@@ -151,7 +175,7 @@ def _start_ray(config: ServeConfig, engine_kwargs: dict) -> Deployment:
         for i in range(config.prefill_replicas)
     ]
     decode_actors = [
-        DecodeActor.options(num_cpus=1).remote(engine_kwargs, {**decode_kw, "name": f"decode-{i}"})
+        _start_ray_decode(config, engine_kwargs, {**decode_kw, "name": f"decode-{i}"}, stops)
         for i in range(config.decode_replicas)
     ]
     ray.get([a.stats.remote() for a in prefill_actors + decode_actors])  # wait until up
@@ -183,16 +207,44 @@ def _uvicorn_server_class():
 def _start_ray_prefill(config: ServeConfig, engine_kwargs: dict, worker_kwargs: dict, stops: list) -> Any:
     """One prefill replica: a single actor, or TP ranks packed in a placement group (rank 0 is the
     replica's API; ranks > 0 follow it). A TP replica is not restarted piecewise."""
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     from k3serve.cluster.actors import PrefillActor, PrefillRankActor
 
     tp = config.prefill_tp
     kwargs = {**engine_kwargs, "tensor_parallel_size": tp}
     if tp == 1:
         return PrefillActor.options(num_cpus=1).remote(kwargs, worker_kwargs)
+    init, in_bundle = _tp_placement(config, tp, stops)
+    for rank in range(1, tp):
+        follower = PrefillRankActor.options(**in_bundle(rank)).remote()
+        follower.run.remote(rank, kwargs, init, config.transfer)  # returns when rank 0 says "stop"
+    return PrefillActor.options(max_restarts=0, **in_bundle(0)).remote(kwargs, worker_kwargs, init_method=init)
+
+
+def _start_ray_decode(config: ServeConfig, engine_kwargs: dict, worker_kwargs: dict, stops: list) -> Any:
+    """One decode replica: a single actor, or TP ranks packed in a placement group (rank 0 is the
+    replica's API and full control server; ranks > 0 follow it and answer handshakes). A TP
+    replica is not restarted piecewise."""
+    from k3serve.cluster.actors import DecodeActor, DecodeRankActor
+
+    tp = config.decode_tp
+    kwargs = {**engine_kwargs, "tensor_parallel_size": tp}
+    if tp == 1:
+        return DecodeActor.options(num_cpus=1).remote(kwargs, worker_kwargs)
+    init, in_bundle = _tp_placement(config, tp, stops)
+    host = worker_kwargs.get("host", "127.0.0.1")
+    for rank in range(1, tp):
+        follower = DecodeRankActor.options(**in_bundle(rank)).remote()
+        follower.run.remote(rank, kwargs, init, config.transfer, host, config.prefill_tp)  # until rank 0 says "stop"
+    return DecodeActor.options(max_restarts=0, **in_bundle(0)).remote(kwargs, worker_kwargs, init_method=init)
+
+
+def _tp_placement(config: ServeConfig, tp: int, stops: list) -> tuple[str, Callable[[int], dict]]:
+    """A placement group of `tp` bundles (one GPU, or one CPU, each) packed on one node: the TP
+    group's init address (rank 0's node) and the actor options that put rank i in bundle i."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
     resource = {"GPU": 1} if config.device.startswith("cuda") else {"CPU": 1}
     pg = placement_group([resource] * tp, strategy="STRICT_PACK")
     ray.get(pg.ready(), timeout=120)
@@ -203,10 +255,7 @@ def _start_ray_prefill(config: ServeConfig, engine_kwargs: dict, worker_kwargs: 
         return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
                 "num_cpus": resource.get("CPU", 0), "num_gpus": resource.get("GPU", 0)}
 
-    for rank in range(1, tp):
-        follower = PrefillRankActor.options(**in_bundle(rank)).remote()
-        follower.run.remote(rank, kwargs, init, config.transfer)  # returns when rank 0 says "stop"
-    return PrefillActor.options(max_restarts=0, **in_bundle(0)).remote(kwargs, worker_kwargs, init_method=init)
+    return init, in_bundle
 
 
 def _bundle_ip(pg) -> str:

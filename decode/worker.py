@@ -3,8 +3,9 @@
     ingress                 decode worker                                prefill worker(s)
     admit(id, prompt) --->  reserve blocks + 1 KDA slot (lease) ------>  (address + reservation)
     stream(id)        <...  (nothing yet)                                writes MLA KV + KDA state
+                                                                         into every decode rank
                             TransferReady(id, rank, first token, sums) <-- one per prefill rank
-                            all ranks in: verify checksums of the landed bytes
+                            all ranks in: verify checksums of the landed bytes on every decode rank
                               ok   -> engine.add_prefilled_request: decode from the first token
                               bad  -> fail the request loudly, free the reservation, count it
     deltas            <---  continuous batching with every other request
@@ -13,6 +14,13 @@ The control plane (gRPC `DecodeControl`) is served by this object; every operati
 the engine's pools or cache runs on the engine thread (`AsyncEngine.submit`), so the scheduler
 never races a handler. A reservation that is never completed (prefill died, client left) is
 freed when its lease runs out, when the request is aborted, or when the stream is abandoned.
+
+A TP engine spans several processes: this object is rank 0 (scheduler, sampler, API, the full
+control plane); the other ranks run `decode.rank.follower_main`: each holds a model and cache
+shard, its own transfer agent, and a control server that answers only handshakes (prefill ranks
+write straight into every decode rank). The engine's address is the list of its ranks' control
+addresses, rank order (`addresses()`). Verification asks every rank for the checksums of its
+landed shard through the TP group (`decode.handoff`).
 """
 
 from __future__ import annotations
@@ -22,14 +30,15 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from k3serve.decode.handoff import make_receiver
 from k3serve.engine.async_engine import AsyncEngine
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.llm_engine import EngineStats, LLMEngine
 from k3serve.engine.outputs import RequestDelta
 from k3serve.engine.sampling_params import SamplingParams
+from k3serve.engine.tp_group import TPGroup
 from k3serve.transfer.backend import AgentInfo
-from k3serve.transfer.backends import make_backend
-from k3serve.transfer.checksum import combine_request_checksums, mismatched_regions, request_checksums
+from k3serve.transfer.checksum import combine_request_checksums, mismatched_regions, split_rank_checksums
 from k3serve.transfer.control import (
     ChecksumMismatchError,
     DecodeControlServer,
@@ -39,9 +48,8 @@ from k3serve.transfer.control import (
     Reservation,
     UnknownRequestError,
 )
-from k3serve.transfer.layout import CacheLayout, HeadSlice, compatibility_hash, register_cache
 from k3serve.transfer.metrics import transfer_metrics
-from k3serve.transfer.tp_map import TPMapping, RankCache
+from k3serve.transfer.tp_map import RankCache, sending_ranks
 
 
 class HandoffFailedError(RuntimeError):
@@ -56,7 +64,7 @@ class _Pending:
     deadline: float  # monotonic
     prompt_token_ids: list[int] | None = None
     params: SamplingParams | None = None
-    shares: dict[int, dict[str, str]] = field(default_factory=dict)  # prefill rank -> checksums
+    shares: dict[int, dict[int, dict[str, str]]] = field(default_factory=dict)  # prefill rank -> decode rank -> sums
     first_token_id: int | None = None
 
 
@@ -71,38 +79,59 @@ class DecodeWorker:
         host: str = "127.0.0.1",
         transfer_options: dict | None = None,
         name: str = "decode-0",
+        group: TPGroup | None = None,
     ) -> None:
         self.name = name
-        self.engine = AsyncEngine(args)
+        self.group = group
+        self.decode_tp = group.world_size if group else 1
+        self.engine = AsyncEngine(args, group=group)
         self.engine.on_abort = self._on_engine_abort
         core = self.engine.engine
         self.lease_seconds = lease_seconds
         self.verify_checksums = verify_checksums
         self.prefill_tp = prefill_tp
-        cache = core.runner.cache
-        self.backend = make_backend(transfer, **(transfer_options or {}))
-        self.regions = register_cache(self.backend, cache)
-        self.layout = CacheLayout.from_cache(cache, core.config, tp_rank=0, tp_size=1)
-        self.compat_hash = compatibility_hash(core.config, args.torch_dtype, args.block_size)
         self.metrics = transfer_metrics().bind(model=core.model_name, role="decode")
         self._lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}
         self._streams: dict[str, AsyncIterator[RequestDelta]] = {}  # admitted, not yet followed
-        self._expected_ranks = self._sources(prefill_tp)
-        self.server = DecodeControlServer(self, self.compat_hash, host=host).start()
+        self.receiver = self.server = None
+        try:
+            self._expected_ranks = self._sources(prefill_tp)
+            self.receiver = make_receiver(args, core.runner, core.config, 0, transfer, transfer_options, prefill_tp)
+            self.layout, self.regions, self.compat_hash = (self.receiver.layout, self.receiver.regions,
+                                                           self.receiver.compat_hash)
+            self.server = DecodeControlServer(self, self.compat_hash, host=host).start()
+            self.control_addresses: tuple[str, ...] = self.engine.submit(self._gather_addresses).result()
+        except BaseException:
+            self.shutdown()  # releases the followers too: none is left waiting for rank 0
+            raise
 
     @property
     def control_address(self) -> str:
+        """Rank 0's control address (reservations, TransferReady): the whole engine when TP is 1."""
         return self.server.address
 
     async def address(self) -> str:
         return self.server.address
 
+    async def addresses(self) -> tuple[str, ...]:
+        """Every rank's control address, rank order: what a `HandoffTarget` names."""
+        return self.control_addresses
+
+    def _gather_addresses(self, e: LLMEngine) -> tuple[str, ...]:
+        """Engine thread, once: each rank's control server address (followers started theirs)."""
+        if self.group is None:
+            return (self.server.address,)
+        self.group.lead(("addresses",))
+        return tuple(self.group.gather(self.server.address))
+
     def _sources(self, prefill_tp: int) -> set[int]:
-        """Prefill ranks that write into this (rank 0) decode engine, for a prefill pool of TP P."""
-        if self.engine.engine.config.kda.num_heads % prefill_tp:
-            raise ValueError(f"prefill TP {prefill_tp} does not divide the KDA heads")
-        return set(range(prefill_tp))  # with one decode rank, every prefill rank holds some of its heads
+        """Prefill ranks that write into some rank of this decode engine, for a prefill pool of TP P."""
+        heads = self.engine.engine.config.kda.num_heads
+        for what, tp in (("prefill", prefill_tp), ("decode", self.decode_tp)):
+            if heads % tp:
+                raise ValueError(f"{what} TP {tp} does not divide the model's {heads} KDA heads")
+        return sending_ranks(prefill_tp, self.decode_tp, heads)
 
     # ---- ingress side -------------------------------------------------------------------------
     async def admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Reservation:
@@ -141,17 +170,15 @@ class DecodeWorker:
         return render_worker_metrics()
 
     def shutdown(self) -> None:
-        self.server.stop(grace=1.0)
-        self.engine.shutdown()
-        self.backend.close()
+        if self.server is not None:
+            self.server.stop(grace=1.0)
+        self.engine.shutdown()  # stops the followers too (rank 0 announces "stop")
+        if self.receiver is not None:
+            self.receiver.close()
 
     # ---- DecodeControlHandler (gRPC threads) ---------------------------------------------------
     def handshake(self, peer: AgentInfo, layout_json: str, tp_size: int, tp_rank: int) -> HandshakeInfo:
-        if tp_size != self.prefill_tp:
-            raise InvalidArgumentError(f"this decode pool expects prefill TP {self.prefill_tp}, peer has {tp_size}")
-        peer_layout = CacheLayout.from_json(layout_json)
-        TPMapping([RankCache(peer_layout, {r.name: r for r in peer.regions})], [self._rank_cache()])  # validates
-        return HandshakeInfo(self.backend.agent_info(), self.layout.to_json(), 1, 0)
+        return self.receiver.handshake(peer, layout_json, tp_size, tp_rank)
 
     def reserve(self, request_id: str, num_tokens: int, lease_seconds: float) -> Reservation:
         return self.engine.submit(lambda e: self._reserve(e, request_id, num_tokens, lease_seconds)).result()
@@ -165,7 +192,10 @@ class DecodeWorker:
                 raise UnknownRequestError(f"request {request_id!r} holds no reservation here (aborted or expired)")
             if from_rank not in self._expected_ranks:
                 raise InvalidArgumentError(f"rank {from_rank} does not write into this decode engine")
-            pending.shares[from_rank] = checksums
+            try:
+                pending.shares[from_rank] = split_rank_checksums(checksums, self.decode_tp)
+            except ValueError as e:
+                raise InvalidArgumentError(f"request {request_id!r}, prefill rank {from_rank}: {e}") from None
             pending.first_token_id = first_token_id
             complete = set(pending.shares) == self._expected_ranks
         if not complete:
@@ -212,12 +242,7 @@ class DecodeWorker:
                 raise UnknownRequestError(f"request {request_id!r} was aborted during its handoff")
         res = pending.reservation
         if self.verify_checksums:
-            expected = combine_request_checksums(pending.shares.values())
-            landed = request_checksums(
-                e.runner.cache, self.layout, res.block_ids, res.slot_id, len(pending.prompt_token_ids),
-                HeadSlice.whole_shard(self.layout),
-            )
-            bad = mismatched_regions(expected, landed, self.metrics)
+            bad = self._verify(res, len(pending.prompt_token_ids), pending.shares)
             if bad:
                 e.cancel_reservation(list(res.block_ids), res.slot_id)
                 error = ChecksumMismatchError(f"request {request_id!r}: state corrupted in transfer, regions {bad}")
@@ -226,6 +251,25 @@ class DecodeWorker:
         e.add_prefilled_request(
             request_id, pending.prompt_token_ids, pending.first_token_id, pending.params, list(res.block_ids), res.slot_id
         )
+
+    def _verify(self, res: Reservation, num_tokens: int, shares: dict[int, dict[int, dict[str, str]]]) -> list[str]:
+        """Engine thread: every decode rank checksums its landed shard (one gather through the TP
+        group); each is compared with the sum of what the prefill ranks sent it. Returns the
+        mismatched "<decode rank>/<region>" names (or why a rank could not tell); [] = intact."""
+        args = (tuple(res.block_ids), res.slot_id, num_tokens)
+        if self.group is None:
+            landed = [self.receiver.landed_checksums(*args)]
+        else:
+            self.group.lead(("checksums", *args))
+            landed = self.group.gather(self.receiver.landed_checksums(*args))
+        bad = []
+        for r, got in enumerate(landed):
+            if not isinstance(got, dict):
+                bad.append(str(got))
+                continue
+            expected = combine_request_checksums(share.get(r, {}) for share in shares.values())
+            bad += [f"{r}/{name}" for name in mismatched_regions(expected, got, self.metrics)]
+        return bad
 
     def _drop_reservation(self, e: LLMEngine, request_id: str, error: BaseException) -> bool:
         with self._lock:
@@ -253,3 +297,8 @@ class DecodeWorker:
 
     def _rank_cache(self) -> RankCache:
         return RankCache(self.layout, self.regions)
+
+    @property
+    def backend(self):
+        """Rank 0's transfer agent."""
+        return self.receiver.backend

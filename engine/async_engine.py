@@ -159,6 +159,10 @@ class AsyncEngine:
                 streams = list(self._streams.values())
             for stream in streams:
                 stream.put(EngineDeadError(f"engine failed: {e!r}"))
+            try:  # release the TP followers (if the group still works), rather than leave them waiting
+                self.engine.close()
+            except BaseException:
+                pass
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued commands; wait for one when idle. False on shutdown."""
@@ -183,10 +187,13 @@ class AsyncEngine:
                     self.on_abort(arg)
             elif kind == "call":
                 fn, future = arg
-                try:
-                    future.set_result(fn(self.engine))
-                except Exception as e:  # the caller gets it; the engine keeps serving
-                    future.set_exception(e)
+                if future.set_running_or_notify_cancel():  # a caller that gave up (cancelled) runs nothing
+                    try:
+                        result = fn(self.engine)
+                    except Exception as e:  # the caller gets it; the engine keeps serving
+                        future.set_exception(e)
+                    else:
+                        future.set_result(result)
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:

@@ -7,7 +7,8 @@ NCCL on GPU). With `world_size == 1` every call is a no-op, so single-process co
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -16,6 +17,9 @@ import torch
 class TensorParallel:
     rank: int = 0
     world_size: int = 1
+    # The engine's own process group (`TPGroup.tensor_parallel()`); None: torch.distributed's
+    # default group. Several TP engines in one process need their own.
+    group: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -31,7 +35,10 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return x
-        torch.distributed.all_reduce(x)
+        if self.group is not None:
+            self.group.allreduce([x]).wait()
+        else:
+            torch.distributed.all_reduce(x)
         return x
 
 

@@ -2,9 +2,15 @@
 
 Every rank of a prefill engine owns a `RankSender` over its own cache shard and transfer agent.
 For each request, all ranks push together (rank 0 announces the job through the TP group): each
-rank handshakes with the decode engine once (its own agent, layout and rank), computes its share
-of the writes from the TP mapping, posts them, waits until they have landed, and checksums what
-it sent. Rank 0 gathers the checksums and reports to the decode side.
+rank handshakes once with every rank of the decode engine (each answers with its own agent,
+layout and rank), computes its share of the writes from the TP mapping, posts one batch per
+decode rank it writes to, waits until all have landed, and checksums what it sent, per decode
+rank. Rank 0 gathers the checksums and reports to decode rank 0, which verifies for all ranks:
+
+    prefill rank s                            decode engine (D ranks)
+    handshake(addresses[r]) for r < D  --->   rank r: its agent, layout, tp_rank r
+    write ops(s, r) for every r with ops ->   rank r's cache shard
+    checksums {r: sums of view(s, r)}  --->   (gathered by prefill rank 0) TransferReady -> rank 0
 """
 
 from __future__ import annotations
@@ -20,13 +26,15 @@ from k3serve.transfer.control import DecodeControlClient, Reservation
 from k3serve.transfer.layout import CacheLayout, register_cache
 from k3serve.transfer.tp_map import RankCache, RequestSpan, TPMapping
 
+Addresses = tuple[str, ...]  # a decode engine: its ranks' control addresses, rank order
+
 
 @dataclass(frozen=True)
 class HandoffJob:
     """What every prefill rank needs to push one request (plain values: it is broadcast)."""
 
     request_id: str
-    decode_address: str
+    decode_addresses: Addresses
     src_block_ids: tuple[int, ...]  # [num_blocks] prefill blocks holding the prompt's KV
     src_slot: int  # prefill KDA slot holding the state after the prompt
     reservation: Reservation  # decode blocks + slot
@@ -39,15 +47,22 @@ class RankShare:
 
     rank: int
     num_bytes: int
-    checksums: dict[str, str] | None
+    checksums: dict[int, dict[str, str]] | None  # decode rank -> region -> sum (decode ranks written only)
     error: str | None = None
 
 
 @dataclass
 class _Peer:
-    client: DecodeControlClient
-    key: str
+    """One decode engine as this rank sees it: per decode rank a control client and a backend peer."""
+
+    clients: list[DecodeControlClient]
+    keys: list[str]
     mapping: TPMapping
+
+    @property
+    def leader(self) -> DecodeControlClient:
+        """Decode rank 0: reservations, TransferReady, aborts."""
+        return self.clients[0]
 
 
 class RankSender:
@@ -61,63 +76,96 @@ class RankSender:
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()
 
-    def peer(self, address: str) -> _Peer:
-        """Handshake once per decode engine: agent metadata, regions, layout, compatibility."""
+    def peer(self, addresses: Addresses) -> _Peer:
+        """Handshake once per decode engine, with each of its ranks: agent metadata, regions,
+        layout, compatibility. `addresses[r]` must answer as rank r of len(addresses)."""
+        addresses = tuple(addresses)
         with self._lock:
-            peer = self._peers.get(address)
+            peer = self._peers.get(addresses)
             if peer is None:
-                client = DecodeControlClient(address, self.compat_hash)
-                info = client.handshake(self.backend.agent_info(), self.layout.to_json(), self.layout.tp_size,
-                                        self.layout.tp_rank)
-                decode = RankCache(CacheLayout.from_json(info.layout_json), {r.name: r for r in info.agent.regions})
-                mapping = TPMapping([RankCache(self.layout, self.regions)], [decode])
-                peer = self._peers[address] = _Peer(client, self.backend.connect(info.agent), mapping)
+                peer = self._peers[addresses] = self._handshake(addresses)
             return peer
 
-    def forget(self, address: str) -> None:
+    def _handshake(self, addresses: Addresses) -> _Peer:
+        if not addresses:
+            raise ValueError("a decode engine needs at least one control address")
+        clients: list[DecodeControlClient] = []
+        try:
+            infos = []
+            for r, address in enumerate(addresses):
+                clients.append(DecodeControlClient(address, self.compat_hash))
+                info = clients[-1].handshake(self.backend.agent_info(), self.layout.to_json(), self.layout.tp_size,
+                                             self.layout.tp_rank)
+                if (info.tp_rank, info.tp_size) != (r, len(addresses)):
+                    raise TransferError(
+                        f"decode address {address} (position {r} of {len(addresses)}) answered as rank {info.tp_rank} "
+                        f"of a TP-{info.tp_size} engine: a handoff target must list every decode rank's address, "
+                        "in rank order")
+                infos.append(info)
+            decode = [RankCache(CacheLayout.from_json(i.layout_json), {x.name: x for x in i.agent.regions}) for i in infos]
+            mapping = TPMapping([RankCache(self.layout, self.regions)], decode)
+            return _Peer(clients, [self.backend.connect(i.agent) for i in infos], mapping)
+        except BaseException:
+            for client in clients:
+                client.close()
+            raise
+
+    def forget(self, addresses: Addresses) -> None:
         """Drop a peer (it restarted or failed): the next job handshakes again."""
         with self._lock:
-            peer = self._peers.pop(address, None)
+            peer = self._peers.pop(tuple(addresses), None)
         if peer is not None:
-            peer.client.close()
+            for client in peer.clients:
+                client.close()
 
     def push(self, job: HandoffJob) -> RankShare:
-        """Write this rank's share of `job` and wait until it has landed. Never raises: a failure
-        is reported in the share, so every rank still joins the gather that follows."""
+        """Write this rank's share of `job` into every decode rank it feeds and wait until all of
+        it has landed. Never raises: a failure is reported in the share, so every rank still
+        joins the gather that follows."""
         try:
-            peer = self.peer(job.decode_address)
+            peer = self.peer(job.decode_addresses)
             span = RequestSpan(job.src_block_ids, job.reservation.block_ids, job.src_slot, job.reservation.slot_id,
                                job.num_tokens)
-            rank = self.layout.tp_rank
-            ops = peer.mapping.ops(span).get((rank, 0), [])
-            self._write_and_wait(peer.key, ops)
-            view = peer.mapping.view(rank, 0)
-            sums = {} if view is None else request_checksums(
-                self.cache, self.layout, job.src_block_ids, job.src_slot, job.num_tokens, view.heads, view.mla
-            )
-            return RankShare(rank, sum(op.length for op in ops), sums)
+            s = self.layout.tp_rank
+            ops = peer.mapping.ops(span)
+            batches = [(peer.keys[r], ops[(s, r)]) for r in range(peer.mapping.decode_tp) if ops.get((s, r))]
+            self._write_and_wait(batches)
+            sums = {}
+            for r in range(peer.mapping.decode_tp):
+                view = peer.mapping.view(s, r)
+                if view is not None:
+                    sums[r] = request_checksums(self.cache, self.layout, job.src_block_ids, job.src_slot,
+                                                job.num_tokens, view.heads, view.mla)
+            return RankShare(s, sum(op.length for _, batch in batches for op in batch), sums)
         except Exception as e:
-            self.forget(job.decode_address)
+            self.forget(job.decode_addresses)
             return RankShare(self.layout.tp_rank, 0, None, f"{type(e).__name__}: {e}")
 
-    def _write_and_wait(self, peer_key: str, ops) -> None:
-        if not ops:
-            return
-        handle = self.backend.write(peer_key, ops)
-        deadline = time.monotonic() + self.timeout_s
+    def _write_and_wait(self, batches: list[tuple[str, list]]) -> None:
+        """Post one batch per decode rank, then wait for all of them."""
+        handles = []
         try:
-            while (status := self.backend.poll(handle)) is TransferStatus.PENDING:
+            for peer_key, ops in batches:
+                handles.append(self.backend.write(peer_key, ops))
+            deadline = time.monotonic() + self.timeout_s
+            pending = list(handles)
+            while pending:
+                status = self.backend.poll(pending[0])
+                if status is TransferStatus.FAILED:
+                    raise TransferError("the backend reported a write batch as failed")
+                if status is TransferStatus.DONE:
+                    pending.pop(0)
+                    continue
                 if time.monotonic() > deadline:
                     # Memory under a write that may still land must stay pinned: the caller's
                     # lease (not this timeout) decides when it is released.
                     raise TransferError(f"writes did not land within {self.timeout_s} s")
                 time.sleep(0.0001)
-            if status is TransferStatus.FAILED:
-                raise TransferError("the backend reported the write batch as failed")
         finally:
-            self.backend.release(handle)
+            for handle in handles:
+                self.backend.release(handle)
 
     def close(self) -> None:
-        for address in list(self._peers):
-            self.forget(address)
+        for addresses in list(self._peers):
+            self.forget(addresses)
         self.backend.close()

@@ -10,7 +10,6 @@ from k3serve.engine.llm_engine import resolve_model_dir
 from k3serve.engine.runner import load_runner
 from k3serve.engine.tp_group import TPGroup, follow_forever
 from k3serve.model.config import ModelConfig
-from k3serve.model.parallel import TensorParallel
 from k3serve.prefill.worker import make_sender
 
 
@@ -28,7 +27,7 @@ def follower_main(
         if kind != "plan":
             raise RuntimeError(f"rank {rank} expected the pool plan first, got {kind!r}")
         model_dir = resolve_model_dir(args.model, args.seed, args.model_cache_dir)
-        runner = load_runner(args, model_dir, plan, TensorParallel(rank, args.tensor_parallel_size), group)
+        runner = load_runner(args, model_dir, plan, group.tensor_parallel(), group)
         sender = make_sender(args, runner, ModelConfig.from_dir(model_dir), rank, transfer, transfer_options)
         try:
             follow_forever(group, {

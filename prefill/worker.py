@@ -3,8 +3,10 @@
     prefill(request, target)                                    decode worker
       engine: chunked prefill (adaptive budget, in-pass KDA checkpoints), first token sampled
       scheduler.on_finish -> pin the request's blocks + slot (lease)   <- before they are released
-      every TP rank: its share of the writes (TP mapping), wait until landed, checksum it
-      TransferReady(rank, first token, checksums) per rank   ------->  verify, adopt, decode
+      every TP rank: its share of the writes into every decode rank (TP mapping), wait until
+      landed, checksum it per decode rank
+      TransferReady(rank, first token, checksums) per rank   ------->  decode rank 0: verify every
+                                                                        decode rank, adopt, decode
       unpin: the boundary state may be reused only now
 
 A TP engine spans several processes: this object is rank 0 (scheduler, sampler, API); the other
@@ -30,6 +32,7 @@ from k3serve.engine.tp_group import TPGroup
 from k3serve.prefill.handoff import HandoffJob, RankSender, RankShare
 from k3serve.transfer.backend import TransferError
 from k3serve.transfer.backends import make_backend
+from k3serve.transfer.checksum import flatten_rank_checksums
 from k3serve.transfer.control import Reservation
 from k3serve.transfer.layout import CacheLayout, compatibility_hash
 from k3serve.transfer.metrics import transfer_metrics
@@ -38,10 +41,18 @@ from k3serve.transfer.pins import PinManager
 
 @dataclass(frozen=True)
 class HandoffTarget:
-    """Where a request's state goes: a decode engine's control address and its reservation."""
+    """Where a request's state goes: a decode engine's control addresses (one per decode rank, rank
+    order; rank 0 first) and its reservation. A single address string is accepted for a one-rank
+    decode engine."""
 
-    decode_address: str
+    decode_addresses: tuple[str, ...]
     reservation: Reservation
+
+    def __post_init__(self) -> None:
+        addresses = (self.decode_addresses,) if isinstance(self.decode_addresses, str) else tuple(self.decode_addresses)
+        if not addresses:
+            raise ValueError("a handoff target needs at least one decode address")
+        object.__setattr__(self, "decode_addresses", addresses)
 
 
 @dataclass(frozen=True)
@@ -124,7 +135,7 @@ class PrefillWorker:
             if held is not None:
                 self._release(request_id, "finished at the first token")
             return PrefillResult(first, True, last, len(prompt_token_ids), prefill_seconds, 0.0, 0)
-        job = HandoffJob(request_id, target.decode_address, tuple(held[0]), held[1], target.reservation,
+        job = HandoffJob(request_id, target.decode_addresses, tuple(held[0]), held[1], target.reservation,
                          len(prompt_token_ids))
         t0 = time.perf_counter()
         shares = await self.engine.call(lambda e: self._push_all(job))
@@ -133,10 +144,11 @@ class PrefillWorker:
             self.metrics.failure("write")
             raise TransferError(f"handoff of {request_id!r} failed: {'; '.join(errors)}")
         try:
-            client = self.sender.peer(target.decode_address).client
+            client = self.sender.peer(target.decode_addresses).leader  # decode rank 0 verifies for all ranks
             for share in shares:
-                await asyncio.to_thread(client.transfer_ready, request_id, share.rank, first, job.num_tokens,
-                                        share.checksums)
+                if share.checksums:  # a rank that wrote nothing is not waited for
+                    await asyncio.to_thread(client.transfer_ready, request_id, share.rank, first, job.num_tokens,
+                                            flatten_rank_checksums(share.checksums))
         except Exception:
             self._release(request_id, "decode refused the handoff")
             raise

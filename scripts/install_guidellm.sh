@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Install guidellm 0.8.1 into its own venv, .venv-guidellm (gitignored), for tests/serving/test_guidellm.py
-# and load runs against `k3serve serve`. Kept apart from the main venv: guidellm pins click~=8.4 and
-# multidict versions the serving stack does not need, and pulls transformers + datasets.
+# Optional: guidellm 0.8.1 in its own venv, .venv-guidellm (gitignored), for load runs against `k3serve
+# serve` from an environment that should not carry it. The test extras install guidellm into the main venv
+# (it downgrades click and multidict; `pip check` stays clean); tests/serving/test_guidellm.py uses that one
+# and falls back to this venv. guidellm also pulls transformers + datasets.
 # CPU torch goes first (guidellm declares an unpinned torch; a looser spec pulls a multi-GB CUDA build).
 # Safe to re-run; prints the venv's guidellm path. PYTHON picks the interpreter (default: python3).
 set -euo pipefail

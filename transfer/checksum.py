@@ -144,3 +144,20 @@ def _parse(value: str) -> tuple[int, int]:
     if len(value) != 16:
         raise ValueError(f"not a k3serve checksum: {value!r}")
     return int(value[:8], 16), int(value[8:], 16)
+
+
+def flatten_rank_checksums(per_rank: dict[int, dict[str, str]]) -> dict[str, str]:
+    """One prefill rank's sums for every decode rank it wrote, as TransferReady carries them:
+    {decode rank: {region: sum}} -> {"<decode rank>/<region>": sum}."""
+    return {f"{rank}/{name}": value for rank, sums in per_rank.items() for name, value in sums.items()}
+
+
+def split_rank_checksums(flat: dict[str, str], decode_tp: int) -> dict[int, dict[str, str]]:
+    """Inverse of `flatten_rank_checksums`; ValueError for a key that names no decode rank."""
+    out: dict[int, dict[str, str]] = {}
+    for key, value in flat.items():
+        rank, sep, name = key.partition("/")
+        if not sep or not rank.isdigit() or not name or int(rank) >= decode_tp:
+            raise ValueError(f"checksum key {key!r} is not '<decode rank < {decode_tp}>/<region>'")
+        out.setdefault(int(rank), {})[name] = value
+    return out

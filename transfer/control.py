@@ -13,6 +13,10 @@ decode rank it writes to. Schema: transfer/proto/transfer.proto.
     heartbeat(request_ids, sender)         --->    leases extended; unknown ids come back
     abort(request_id, reason)              --->    reservation freed
 
+Every decode rank answers `handshake` with its own agent and layout; only decode rank 0 answers
+the rest (a TP decode engine's ranks > 0 refuse them): TransferReady of every prefill rank goes
+to rank 0, carrying checksums keyed "<decode rank>/<region>", and rank 0 verifies all ranks.
+
 Failure is never silent: every `ok = false` answer and every failed or timed-out RPC raises a
 `ControlPlaneError` subclass on the client (`NoCapacityError`: try another replica;
 `PeerUnreachableError`: release pins; `PeerRestartedError`: the regions from the handshake are

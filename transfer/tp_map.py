@@ -104,7 +104,8 @@ class _BlockSegment:
 class TPMapping:
     """Writes from prefill ranks (TP = P) into decode ranks (TP = D), precomputed per pair.
 
-    `prefill` may hold all P ranks or only the ones this process drives; `decode` holds all D.
+    `prefill` may hold all P ranks or only the ones this process drives; `decode` holds all D
+    (a sender) or only this process's own rank (a decode rank checking a peer at handshake).
     """
 
     def __init__(self, prefill: Sequence[RankCache], decode: Sequence[RankCache]) -> None:
@@ -116,8 +117,8 @@ class TPMapping:
         self.decode_tp = _one_tp_size(decode, "decode")
         if len(self.prefill) != len(prefill) or len(self.decode) != len(decode):
             raise ValueError("a rank appears twice")
-        if sorted(self.decode) != list(range(self.decode_tp)):
-            raise ValueError(f"decode ranks {sorted(self.decode)} do not cover TP size {self.decode_tp}")
+        if not set(self.decode) <= set(range(self.decode_tp)):
+            raise ValueError(f"decode ranks {sorted(self.decode)} outside TP size {self.decode_tp}")
         _check_compatible([c.layout for c in (*prefill, *decode)])
         for cache in (*prefill, *decode):
             cache.layout.check_regions(cache.regions)
@@ -128,9 +129,9 @@ class TPMapping:
         self._mla: dict[tuple[int, int], list[_BlockSegment]] = {}
         self._slots: dict[tuple[int, int], list[_SlotSegment]] = {}
         for s in sorted(self.prefill):
-            for r in range(self.decode_tp):
-                view = PairView(mla=(r % self.prefill_tp == s), heads=self._head_slice(s, r))
-                if not view.mla and view.heads is None:
+            for r in sorted(self.decode):
+                view = pair_view(s, r, self.prefill_tp, self.decode_tp, self.num_heads)
+                if view is None:
                     continue
                 self._views[(s, r)] = view
                 self._mla[(s, r)] = self._mla_segments(s, r) if view.mla else []
@@ -190,11 +191,6 @@ class TPMapping:
         return result
 
     # -- construction -----------------------------------------------------------------------------
-    def _head_slice(self, s: int, r: int) -> HeadSlice | None:
-        per_src, per_dst = self.num_heads // self.prefill_tp, self.num_heads // self.decode_tp
-        lo, hi = max(s * per_src, r * per_dst), min((s + 1) * per_src, (r + 1) * per_dst)
-        return HeadSlice(lo, hi, r * per_dst, per_dst) if lo < hi else None
-
     def _mla_segments(self, s: int, r: int) -> list[_BlockSegment]:
         src, dst = self.prefill[s], self.decode[r]
         segments = []
@@ -235,6 +231,23 @@ class TPMapping:
         num_src, num_dst = _num_slots(self.prefill[s].layout), _num_slots(self.decode[r].layout)
         if not (0 <= span.src_slot < num_src and 0 <= span.dst_slot < num_dst):
             raise ValueError(f"slot out of range: src {span.src_slot} of {num_src}, dst {span.dst_slot} of {num_dst}")
+
+
+def pair_view(s: int, r: int, prefill_tp: int, decode_tp: int, num_heads: int) -> PairView | None:
+    """What prefill rank `s` sends decode rank `r` (None: nothing), from the TP sizes alone."""
+    per_src, per_dst = num_heads // prefill_tp, num_heads // decode_tp
+    lo, hi = max(s * per_src, r * per_dst), min((s + 1) * per_src, (r + 1) * per_dst)
+    view = PairView(mla=(r % prefill_tp == s), heads=HeadSlice(lo, hi, r * per_dst, per_dst) if lo < hi else None)
+    return None if not view.mla and view.heads is None else view
+
+
+def sending_ranks(prefill_tp: int, decode_tp: int, num_heads: int) -> set[int]:
+    """Prefill ranks that write into some rank of a decode engine: the ranks whose TransferReady
+    its rank 0 waits for (what `TPMapping.sending_ranks()` gives with every rank known)."""
+    for tp in (prefill_tp, decode_tp):
+        if tp < 1 or num_heads % tp:
+            raise ValueError(f"TP size {tp} does not divide the {num_heads} KDA heads")
+    return {s for s in range(prefill_tp) for r in range(decode_tp) if pair_view(s, r, prefill_tp, decode_tp, num_heads)}
 
 
 def _block_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:

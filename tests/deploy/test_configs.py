@@ -9,9 +9,6 @@ import yaml
 from _deploy import CONFIG_KEYS, DEPLOY, config_problems
 
 CONFIGS = sorted((DEPLOY / "configs").glob("*.yaml"))
-# What this release of k3serve cannot run yet, and a config may still ask for (the GB300 rack's
-# decode TP8: K3's weights need 8 ranks per replica). Such a config xfails until k3serve runs it.
-NOT_YET = ("decode_tp",)
 
 
 def test_config_files():
@@ -28,9 +25,7 @@ def test_sets_every_deployment_key(path):
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_k3serve_accepts(path):
-    problems = config_problems(yaml.safe_load(path.read_text()))
-    if problems and all(any(key in p for key in NOT_YET) for p in problems):
-        pytest.xfail(f"not supported by this k3serve yet: {problems}")
+    problems = config_problems(yaml.safe_load(path.read_text()))  # incl. the GB300 rack's decode TP8
     assert not problems, problems
 
 

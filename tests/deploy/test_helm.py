@@ -162,7 +162,7 @@ def test_config_file_is_one_k3serve_accepts():
         cfg = yaml.safe_load(cm["data"]["config.yaml"])
         assert CONFIG_KEYS <= set(cfg), f"{case_id(values)}: missing {CONFIG_KEYS - set(cfg)}"
         assert cfg["host"] == "0.0.0.0" and cfg["ray_address"] == "auto"
-        problems = [p for p in config_problems(cfg) if "decode_tp" not in p]  # decode TP > 1: test_configs.py
+        problems = config_problems(cfg)
         assert not problems, f"{case_id(values)}: {problems}"
     cfg = yaml.safe_load(of_kind(render(DEPLOY / "helm" / "examples" / "tiny-cpu.yaml"), "ConfigMap")[0]["data"]["config.yaml"])
     assert cfg["model"] == "k3-tiny" and cfg["transfer"] == "nixl" and cfg["device"] == "cpu"

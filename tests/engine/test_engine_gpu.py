@@ -108,6 +108,7 @@ def _write_report() -> Iterator[None]:
 
 
 def test_fp32_cuda_matches_cpu(checkpoint: Path, prompts: list[list[int]], cpu_fp32: list[RequestOutput]) -> None:
+    assert not torch.backends.cuda.matmul.allow_tf32, "fp32 matmuls must not round to TF32 here"
     gpu = _generate(checkpoint, prompts, "cuda", "float32")
     want, got, gaps = _tokens(cpu_fp32), _tokens(gpu), _gaps(cpu_fp32)
     flips = []

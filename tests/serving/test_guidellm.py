@@ -16,13 +16,17 @@ from _server_harness import Server
 
 CONCURRENCIES = (1, 4, 16)
 REQUESTS_PER_LEVEL = 16
+PROMPT_TOKENS, OUTPUT_TOKENS = 32, 16
 
 
 def _guidellm() -> str:
-    exe = shutil.which("guidellm") or str(Path(sys.executable).with_name("guidellm"))
-    if not Path(exe).exists():
-        pytest.fail("guidellm is not installed (it is in the test extras: pip install -e '.[test]')")
-    return exe
+    """This venv's guidellm (test extras), else one on PATH, else scripts/install_guidellm.sh's venv."""
+    candidates = [Path(sys.executable).with_name("guidellm"), shutil.which("guidellm"),
+                  Path(__file__).resolve().parents[2] / ".venv-guidellm" / "bin" / "guidellm"]
+    for exe in candidates:
+        if exe and Path(exe).exists():
+            return str(exe)
+    pytest.fail("guidellm is not installed: pip install -e '.[test]' (or scripts/install_guidellm.sh)")
 
 
 @pytest.mark.timeout(600)
@@ -33,7 +37,7 @@ def test_guidellm_runs_clean_against_the_server(disagg_server: Server, tiny_chec
         "--backend", f"kind=openai_http,target={disagg_server.url}",
         "--profile", f"kind=concurrent,streams={CONCURRENCIES[0]}",
         "--override", "profile.streams", ",".join(map(str, CONCURRENCIES)),
-        "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=16",
+        "--data", f"kind=synthetic_text,prompt_tokens={PROMPT_TOKENS},output_tokens={OUTPUT_TOKENS}",
         "--constraint", f"kind=max_requests,count={REQUESTS_PER_LEVEL}",
         "--tokenizer", f"kind=huggingface_auto,model={tiny_checkpoint}",
         "--output", f"kind=json,path={report}",
@@ -50,3 +54,8 @@ def test_guidellm_runs_clean_against_the_server(disagg_server: Server, tiny_chec
         totals = bench["scheduler_metrics"]["requests_made"]
         assert totals["errored"] == 0, f"guidellm saw errors: {totals}"
         assert totals["successful"] >= REQUESTS_PER_LEVEL - max(CONCURRENCIES), totals
+        # guidellm takes token counts from the server's usage chunk: exactly the requested 16 out,
+        # and the synthetic 32-token prompt plus the chat template in
+        out = bench["metrics"]["output_token_count"]["successful"]
+        assert out["min"] == out["max"] == OUTPUT_TOKENS, out
+        assert bench["metrics"]["prompt_token_count"]["successful"]["min"] > PROMPT_TOKENS

@@ -167,10 +167,10 @@ def test_concurrent_greedy_equals_colocated(layout_server: Server, colocated_tex
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout_server", [s for s in LAYOUTS if s.decode_replicas > 1], indirect=True,
+                         ids=lambda s: s.id)
 def test_two_decode_replicas_share_a_burst(layout_server: Server) -> None:
     """The router spreads concurrent admissions (its stats are refreshed every 0.25 s only)."""
-    if layout_server.spec.decode_replicas < 2:
-        pytest.skip("one decode replica")
     busiest: dict[str, float] = {}
     done = threading.Event()
 

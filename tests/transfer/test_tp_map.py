@@ -10,7 +10,7 @@ import torch
 from _transfer_setup import BLOCK_SIZE, byte_equal, close, connect, fill_random_bytes, make_side, run_transfer, shard, tiny_config
 from k3serve.model.batch import ModelCache
 from k3serve.transfer.layout import HeadSlice
-from k3serve.transfer.tp_map import PairView, RequestSpan, TPMapping
+from k3serve.transfer.tp_map import PairView, RequestSpan, TPMapping, sending_ranks
 
 TP_SIZES = [1, 2, 4, 8]
 # tokens 0..12 of a request in 4 blocks of 4: a partial last block, and runs that coalesce on one
@@ -80,7 +80,11 @@ def test_pairs_mla_source_and_head_slices(prefill_tp: int, decode_tp: int, pairs
     try:
         mapping = connect(prefill, decode)
         assert mapping.pairs == pairs
-        assert mapping.sending_ranks() == set(range(prefill_tp))
+        assert mapping.sending_ranks() == set(range(prefill_tp)) == sending_ranks(prefill_tp, decode_tp, 8)
+        for r in range(decode_tp):  # a decode rank checking one peer at handshake sees the same pairs
+            own = TPMapping(prefill.rank_caches()[:1], decode.rank_caches()[r : r + 1])
+            assert own.pairs == [(0, r)] * (mapping.view(0, r) is not None)
+            assert own.view(0, r) == mapping.view(0, r)
         for r in range(decode_tp):
             assert [s for s in mapping.sources(r) if mapping.view(s, r).mla] == [r % prefill_tp]
             slices = [mapping.view(s, r).heads for s in mapping.sources(r)]

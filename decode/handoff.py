@@ -1,0 +1,102 @@
+"""One decode rank's part of a handoff: its transfer agent over its cache shard, its answer to a
+prefill rank's handshake, and the checksums of what landed in its shard.
+
+Every rank of a decode engine owns a `RankReceiver` and serves `DecodeControl` on its own
+address, so each prefill rank handshakes with each decode rank and writes straight into its
+shard. Rank 0 (`DecodeWorker`) answers everything; ranks > 0 (`decode.rank.follower_main`) only
+answer handshakes (`HandshakeOnly`). Verification runs on rank 0's engine thread, which asks
+every rank for the checksums of its landed view through the TP group:
+
+    prefill rank s --handshake--> decode rank r      (r's own agent, layout, tp_rank)
+    prefill rank s --writes-----> decode rank r      (ops of the pair (s, r))
+    prefill rank 0 --TransferReady(s, {"r/region": sum})--> decode rank 0
+    decode rank 0: lead(("checksums", ...)); every rank gathers its landed sums; compare per rank
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from k3serve.engine.config import EngineArgs
+from k3serve.model.batch import ModelCache
+from k3serve.model.config import ModelConfig
+from k3serve.transfer.backend import AgentInfo, TransferBackend
+from k3serve.transfer.backends import make_backend
+from k3serve.transfer.checksum import request_checksums
+from k3serve.transfer.control import HandshakeInfo, InvalidArgumentError, Reservation
+from k3serve.transfer.layout import CacheLayout, HeadSlice, compatibility_hash, register_cache
+from k3serve.transfer.tp_map import RankCache, TPMapping
+
+
+def make_receiver(
+    args: EngineArgs, runner, config: ModelConfig, rank: int, transfer: str, transfer_options: dict | None,
+    prefill_tp: int,
+) -> RankReceiver:
+    """This decode rank's transfer agent over its cache shard."""
+    layout = CacheLayout.from_cache(runner.cache, config, tp_rank=rank, tp_size=args.tensor_parallel_size)
+    compat = compatibility_hash(config, args.torch_dtype, args.block_size)
+    return RankReceiver(make_backend(transfer, **(transfer_options or {})), runner.cache, layout, compat, prefill_tp)
+
+
+class RankReceiver:
+    def __init__(
+        self, backend: TransferBackend, cache: ModelCache, layout: CacheLayout, compat_hash: str, prefill_tp: int
+    ) -> None:
+        self.backend, self.cache, self.layout = backend, cache, layout
+        self.regions = register_cache(backend, cache)
+        self.compat_hash = compat_hash
+        self.prefill_tp = prefill_tp
+
+    @property
+    def rank(self) -> int:
+        return self.layout.tp_rank
+
+    def handshake(self, peer: AgentInfo, layout_json: str, tp_size: int, tp_rank: int) -> HandshakeInfo:
+        """Check a prefill rank against this rank's shard; answer with this rank's agent and layout."""
+        if tp_size != self.prefill_tp:
+            raise InvalidArgumentError(f"this decode pool expects prefill TP {self.prefill_tp}, peer has {tp_size}")
+        peer_layout = CacheLayout.from_json(layout_json)
+        try:  # what TPMapping checks: compat hash, layer structure, regions vs layout, TP sizes
+            TPMapping([RankCache(peer_layout, {r.name: r for r in peer.regions})], [RankCache(self.layout, self.regions)])
+        except ValueError as e:
+            raise InvalidArgumentError(f"prefill rank {tp_rank} cannot write into decode rank {self.rank}: {e}") from None
+        return HandshakeInfo(self.backend.agent_info(), self.layout.to_json(), self.layout.tp_size, self.layout.tp_rank)
+
+    def landed_checksums(self, block_ids: Sequence[int], slot_id: int, num_tokens: int) -> dict[str, str] | str:
+        """Region sums of this rank's whole view of a request, or why they could not be computed
+        (a string, so a follower still answers the gather instead of leaving rank 0 waiting)."""
+        try:
+            return request_checksums(self.cache, self.layout, block_ids, slot_id, num_tokens,
+                                     HeadSlice.whole_shard(self.layout))
+        except Exception as e:
+            return f"rank {self.rank} could not checksum its shard: {type(e).__name__}: {e}"
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+class HandshakeOnly:
+    """The `DecodeControlHandler` of a decode rank > 0: handshakes only; rank 0 owns requests."""
+
+    def __init__(self, receiver: RankReceiver) -> None:
+        self.receiver = receiver
+
+    def handshake(self, peer: AgentInfo, layout_json: str, tp_size: int, tp_rank: int) -> HandshakeInfo:
+        return self.receiver.handshake(peer, layout_json, tp_size, tp_rank)
+
+    def _refuse(self, *args: object) -> None:
+        raise InvalidArgumentError(f"rank {self.receiver.rank} of a decode engine only answers handshakes "
+                                   "(reservations, TransferReady, aborts and heartbeats go to rank 0)")
+
+    def reserve(self, request_id: str, num_tokens: int, lease_seconds: float) -> Reservation:
+        self._refuse()
+
+    def transfer_ready(self, request_id: str, from_rank: int, first_token_id: int, num_tokens: int,
+                       checksums: dict[str, str]) -> None:
+        self._refuse()
+
+    def abort(self, request_id: str, reason: str) -> None:
+        self._refuse()
+
+    def heartbeat(self, request_ids: list[str], sender: str) -> list[str]:
+        self._refuse()

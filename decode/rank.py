@@ -1,0 +1,47 @@
+"""A decode engine's rank > 0: a model shard, a cache shard, a transfer agent with its own
+handshake-only control server, and a loop that performs whatever rank 0 announces (steps,
+address and checksum gathers). Started as a process (`--launcher local`) or inside a Ray actor,
+before rank 0 is constructed (the group forms when all have joined).
+"""
+
+from __future__ import annotations
+
+from k3serve.decode.handoff import HandshakeOnly, make_receiver
+from k3serve.engine.config import EngineArgs
+from k3serve.engine.llm_engine import resolve_model_dir
+from k3serve.engine.runner import load_runner
+from k3serve.engine.tp_group import TPGroup, follow_forever
+from k3serve.model.config import ModelConfig
+from k3serve.transfer.control import DecodeControlServer
+
+
+def follower_main(
+    rank: int, args: EngineArgs, init_method: str, transfer: str, host: str = "127.0.0.1", prefill_tp: int = 1,
+    transfer_options: dict | None = None, num_threads: int | None = None,
+) -> None:
+    import torch
+
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    group = TPGroup(rank, args.tensor_parallel_size, init_method)
+    try:
+        kind, plan = group.follow()
+        if kind != "plan":
+            raise RuntimeError(f"rank {rank} expected the pool plan first, got {kind!r}")
+        model_dir = resolve_model_dir(args.model, args.seed, args.model_cache_dir)
+        runner = load_runner(args, model_dir, plan, group.tensor_parallel(), group)
+        receiver = make_receiver(args, runner, ModelConfig.from_dir(model_dir), rank, transfer, transfer_options,
+                                 prefill_tp)
+        server = DecodeControlServer(HandshakeOnly(receiver), receiver.compat_hash, host=host).start()
+        try:
+            follow_forever(group, {
+                "step": lambda output, want: runner.execute(output, want),
+                "addresses": lambda: group.gather(server.address),
+                "checksums": lambda block_ids, slot_id, num_tokens: group.gather(
+                    receiver.landed_checksums(block_ids, slot_id, num_tokens)),
+            })
+        finally:
+            server.stop(grace=1.0)
+            receiver.close()
+    finally:
+        group.close()
