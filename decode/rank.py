@@ -8,10 +8,8 @@ from __future__ import annotations
 
 from k3serve.decode.handoff import HandshakeOnly, make_receiver
 from k3serve.engine.config import EngineArgs
-from k3serve.engine.llm_engine import resolve_model_dir
-from k3serve.engine.runner import load_runner
-from k3serve.engine.tp_group import TPGroup, follow_forever
-from k3serve.model.config import ModelConfig
+from k3serve.engine.follower import join_engine
+from k3serve.engine.tp_group import follow_forever
 from k3serve.transfer.control import DecodeControlServer
 
 
@@ -19,18 +17,9 @@ def follower_main(
     rank: int, args: EngineArgs, init_method: str, transfer: str, host: str = "127.0.0.1", prefill_tp: int = 1,
     transfer_options: dict | None = None, num_threads: int | None = None,
 ) -> None:
-    import torch
-
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
-    group = TPGroup(rank, args.tensor_parallel_size, init_method)
+    group, runner, config = join_engine(rank, args, init_method, num_threads)
     try:
-        kind, plan = group.follow()
-        if kind != "plan":
-            raise RuntimeError(f"rank {rank} expected the pool plan first, got {kind!r}")
-        model_dir = resolve_model_dir(args.model, args.seed, args.model_cache_dir)
-        runner = load_runner(args, model_dir, plan, group.tensor_parallel(), group)
-        receiver = make_receiver(args, runner, ModelConfig.from_dir(model_dir), rank, transfer, transfer_options,
+        receiver = make_receiver(args, runner, config, rank, transfer, transfer_options,
                                  prefill_tp)
         server = DecodeControlServer(HandshakeOnly(receiver), receiver.compat_hash, host=host).start()
         try:
