@@ -16,10 +16,17 @@ import ray
 from k3serve.engine.config import EngineArgs
 
 
-def _limit_threads(num_threads: int) -> None:
+def _rank0_worker(worker_cls, engine_kwargs: dict[str, Any], worker_kwargs: dict[str, Any], num_threads: int,
+                  init_method: str | None):
+    """Rank 0's worker; with `init_method`, it leads a TP group whose followers are starting too."""
     import torch
 
+    from k3serve.engine.tp_group import TPGroup
+
     torch.set_num_threads(num_threads)
+    args = EngineArgs(**engine_kwargs)
+    group = TPGroup(0, args.tensor_parallel_size, init_method) if init_method else None
+    return worker_cls(args, group=group, **worker_kwargs)
 
 
 @ray.remote(max_restarts=-1, max_task_retries=0)
@@ -30,13 +37,9 @@ class PrefillActor:
         self, engine_kwargs: dict[str, Any], worker_kwargs: dict[str, Any], num_threads: int = 1,
         init_method: str | None = None,
     ) -> None:
-        from k3serve.engine.tp_group import TPGroup
         from k3serve.prefill.worker import PrefillWorker
 
-        _limit_threads(num_threads)
-        args = EngineArgs(**engine_kwargs)
-        group = TPGroup(0, args.tensor_parallel_size, init_method) if init_method else None
-        self.worker = PrefillWorker(args, group=group, **worker_kwargs)
+        self.worker = _rank0_worker(PrefillWorker, engine_kwargs, worker_kwargs, num_threads, init_method)
 
     async def prefill(self, request_id, prompt_token_ids, params, target):
         return await self.worker.prefill(request_id, prompt_token_ids, params, target)
@@ -85,12 +88,8 @@ class DecodeActor:
         init_method: str | None = None,
     ) -> None:
         from k3serve.decode.worker import DecodeWorker
-        from k3serve.engine.tp_group import TPGroup
 
-        _limit_threads(num_threads)
-        args = EngineArgs(**engine_kwargs)
-        group = TPGroup(0, args.tensor_parallel_size, init_method) if init_method else None
-        self.worker = DecodeWorker(args, group=group, **worker_kwargs)
+        self.worker = _rank0_worker(DecodeWorker, engine_kwargs, worker_kwargs, num_threads, init_method)
 
     def control_address(self) -> str:
         """Rank 0's control address."""
