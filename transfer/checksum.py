@@ -18,15 +18,28 @@ shares of all sources add up to what the decode rank computes after landing:
     from s1 (heads 2-3)            | ..... ######## | ..... ######## | ..... ######## |
     combine([s0, s1]) == checksum(view on r0)
 
-Each byte b at view position i adds two lanes: (b+1)*(i+1) mod p1, with p1 = 2^31-1 prime, so a
-single changed byte or two swapped unequal bytes ALWAYS change lane 1 (views under 2 GiB); and
-(b+1)*mix(i) mod p2 with a scrambled position weight for everything else. All integer math in
-torch on the tensor's own device (exact, so CPU and GPU agree); only two scalars reach the host.
+The view is read as 16-bit words (every element is >= 2 bytes and every offset in a view is a
+multiple of an element size; odd offsets or lengths are refused). Word w (as int16, shifted to
+v = w + 32769 in 1..65536, so a zero word still counts) at word position p adds two lanes:
+
+    lane 1: v * (p + 1)  mod p1 = 2^31 - 1 (prime)   a single changed word, or two swapped unequal
+                                                     words, ALWAYS change it (views < 4 GiB)
+    lane 2: v * R^p      mod p2 = 2^31 - 19 (prime)  polynomial hash, R a primitive root: the rest
+
+Cheap because nothing is reduced per element: the words of all the pieces of a request are
+placed, row-aligned, into one float64 matrix X of rows of 1024 words (zero-padded), and one
+matmul X @ [1, j+1, R^j & 0xffff, R^j >> 16] gives four exact integer sums per row (every
+product and partial sum stays far below 2^53, so any summation order is exact, on any device).
+Rows are folded with their position (lane 1) and R^(row start) (lane 2) in int64, summed per
+piece, and the piece's offset in the view and the +32769 shift are fixed up with Python ints.
+Only one small tensor of per-piece sums reaches the host.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -36,16 +49,28 @@ from k3serve.transfer.metrics import BoundTransferMetrics
 
 _P1 = 2**31 - 1  # prime: position weights 1..p1-1 are distinct and nonzero
 _P2 = 2**31 - 19  # prime
-_MIX = 0x5DEECE6D  # < p2: scrambles the lane-2 position weight
-_CHUNK = 1 << 22  # bytes per step: bounds the int64 temporaries to a few x 32 MiB
-_MAX_VIEW_BYTES = _P1 - 2
+_R = 0x5DEECE6E  # a primitive root mod p2: lane-2 weights R^p repeat only after p2 - 1 words
+_R_MINUS_1_INV = pow(_R - 1, -1, _P2)
+_SHIFT = 32769  # int16 word w -> w + 32769 in 1..65536
+_WORD = 2  # bytes
+_ROW = 1024  # words per matrix row: |row sums| < 2^42, exact in float64
+_BATCH_WORDS = 1 << 22  # words per matmul: float64 temporaries of 32 MiB at most
+_MAX_VIEW_WORDS = _P1 - 2
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Words of one region's view: `words` (int16) at word position `offset` of the view."""
+
+    region: str
+    words: torch.Tensor
+    offset: int
 
 
 def region_checksum(tensor_view: torch.Tensor, offset: int = 0) -> str:
     """Checksum of the bytes of `tensor_view` (row-major order), placed at byte `offset` of the view
     being checksummed. Same bytes at the same offset -> same value, on any device and tensor."""
-    lane1, lane2 = _lanes(tensor_view, offset)
-    return _format(lane1, lane2)
+    return _checksum_pieces([_piece("", tensor_view, offset)])[""]
 
 
 def combine_checksums(parts: Iterable[str]) -> str:
@@ -71,15 +96,16 @@ def request_checksums(
     Sender (prefill rank s, for decode rank r): `heads` and `include_mla` from `TPMapping.view(s, r)`.
     Receiver (decode rank r): `heads=HeadSlice.whole_shard(layout)`, `include_mla=True`; its
     values equal `combine_request_checksums` of the senders' dicts when the bytes arrived intact.
+    All regions are summed in one pass (`_checksum_pieces`).
     """
-    sums: dict[str, str] = {}
-    if include_mla:
-        ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=cache.mla_kv[0].device if cache.mla_kv else "cpu")
+    pieces: list[_Piece] = []
+    if include_mla and cache.mla_kv:
         if num_tokens > len(block_ids) * layout.block_size:
             raise ValueError(f"{num_tokens} tokens do not fit in {len(block_ids)} blocks of {layout.block_size}")
+        ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=cache.mla_kv[0].device)
         for region, kv in zip(layout.mla, cache.mla_kv):
-            rows = kv.index_select(0, ids).reshape(-1, region.kv_dim)[:num_tokens]
-            sums[region.name] = region_checksum(rows)
+            rows = kv.index_select(0, ids)  # [blocks, block_size, kv_dim]: the request's blocks, gathered once
+            pieces.append(_piece(region.name, rows.reshape(-1, rows.shape[-1])[:num_tokens], 0))
     if heads is not None:
         first = layout.tp_rank * layout.num_kda_heads_local
         if not first <= heads.start < heads.stop <= first + layout.num_kda_heads_local:
@@ -88,15 +114,16 @@ def request_checksums(
         into_view = heads.start - heads.view_start  # first head's position in the decode view
         k = layout.kda_head_dim
         for region, state in zip(layout.kda_recurrent, cache.kda_recurrent):
-            sums[region.name] = region_checksum(state[slot_id, lo:hi], into_view * region.bytes_per_head)
+            pieces.append(_piece(region.name, state[slot_id, lo:hi], into_view * region.bytes_per_head))
         for region, conv in zip(layout.kda_conv, cache.kda_conv):
-            parts = []
+            if hi - lo == heads.view_heads == layout.num_kda_heads_local:  # the whole slot, in place
+                pieces.append(_piece(region.name, conv[slot_id], 0))
+                continue
             for sub in range(3):  # q, k, v sub-blocks, each cut by the same channel range
                 rows = conv[slot_id, sub * region.channels_local + lo * k : sub * region.channels_local + hi * k]
                 view_row = sub * heads.view_heads * k + into_view * k
-                parts.append(region_checksum(rows, view_row * region.bytes_per_channel))
-            sums[region.name] = combine_checksums(parts)
-    return sums
+                pieces.append(_piece(region.name, rows, view_row * region.bytes_per_channel))
+    return _checksum_pieces(pieces)
 
 
 def combine_request_checksums(shares: Iterable[dict[str, str]]) -> dict[str, str]:
@@ -119,21 +146,110 @@ def mismatched_regions(
     return bad
 
 
-def _lanes(tensor: torch.Tensor, offset: int) -> tuple[int, int]:
-    data = tensor.contiguous().reshape(-1).view(torch.uint8)
-    if offset < 0 or offset + data.numel() > _MAX_VIEW_BYTES:
-        raise ValueError(f"checksummed views must lie in [0, {_MAX_VIEW_BYTES}) bytes; got offset {offset} + {data.numel()}")
-    lane1 = torch.zeros((), dtype=torch.int64, device=data.device)
-    lane2 = torch.zeros((), dtype=torch.int64, device=data.device)
-    for start in range(0, data.numel(), _CHUNK):
-        chunk = data[start : start + _CHUNK].to(torch.int64) + 1  # 1..256: a zero byte still counts
-        pos = torch.arange(chunk.numel(), dtype=torch.int64, device=data.device) + (offset + start)
-        # products stay < 2^40 and chunk sums < 2^62: no int64 overflow anywhere
-        lane1 = (lane1 + (chunk * (pos + 1)).remainder_(_P1).sum()) % _P1
-        mix = (pos * _MIX).remainder_(_P2)
-        mix = (mix * mix).remainder_(_P2) + 1
-        lane2 = (lane2 + (chunk * mix).remainder_(_P2).sum()) % _P2
-    return int(lane1.item()), int(lane2.item())
+def _piece(region: str, tensor: torch.Tensor, offset: int) -> _Piece:
+    """`tensor`'s bytes as int16 words at byte `offset` of a view; ValueError off the word grid."""
+    data = tensor.contiguous().reshape(-1)
+    nbytes = data.numel() * data.element_size()
+    if offset % _WORD or nbytes % _WORD:
+        raise ValueError(f"checksummed views are made of {_WORD}-byte words: offset {offset}, {nbytes} bytes")
+    if offset < 0 or (offset + nbytes) // _WORD > _MAX_VIEW_WORDS:
+        raise ValueError(f"checksummed views must lie in [0, {_MAX_VIEW_WORDS * _WORD}) bytes; got offset {offset} + {nbytes}")
+    if data.element_size() == 1:
+        data = data.view(torch.uint8)  # bool and fp8 views too
+    return _Piece(region, data.view(torch.int16), offset // _WORD)
+
+
+def _checksum_pieces(pieces: list[_Piece]) -> dict[str, str]:
+    """Sum every piece's lanes into its region's (see the module docstring for the scheme)."""
+    lanes: dict[str, tuple[int, int]] = {}
+    for batch in _batches(pieces):
+        for piece, start_row, (s0, b1, v2) in zip(*_row_sums(batch)):
+            n, off = piece.words.numel(), piece.offset
+            shift = off - start_row * _ROW  # view position - matrix position of every word of the piece
+            lane1 = b1 + shift * s0 + _SHIFT * (n * off + n * (n + 1) // 2)
+            geometric = (pow(_R, n, _P2) - 1) * _R_MINUS_1_INV
+            lane2 = pow(_R, shift, _P2) * v2 + _SHIFT * pow(_R, off, _P2) * geometric
+            a, b = lanes.get(piece.region, (0, 0))
+            lanes[piece.region] = ((a + lane1) % _P1, (b + lane2) % _P2)
+    return {region: _format(*lane) for region, lane in lanes.items()}
+
+
+def _batches(pieces: list[_Piece]) -> Iterable[list[_Piece]]:
+    """Pieces cut to at most one batch each and packed into batches of <= _BATCH_WORDS words of
+    whole rows (what one matmul takes)."""
+    batch: list[_Piece] = []
+    rows = 0
+    for piece in pieces:
+        for start in range(0, max(piece.words.numel(), 1), _BATCH_WORDS):
+            part = _Piece(piece.region, piece.words[start : start + _BATCH_WORDS], piece.offset + start)
+            need = -(-part.words.numel() // _ROW)
+            if batch and (rows + need) * _ROW > _BATCH_WORDS:
+                yield batch
+                batch, rows = [], 0
+            batch.append(part)
+            rows += need
+    if batch:
+        yield batch
+
+
+def _row_sums(batch: list[_Piece]) -> tuple[list[_Piece], list[int], list[list[int]]]:
+    """One matmul over the batch's words: per piece its first matrix row and three exact sums:
+    sum(w), sum(w * (q + 1)) mod p1 and sum(w * R^q) mod p2, with q a word's position in the
+    matrix (w the raw int16 value: the shift and the view offset are fixed up by the caller)."""
+    device = batch[0].words.device
+    starts, rows = [], 0
+    for piece in batch:
+        starts.append(rows)
+        rows += -(-piece.words.numel() // _ROW)
+    matrix = torch.empty(rows, _ROW, dtype=torch.float64, device=device)
+    flat = matrix.view(-1)
+    for piece, start in zip(batch, starts):
+        n, at = piece.words.numel(), start * _ROW
+        flat[at : at + n].copy_(piece.words)
+        if n % _ROW:
+            flat[at + n : at + -(-n // _ROW) * _ROW].zero_()  # zero words add nothing to the raw sums
+    tables = _tables(device)
+    sums = (tables.weights @ matrix.t()).to(torch.int64)  # [4, rows], exact (weights first: 2x faster on CPU)
+    lane1 = (sums[1] + tables.row_start[:rows] * sums[0]).remainder_(_P1)
+    lane2 = (sums[2].remainder(_P2) + sums[3].remainder(_P2) * 65536).remainder_(_P2)
+    lane2 = (lane2 * tables.row_power[:rows]).remainder_(_P2)
+    per_row = torch.stack([sums[0], lane1, lane2], dim=1)
+    cumulative = torch.cat([per_row.new_zeros(1, 3), per_row.cumsum(0)])  # < 2^43: exact
+    bounds = torch.as_tensor(starts + [rows], device=device)
+    per_piece = (cumulative[bounds[1:]] - cumulative[bounds[:-1]]).tolist()
+    return batch, starts, per_piece
+
+
+@dataclass(frozen=True)
+class _Tables:
+    weights: torch.Tensor  # [4, _ROW] float64: 1, j + 1, R^j mod p2 split in 16-bit halves
+    row_start: torch.Tensor  # [rows] int64: g * _ROW
+    row_power: torch.Tensor  # [rows] int64: R^(g * _ROW) mod p2
+
+
+_TABLES: dict[torch.device, _Tables] = {}
+_TABLES_LOCK = threading.Lock()
+
+
+def _tables(device: torch.device) -> _Tables:
+    """The position weights, built once per device."""
+    with _TABLES_LOCK:
+        tables = _TABLES.get(device)
+        if tables is None:
+            powers = [pow(_R, j, _P2) for j in range(_ROW)]
+            columns = [[1] * _ROW, [j + 1 for j in range(_ROW)], [p & 0xFFFF for p in powers], [p >> 16 for p in powers]]
+            weights = torch.tensor(columns, dtype=torch.float64)
+            max_rows = _BATCH_WORDS // _ROW
+            step = pow(_R, _ROW, _P2)
+            row_power = [1]
+            for _ in range(max_rows - 1):
+                row_power.append(row_power[-1] * step % _P2)
+            tables = _TABLES[device] = _Tables(
+                weights.to(device),
+                (torch.arange(max_rows, dtype=torch.int64) * _ROW).to(device),
+                torch.tensor(row_power, dtype=torch.int64).to(device),
+            )
+        return tables
 
 
 def _format(lane1: int, lane2: int) -> str:

@@ -1,6 +1,8 @@
-"""Checksum spec: equal bytes give equal values on any tensor and device; any single changed byte
-or swap of two unequal elements changes the value; and the shares that prefill ranks compute for
-a decode rank add up to what that decode rank computes after landing, for every TP ratio."""
+"""Checksum spec: equal bytes give equal values on any tensor and device; any single changed
+16-bit word or swap of two unequal words changes lane 1; the value is exactly the documented sum
+(checked against a big-int oracle, at any offset and across matmul rows and batches); and the
+shares that prefill ranks compute for a decode rank add up to what that decode rank computes after
+landing, for every TP ratio."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch
 
 from _transfer_setup import BLOCK_SIZE, close, connect, fill_random_bytes, make_side, run_transfer, shard, tiny_config
 from k3serve.model.batch import ModelCache
+from k3serve.transfer import checksum
 from k3serve.transfer.checksum import (
     combine_checksums,
     combine_request_checksums,
@@ -22,28 +25,87 @@ from k3serve.transfer.tp_map import RequestSpan
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+def _oracle(t: torch.Tensor, offset: int = 0) -> str:
+    """The documented value, with Python ints: word w (int16) at word position p of the view adds
+    (w + 32769) * (p + 1) mod 2^31 - 1 to lane 1 and (w + 32769) * R^p mod 2^31 - 19 to lane 2."""
+    p1, p2, r = 2**31 - 1, 2**31 - 19, 0x5DEECE6E
+    words = t.contiguous().view(-1).view(torch.int16).tolist()
+    first = offset // 2
+    lane1 = sum((w + 32769) * (first + j + 1) for j, w in enumerate(words)) % p1
+    power, lane2 = pow(r, first, p2), 0
+    for w in words:
+        lane2, power = (lane2 + (w + 32769) * power) % p2, power * r % p2
+    return f"{lane1:08x}{lane2:08x}"
+
+
+def _lane1(value: str) -> str:
+    return value[:8]
+
+
+@pytest.mark.parametrize("offset", [0, 2, 2046, 2**32 - 8192], ids=["0", "2", "2046", "4GiB-8KiB"])
+@pytest.mark.parametrize("numel", [1, 511, 1024, 3000], ids=lambda n: f"{n}w")
+def test_value_is_the_documented_sum(numel: int, offset: int) -> None:
+    """Exact at any offset (position weights near 2^31 included) and across matrix rows."""
+    t = torch.randint(-(2**15), 2**15, (numel,), dtype=torch.int16)
+    t[:3] = torch.tensor([-(2**15), 2**15 - 1, 0], dtype=torch.int16)[:numel]  # extremes of a word
+    assert region_checksum(t, offset) == _oracle(t, offset)
+
+
+def test_pieces_split_across_matmul_batches_add_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A view larger than one matmul batch is cut into parts at their offsets: same value."""
+    t = torch.randn(2500, dtype=torch.bfloat16)
+    monkeypatch.setattr(checksum, "_BATCH_WORDS", 4 * checksum._ROW)
+    assert region_checksum(t, 10) == _oracle(t, 10)
+    small = torch.randn(3, dtype=torch.float32)
+    pieces = [checksum._piece("a", t, 0), checksum._piece("b", small, 8), checksum._piece("a", small, 5000)]
+    assert checksum._checksum_pieces(pieces) == {"a": combine_checksums([_oracle(t), _oracle(small, 5000)]),
+                                                 "b": _oracle(small, 8)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_any_single_changed_word_changes_lane_1(dtype: torch.dtype) -> None:
+    t = torch.randn(3, 7, dtype=dtype)  # awkward size: 21 elements
+    base = region_checksum(t, offset=2 * 10**6)
+    words = t.view(-1).view(torch.int16)
+    for i in range(words.numel()):
+        for delta in (1, 255, 256, 2**15, 2**16 - 1):
+            changed = t.clone()
+            w = changed.view(-1).view(torch.int16)
+            w[i] = (int(words[i]) + 2**15 + delta) % 2**16 - 2**15
+            assert _lane1(region_checksum(changed, offset=2 * 10**6)) != _lane1(base), f"word {i} + {delta}"
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_any_single_changed_byte_changes_the_checksum(dtype: torch.dtype) -> None:
-    t = torch.randn(3, 7, dtype=dtype)  # awkward size: 21 elements
+    t = torch.randn(3, 7, dtype=dtype)
     base = region_checksum(t)
     raw = t.view(-1).view(torch.uint8)
     for i in range(raw.numel()):
-        for delta in (1, 128):
-            flipped = t.clone()
-            b = flipped.view(-1).view(torch.uint8)
-            b[i] = (int(raw[i]) + delta) % 256
-            assert region_checksum(flipped) != base, f"byte {i} + {delta} went unnoticed"
+        flipped = t.clone()
+        flipped.view(-1).view(torch.uint8)[i] = (int(raw[i]) + 128) % 256
+        assert region_checksum(flipped) != base, f"byte {i} went unnoticed"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_swapped_elements_change_the_checksum(dtype: torch.dtype) -> None:
+def test_swapped_elements_change_lane_1(dtype: torch.dtype) -> None:
     t = torch.arange(12, dtype=dtype).reshape(3, 4)
     base = region_checksum(t)
     for i, j in [(0, 1), (0, 11), (5, 6), (3, 8)]:
         swapped = t.clone().view(-1)
         swapped[[i, j]] = swapped[[j, i]]
-        assert region_checksum(swapped) != base
-    assert region_checksum(t.t()) != base  # same values, other order
+        assert _lane1(region_checksum(swapped)) != _lane1(base)
+    assert _lane1(region_checksum(t.t())) != _lane1(base)  # same values, other order
+    words = torch.tensor([7, -7, 7, 0], dtype=torch.int16)  # the two halves of one element swapped too
+    assert _lane1(region_checksum(words[[1, 0, 2, 3]])) != _lane1(region_checksum(words))
+
+
+def test_views_off_the_word_grid_are_refused() -> None:
+    with pytest.raises(ValueError, match="2-byte words"):
+        region_checksum(torch.zeros(4), offset=3)
+    with pytest.raises(ValueError, match="2-byte words"):
+        region_checksum(torch.zeros(3, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="must lie in"):
+        region_checksum(torch.zeros(4), offset=2**32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -66,7 +128,7 @@ def test_position_weighted_and_additive() -> None:
     assert combine_checksums([region_checksum(bottom, offset=96), region_checksum(top)]) == region_checksum(whole)
 
 
-def test_zero_bytes_count() -> None:
+def test_zero_words_count() -> None:
     """An all-zero region (state never written) is not the checksum of nothing."""
     assert region_checksum(torch.zeros(8)) != combine_checksums([])
     assert region_checksum(torch.zeros(8)) != region_checksum(torch.zeros(9))
@@ -131,7 +193,8 @@ def test_a_missing_region_is_a_mismatch() -> None:
 def test_cpu_and_gpu_agree(dtype: torch.dtype) -> None:
     t = torch.randn(1000, 77).to(dtype)
     assert region_checksum(t) == region_checksum(t.cuda())
-    assert region_checksum(t[3:9], offset=17) == region_checksum(t.cuda()[3:9], offset=17)
+    assert region_checksum(t[3:9], offset=18) == region_checksum(t.cuda()[3:9], offset=18)
+    assert region_checksum(t[3:9], offset=18) == _oracle(t[3:9], offset=18)
 
 
 def _change(t: torch.Tensor, index: tuple[int, ...]) -> None:
