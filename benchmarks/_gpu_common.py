@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+from collections.abc import Callable
 import json
 import statistics
 import sys
@@ -17,10 +18,13 @@ from pathlib import Path
 import torch
 
 
-def parse_args(description: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=description)
+def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    """--out and --smoke, plus whatever `extra` adds to the parser."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="write the rows and ceilings as JSON here")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, any device: checks the script only")
+    if extra is not None:
+        extra(parser)
     return parser.parse_args()
 
 
@@ -97,19 +101,28 @@ def check(name: str, err: float, tol: float) -> None:
         raise SystemExit(f"{name}: relative error {err:.3e} > {tol:.1e}; not timing a wrong kernel")
 
 
-def fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1f}"
+def fmt(x: float | int | None) -> str:
+    return "-" if x is None else str(x) if isinstance(x, int) else f"{x:.1f}"
 
 
-def report(title: str, columns: list[str], rows: list[dict], ceil: dict[str, float], out: Path | None,
-           dev: torch.device) -> None:
-    """Print ONE markdown table (times in us) and write everything as JSON."""
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    print(f"\n### {title}  ({name}, {datetime.date.today()}; copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
-          f"bf16 matmul {ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s measured in this run)\n")
+def device_name(dev: torch.device) -> str:
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+
+
+def print_table(title: str, columns: list[str], rows: list[dict], ceil: dict[str, float], dev: torch.device) -> None:
+    """One markdown table (times in us), titled with the device and the ceilings of this run."""
+    print(f"\n### {title}  ({device_name(dev)}, {datetime.date.today()}; copy {ceil['copy_bytes_per_s'] / 1e12:.2f} "
+          f"TB/s, bf16 matmul {ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s measured in this run)\n")
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
     for row in rows:
         print("| " + " | ".join(row[c] if isinstance(row[c], str) else fmt(row[c]) for c in columns) + " |")
+
+
+def report(title: str, columns: list[str], rows: list[dict], ceil: dict[str, float], out: Path | None,
+           dev: torch.device) -> None:
+    """Print ONE markdown table and write everything as JSON."""
+    print_table(title, columns, rows, ceil, dev)
     if out is not None:
-        out.write_text(json.dumps({"title": title, "device": name, "ceilings": ceil, "rows": rows}, indent=1))
+        out.write_text(json.dumps({"title": title, "device": device_name(dev), "ceilings": ceil, "rows": rows},
+                                  indent=1))

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from .._backend import gpu_kernels, has_module
 from . import naive
+from .chunk_plan import plan_chunks
 
 last_backend: dict[str, str] = {}  # "chunk_kda" / "kda_decode" -> "fla" | "naive": what ran last
 
@@ -63,10 +64,12 @@ def _check_state(name: str, state: Tensor, rows: str, H: int, K: int, V: int) ->
 
 
 def _check_sequences(q: Tensor, v: Tensor, initial_state: Tensor | None, cu_seqlens: Tensor | None,
-                     checkpoint_offsets: Tensor | None) -> None:
+                     checkpoint_offsets: Tensor | None) -> tuple[list[int], list[int] | None]:
+    """Validate on host copies; returns (tokens of each sequence, checkpoint offsets or None). A device
+    tensor is read back here (one sync); a host tensor costs none."""
     B, T, H, K = q.shape
     if cu_seqlens is None:
-        lens = torch.full((B,), T, dtype=torch.int64)
+        lens = [T] * B
     else:
         if B != 1:
             raise ValueError(f"varlen (cu_seqlens) needs B == 1, got B={B}")
@@ -74,23 +77,24 @@ def _check_sequences(q: Tensor, v: Tensor, initial_state: Tensor | None, cu_seql
             raise ValueError(
                 f"cu_seqlens must be int64 [N+1], N >= 1, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
             )
-        lens = cu_seqlens.diff().cpu()
-        if cu_seqlens[0] != 0 or cu_seqlens[-1] != T or (lens < 1).any():
-            raise ValueError(f"cu_seqlens must rise strictly from 0 to T={T}, got {cu_seqlens.tolist()}")
-    N = lens.numel()
+        cu = cu_seqlens.tolist()
+        lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+        if cu[0] != 0 or cu[-1] != T or min(lens) < 1:
+            raise ValueError(f"cu_seqlens must rise strictly from 0 to T={T}, got {cu}")
+    N = len(lens)
     if initial_state is not None:
         _check_state("initial_state", initial_state, f"N={N}", H, K, v.shape[-1])
         if initial_state.shape[0] != N:
             raise ValueError(f"initial_state must have N={N} rows (one per sequence), got {initial_state.shape[0]}")
-    if checkpoint_offsets is not None:
-        if checkpoint_offsets.dtype != torch.int64 or checkpoint_offsets.shape != (N,):
-            raise ValueError(f"checkpoint_offsets must be int64 [N={N}], got "
-                             f"{checkpoint_offsets.dtype} {tuple(checkpoint_offsets.shape)}")
-        off = checkpoint_offsets.cpu()
-        if not ((off == -1) | ((off >= 1) & (off <= lens))).all():
-            raise ValueError(
-                f"checkpoint_offsets must be -1 or in [1, len_n], got {off.tolist()} for lengths {lens.tolist()}"
-            )
+    if checkpoint_offsets is None:
+        return lens, None
+    if checkpoint_offsets.dtype != torch.int64 or checkpoint_offsets.shape != (N,):
+        raise ValueError(f"checkpoint_offsets must be int64 [N={N}], got "
+                         f"{checkpoint_offsets.dtype} {tuple(checkpoint_offsets.shape)}")
+    offsets = checkpoint_offsets.tolist()
+    if not all(p == -1 or 1 <= p <= n for p, n in zip(offsets, lens)):
+        raise ValueError(f"checkpoint_offsets must be -1 or in [1, len_n], got {offsets} for lengths {lens}")
+    return lens, offsets
 
 
 def recurrent_kda(
@@ -133,11 +137,15 @@ def chunk_kda(
     """Chunked (WY) KDA for prefill; same arguments and results as `recurrent_kda`.
 
     Checkpoints come out of the same single pass over the chunks (a prefix cache snapshot mid-prefill),
-    including offsets that fall inside a chunk; on the GPU they are fp32 like the final state.
+    including offsets that fall inside a chunk; on the GPU they are fp32 like the final state, built
+    from fla's bf16 chunk-start states with the in-chunk update in fp32.
+    cu_seqlens and checkpoint_offsets may live on the host or on q's device: host tensors cost the GPU
+    path no sync (they are validated where they are and sent in one non-blocking copy); device ones
+    are read back once for validation, which drains the GPU queue.
     gate_lower_bound: the caller guarantees g >= gate_lower_bound (K3 safe gate, in [-5, 0)); lets fla
     use its bounded-gate tensor-core path. The result does not depend on it beyond rounding."""
     _check_token_inputs(q, k, v, g, beta, "B, T")
-    _check_sequences(q, v, initial_state, cu_seqlens, checkpoint_offsets)
+    lens, offsets = _check_sequences(q, v, initial_state, cu_seqlens, checkpoint_offsets)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if gate_lower_bound is not None and not -5.0 <= gate_lower_bound < 0.0:
@@ -147,9 +155,9 @@ def chunk_kda(
 
         if fla_ops.supports_chunk(q, v, chunk_size):
             last_backend["chunk_kda"] = "fla"
-            cu_seqlens = None if cu_seqlens is None else cu_seqlens.to(q.device)
-            return fla_ops.chunk_kda(q, k, v, g, beta, scale, initial_state, cu_seqlens, checkpoint_offsets,
-                                     use_qk_l2norm_in_kernel, chunk_size, safe_gate=gate_lower_bound is not None)
+            plan = plan_chunks(lens, cu_seqlens is not None, offsets, chunk_size, q.device)
+            return fla_ops.chunk_kda(q, k, v, g, beta, scale, initial_state, plan, use_qk_l2norm_in_kernel,
+                                     chunk_size, safe_gate=gate_lower_bound is not None)
     last_backend["chunk_kda"] = "naive"
     return naive.chunk_kda(q, k, v, g, beta, scale, initial_state, cu_seqlens, checkpoint_offsets,
                            use_qk_l2norm_in_kernel, chunk_size)
@@ -165,11 +173,13 @@ def kda_decode(
     state_indices: Tensor,
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = False,
+    pad_slot: int | None = None,
 ) -> Tensor:
     """One token for each of N sequences (continuous-batching decode); returns o [N, H, V] in q.dtype.
 
     q, k, g [N, H, K]; v [N, H, V]; beta [N, H]. Sequence n reads and writes its state in place at
-    state_pool[state_indices[n]] (pool fp32 [S, H, K, V]); no other slot is touched."""
+    state_pool[state_indices[n]] (pool fp32 [S, H, K, V]); no other slot is touched. Indices are
+    distinct, except `pad_slot`, which the padding rows of a fixed-shape batch share (garbage outputs)."""
     _check_token_inputs(q, k, v, g, beta, "N")
     N, H, K = q.shape
     _check_state("state_pool", state_pool, "S", H, K, v.shape[-1])
@@ -178,9 +188,11 @@ def kda_decode(
         raise ValueError(f"state_indices must be int64 [N={N}], got {state_indices.dtype} {tuple(state_indices.shape)}")
     # Values are checked where they live on the CPU; GPU-resident indices come from the slot pool and are
     # trusted, so a decode step costs no sync per layer.
-    if not state_indices.is_cuda and (((state_indices < 0) | (state_indices >= S)).any()
-                                      or state_indices.unique().numel() != N):
-        raise ValueError(f"state_indices must be distinct slots in [0, {S}), got {state_indices.tolist()}")
+    if not state_indices.is_cuda:
+        owned = state_indices if pad_slot is None else state_indices[state_indices != pad_slot]
+        if ((state_indices < 0) | (state_indices >= S)).any() or owned.unique().numel() != owned.numel():
+            raise ValueError(f"state_indices must be distinct slots in [0, {S}) (pad_slot {pad_slot} may repeat), "
+                             f"got {state_indices.tolist()}")
     if gpu_kernels(q, k, v, g, beta, state_pool) and has_module("fla"):
         from . import fla_ops
 

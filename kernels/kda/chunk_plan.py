@@ -1,0 +1,78 @@
+"""Index plan of one chunked KDA call, built on the host and sent to the device in ONE non-blocking copy.
+
+fla derives its chunk indices from `cu_seqlens` on the device (`prepare_chunk_indices` calls
+`repeat_interleave`, which reads a sum back), and mid-chunk checkpoints need host offsets: either
+way a `.tolist()` or an implicit read-back drains the GPU queue in the middle of a prefill, and
+every launch after it is exposed. The caller already knows the sequence lengths and checkpoint
+offsets on the host (it validated them there), so everything is computed here from plain lists:
+
+    packed int64, one pinned host buffer -> one async copy:
+    | cu_seqlens [N+1] | chunk_indices [NT, 2] | chunk_offsets [N+1] | checkpoints [W, 4] |
+
+chunk_indices / chunk_offsets follow fla's format (fla.ops.utils.index): row c of the flattened
+chunk states h is chunk `chunk_indices[c, 1]` of sequence `chunk_indices[c, 0]`, and sequence n
+owns rows chunk_offsets[n] .. chunk_offsets[n+1]-1. One checkpoint row per sequence with an
+offset p >= 1 (the rest stay zero): the chunk j = (p-1) // C holding the offset, m = p - C*j of
+its tokens before the offset, i.e. the state is h[first_chunk + j] advanced by m tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    num_seqs: int  # N
+    num_chunks: int  # NT over all sequences (= rows of the flattened chunk states)
+    cu_seqlens: Tensor | None  # [N+1] int64 on the device; None for equal-length rows (no varlen)
+    chunk_indices: Tensor | None  # [NT, 2] int64 (sequence, chunk within it); varlen only
+    chunk_offsets: Tensor | None  # [N+1] int64 first chunk row of each sequence; varlen only
+    checkpoints: Tensor | None  # [W, 4] int64 (output row n, first token row of chunk j, m, chunk row); None: none asked
+
+
+def plan_chunks(seq_lens: list[int], varlen: bool, checkpoint_offsets: list[int] | None, chunk_size: int,
+                device: torch.device) -> ChunkPlan:
+    """seq_lens: tokens of each sequence (for equal-length rows, B copies of T); checkpoint_offsets:
+    per sequence, -1 or 1..len (validated by the caller)."""
+    chunks = [-(-n // chunk_size) for n in seq_lens]
+    token_starts, chunk_starts = _prefix_sums(seq_lens), _prefix_sums(chunks)
+    parts: list[list[int]] = []
+    if varlen:
+        parts.append(token_starts)
+        parts.append([x for n, c in enumerate(chunks) for i in range(c) for x in (n, i)])
+        parts.append(chunk_starts)
+    rows = []
+    for n, p in enumerate(checkpoint_offsets or ()):
+        if p > 0:
+            j = (p - 1) // chunk_size
+            rows += [n, token_starts[n] + j * chunk_size, p - j * chunk_size, chunk_starts[n] + j]
+    parts.append(rows)
+    sizes = [len(part) for part in parts]
+    packed = _to_device([x for part in parts for x in part], device).split(sizes)
+    cu, indices, offsets = (packed[0], packed[1].view(-1, 2), packed[2]) if varlen else (None, None, None)
+    return ChunkPlan(
+        num_seqs=len(seq_lens),
+        num_chunks=chunk_starts[-1],
+        cu_seqlens=cu,
+        chunk_indices=indices,
+        chunk_offsets=offsets,
+        checkpoints=None if checkpoint_offsets is None else packed[-1].view(-1, 4),
+    )
+
+
+def _prefix_sums(values: list[int]) -> list[int]:
+    out = [0]
+    for x in values:
+        out.append(out[-1] + x)
+    return out
+
+
+def _to_device(values: list[int], device: torch.device) -> Tensor:
+    """One host -> device copy that does not wait for the queue (pinned source, non_blocking)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

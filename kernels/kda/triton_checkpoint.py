@@ -1,0 +1,60 @@
+"""Mid-chunk KDA checkpoints from the chunk states of the same pass: one Triton launch for all of them.
+
+The state after m tokens of chunk j (naive._advance, G = in-chunk cumsum of g in log2 units):
+
+    S = exp2(G_m) ⊙ h[j] + Σ_{i<m} (exp2(G_m - G_i) ⊙ k_i) v_new_i^T
+
+h[j] is fla's chunk-start state (bf16, as fla keeps it: it rounds the state to bf16 for every
+product anyway); the decay and the in-chunk sum run in fp32, so a checkpoint is as exact as a
+state fla itself would carry across that chunk. A program owns one (checkpoint, head, BV columns).
+One launch, no host sync: the torch form of this sum costs ~15 small launches, which measured
+as several percent of an 8K-token prefill."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+BV = 64
+
+
+@triton.jit
+def _checkpoint_kernel(h, k, gc, v_new, plan, out, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    i_v, i_w, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row = tl.load(plan + i_w * 4).to(tl.int64)  # output row (sequence)
+    tok0 = tl.load(plan + i_w * 4 + 1).to(tl.int64)  # first token row of the chunk
+    m = tl.load(plan + i_w * 4 + 2).to(tl.int64)  # its tokens before the checkpoint, 1..BT
+    chunk = tl.load(plan + i_w * 4 + 3).to(tl.int64)  # row of its start state in h
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_t = tl.arange(0, BT)
+    m_k, m_v, m_t = o_k < K, o_v < V, o_t < m
+    m_kv = m_k[:, None] & m_v[None, :]
+    m_tk = m_t[:, None] & m_k[None, :]
+    g_last = tl.load(gc + ((tok0 + m - 1) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+    b_h = tl.load(h + ((chunk * H + i_h) * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.0)
+    b_s = b_h.to(tl.float32) * tl.exp2(g_last)[:, None]
+    rows = tok0 + o_t
+    b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    b_g = tl.load(gc + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_kd = tl.where(m_tk, b_k * tl.exp2(g_last[None, :] - b_g), 0.0)
+    b_vn = tl.load(v_new + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                   other=0.0).to(tl.float32)
+    b_s += tl.dot(tl.trans(b_kd), b_vn, input_precision="ieee")
+    tl.store(out + ((row * H + i_h) * K + o_k[:, None]) * V + o_v[None, :], b_s, mask=m_kv)
+
+
+def checkpoint_states(h: Tensor, k: Tensor, gc: Tensor, v_new: Tensor, plan: Tensor, out: Tensor,
+                      chunk_size: int) -> None:
+    """out[plan[w, 0]] = state after plan[w, 2] tokens of the chunk starting at token row plan[w, 1],
+    whose start state is h[plan[w, 3]]. h [rows, H, K, V]; k, gc [tokens, H, K]; v_new [tokens, H, V];
+    out [N, H, K, V] fp32; all contiguous."""
+    W, (H, K, V) = plan.shape[0], h.shape[1:]
+    if W == 0:
+        return
+    grid = (triton.cdiv(V, BV), W, H)
+    _checkpoint_kernel[grid](h, k, gc, v_new, plan, out, H=H, K=K, V=V, BT=chunk_size,
+                             BK=triton.next_power_of_2(K), BV=BV, num_warps=4)
+
