@@ -3,17 +3,25 @@ processes on loopback, per backend and prompt length.
 
     python benchmarks/handoff.py [--preset kimi-linear-48b-a3b] [--tokens 128 1024 8192 32768]
                                  [--backends mooncake nixl] [--reps 5] [--out handoff.json]
+    python benchmarks/handoff.py --breakdown [--tokens 1000] [--backends mooncake] [--reps 5]
 
 The receiver registers a real decode cache, the sender a real prefill cache of the same preset
 (bf16, TP 1); the writes are exactly those the prefill worker posts (`TPMapping.ops`). Each
 measurement is post -> all landed (polled), median of `--reps`; the landed bytes are verified
 with the transfer checksums every time. Anchor measured in the same run: a torch copy of the same
 bytes inside one process (the memory-bandwidth floor of any handoff).
+
+`--breakdown`: the whole handoff path in one process (launcher local): a k3-tiny PrefillWorker and
+DecodeWorker (block 16, fp32, one engine thread each), one prompt at a time (4 output tokens), each
+step of the path timed by wrapping it (a wrapper adds microseconds); median, min and max over `--reps`
+after one warm-up, with the `torch` threads of this process set to one, as in the Ray actors.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import functools
 import json
 import multiprocessing as mp
 import statistics
@@ -21,11 +29,18 @@ import time
 
 import torch
 
+from k3serve.decode import handoff as decode_handoff
+from k3serve.decode.worker import DecodeWorker
+from k3serve.engine.config import EngineArgs
+from k3serve.engine.sampling_params import SamplingParams
 from k3serve.model.batch import ModelCache
 from k3serve.model.presets import preset_config
+from k3serve.prefill import handoff as prefill_handoff
+from k3serve.prefill.worker import HandoffTarget, PrefillWorker
 from k3serve.transfer.backend import TransferStatus
 from k3serve.transfer.backends import make_backend
 from k3serve.transfer.checksum import request_checksums
+from k3serve.transfer.control import DecodeControlClient
 from k3serve.transfer.layout import CacheLayout, HeadSlice, register_cache
 from k3serve.transfer.tp_map import RankCache, RequestSpan, TPMapping
 
@@ -117,6 +132,79 @@ def memcpy_anchor(preset: str, tokens: list[int], reps: int) -> list[dict]:
     return rows
 
 
+class StepTimes:
+    """Wall time of every call of the wrapped steps, per step name."""
+
+    def __init__(self, *steps: str) -> None:
+        self.times: dict[str, list[float]] = {step: [] for step in steps}  # report order
+
+    def wrap(self, owner: object, attr: str, step: str) -> None:
+        fn = getattr(owner, attr)
+        self.times.setdefault(step, [])
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.add(step, time.perf_counter() - t0)
+
+        setattr(owner, attr, timed)
+
+    def add(self, step: str, seconds: float) -> None:
+        self.times.setdefault(step, []).append(seconds)
+
+
+def handoff_breakdown(backend_name: str, num_tokens: int, reps: int) -> list[dict]:
+    """Where the time of a handoff goes, from the prefill engine's last step to decode's adopt."""
+    torch.set_num_threads(1)
+    args = EngineArgs(model="k3-tiny", block_size=16, max_model_len=num_tokens + 24, cache_memory_bytes=64 << 20)
+    decode = DecodeWorker(args, transfer=backend_name)
+    prefill = PrefillWorker(args, transfer=backend_name)
+    steps = StepTimes("prefill: prompt compute + first token", "handoff (k3serve:handoff_time_seconds)")
+    steps.wrap(prefill.sender, "push", "prefill rank: post writes, checksum sent state, wait until landed")
+    steps.wrap(prefill_handoff, "request_checksums", "  checksum of the sent state (while writes fly)")
+    steps.wrap(DecodeControlClient, "transfer_ready", "prefill: TransferReady RPC (returns after adopt)")
+    steps.wrap(decode, "transfer_ready", "  decode: TransferReady handler")
+    steps.wrap(decode, "_adopt", "    decode engine thread: verify + adopt")
+    steps.wrap(decode_handoff, "request_checksums", "      checksum of the landed state")
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    async def one(i: int) -> None:
+        rid, prompt = f"r{i}", [(7 * i + j) % 500 + 3 for j in range(num_tokens)]
+        reservation = await decode.admit(rid, prompt, params)
+        result = await prefill.prefill(rid, prompt, params, HandoffTarget(await decode.addresses(), reservation))
+        steps.add("prefill: prompt compute + first token", result.prefill_seconds)
+        steps.add("handoff (k3serve:handoff_time_seconds)", result.transfer_seconds)
+        async for _ in decode.stream(rid):
+            pass
+
+    async def run() -> None:
+        for i in range(reps + 1):
+            await one(i)
+            if i == 0:  # warm-up: connections, handshake, first allocations
+                for times in steps.times.values():
+                    times.clear()
+
+    try:
+        asyncio.run(run())
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+    return [{"backend": backend_name, "tokens": num_tokens, "step": step, "median_ms": statistics.median(t) * 1e3,
+             "min_ms": min(t) * 1e3, "max_ms": max(t) * 1e3, "calls": len(t)} for step, t in steps.times.items()]
+
+
+def print_breakdown(rows: list[dict], reps: int) -> None:
+    print(f"handoff breakdown, k3-tiny (fp32, TP1 -> TP1), one process, median of {reps}")
+    print("| backend | prompt tokens | step | median ms | min ms | max ms |")
+    print("|---|---:|---|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['backend']} | {r['tokens']} | {r['step']} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | "
+              f"{r['max_ms']:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="kimi-linear-48b-a3b")
@@ -124,7 +212,16 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", default=["mooncake", "nixl"])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out")
+    parser.add_argument("--breakdown", action="store_true", help="the whole handoff path of a k3-tiny prompt, timed per step")
     args = parser.parse_args()
+    if args.breakdown:
+        tokens = args.tokens if args.tokens != parser.get_default("tokens") else [1000]
+        rows = [row for name in args.backends for n in tokens for row in handoff_breakdown(name, n, args.reps)]
+        print_breakdown(rows, args.reps)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"preset": "k3-tiny", "rows": rows}, f, indent=2)
+        return
     rows = memcpy_anchor(args.preset, args.tokens, args.reps)
     for name in args.backends:
         rows += bench_backend(name, args.preset, args.tokens, args.reps)

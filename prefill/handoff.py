@@ -4,8 +4,10 @@ Every rank of a prefill engine owns a `RankSender` over its own cache shard and 
 For each request, all ranks push together (rank 0 announces the job through the TP group): each
 rank handshakes once with every rank of the decode engine (each answers with its own agent,
 layout and rank), computes its share of the writes from the TP mapping, posts one batch per
-decode rank it writes to, waits until all have landed, and checksums what it sent, per decode
-rank. Rank 0 gathers the checksums and reports to decode rank 0, which verifies for all ranks:
+decode rank it writes to, checksums what it sent, per decode rank, while the writes are in flight
+(the source is pinned: nothing writes it, and reading it beside the backend is safe), then waits
+until all have landed. Rank 0 gathers the checksums and reports to decode rank 0, which verifies
+for all ranks:
 
     prefill rank s                            decode engine (D ranks)
     handshake(addresses[r]) for r < D  --->   rank r: its agent, layout, tp_rank r
@@ -17,7 +19,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from k3serve.model.batch import ModelCache
 from k3serve.transfer.backend import TransferBackend, TransferError, TransferStatus
@@ -27,6 +31,7 @@ from k3serve.transfer.layout import CacheLayout, register_cache
 from k3serve.transfer.tp_map import RankCache, RequestSpan, TPMapping
 
 Addresses = tuple[str, ...]  # a decode engine: its ranks' control addresses, rank order
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -129,24 +134,30 @@ class RankSender:
             s = self.layout.tp_rank
             ops = peer.mapping.ops(span)
             batches = [(peer.keys[r], ops[(s, r)]) for r in range(peer.mapping.decode_tp) if ops.get((s, r))]
-            self._write_and_wait(batches)
-            sums = {}
-            for r in range(peer.mapping.decode_tp):
-                view = peer.mapping.view(s, r)
-                if view is not None:
-                    sums[r] = request_checksums(self.cache, self.layout, job.src_block_ids, job.src_slot,
-                                                job.num_tokens, view.heads, view.mla)
+            sums = self._write_and_wait(batches, lambda: self._checksums(job, peer.mapping))
             return RankShare(s, sum(op.length for _, batch in batches for op in batch), sums)
         except Exception as e:
             self.forget(job.decode_addresses)
             return RankShare(self.layout.tp_rank, 0, None, f"{type(e).__name__}: {e}")
 
-    def _write_and_wait(self, batches: list[tuple[str, list]]) -> None:
-        """Post one batch per decode rank, then wait for all of them."""
+    def _checksums(self, job: HandoffJob, mapping: TPMapping) -> dict[int, dict[str, str]]:
+        """The sums of this rank's share of every decode rank's view it feeds, from its own cache."""
+        sums = {}
+        for r in range(mapping.decode_tp):
+            view = mapping.view(self.layout.tp_rank, r)
+            if view is not None:
+                sums[r] = request_checksums(self.cache, self.layout, job.src_block_ids, job.src_slot, job.num_tokens,
+                                            view.heads, view.mla)
+        return sums
+
+    def _write_and_wait(self, batches: list[tuple[str, list]], meanwhile: Callable[[], T] | None = None) -> T | None:
+        """Post one batch per decode rank, run `meanwhile` (if given) while they are in flight, then
+        wait for all of them; returns what `meanwhile` returned."""
         handles = []
         try:
             for peer_key, ops in batches:
                 handles.append(self.backend.write(peer_key, ops))
+            result = meanwhile() if meanwhile is not None else None
             deadline = time.monotonic() + self.timeout_s
             pending = list(handles)
             while pending:
@@ -161,6 +172,7 @@ class RankSender:
                     # lease (not this timeout) decides when it is released.
                     raise TransferError(f"writes did not land within {self.timeout_s} s")
                 time.sleep(0.0001)
+            return result
         finally:
             for handle in handles:
                 self.backend.release(handle)
