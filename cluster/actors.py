@@ -4,7 +4,8 @@ An actor is a replica: Ray restarts it when it dies (`max_restarts=-1`); a resta
 actor publishes a new control address, which the router picks up on its next refresh. A TP
 replica (rank 0 plus `*RankActor` followers in a placement group) is started with
 `max_restarts=0`: its ranks live and die together. Worker
-calls pass through unchanged; the decode stream is a Ray streaming generator.
+calls pass through unchanged; a decode feed (one per router: every delta of a step in one item)
+is a Ray streaming generator.
 """
 
 from __future__ import annotations
@@ -99,12 +100,12 @@ class DecodeActor:
         """Every rank's control address, rank order (what a HandoffTarget names)."""
         return self.worker.control_addresses
 
-    async def admit(self, request_id, prompt_token_ids, params):
-        return await self.worker.admit(request_id, prompt_token_ids, params)
+    async def admit(self, request_id, prompt_token_ids, params, feed: str):
+        return await self.worker.admit(request_id, prompt_token_ids, params, feed)
 
-    async def stream(self, request_id: str):
-        async for delta in self.worker.stream(request_id):
-            yield delta
+    async def feed(self, feed_id: str):
+        async for batch in self.worker.feed(feed_id):
+            yield batch
 
     async def abort_request(self, request_id: str) -> None:
         await self.worker.abort_request(request_id)

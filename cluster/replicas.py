@@ -2,20 +2,22 @@
 
 The router (`cluster/router.py`) talks to replicas through these two small protocols. In-process
 workers (`PrefillWorker`, `DecodeWorker`, `--launcher local`) satisfy them directly; Ray actors
-are wrapped by `RayPrefillReplica` and `RayDecodeReplica`, which turn each call into an actor call and the decode stream into a Ray
-streaming generator. A replica that dies surfaces as an exception from the call in flight; a
-decode stream cut by its replica's death raises `ReplicaDiedError` (a 503, not a 500).
+are wrapped by `RayPrefillReplica` and `RayDecodeReplica`, which turn each call into an actor call
+and a decode feed (`DecodeWorker.feed`: per engine step, the deltas of every request admitted
+through it) into a Ray streaming generator. A replica that dies surfaces as an exception from the
+call in flight; a feed cut by its replica's death raises `ReplicaDiedError` (a 503, not a 500).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
 
 from k3serve.cluster.api.errors import EngineOverloadedError
 
 if TYPE_CHECKING:
     from k3serve.engine.llm_engine import EngineStats
-    from k3serve.engine.outputs import RequestDelta
+    from k3serve.engine.async_engine import Item
     from k3serve.engine.sampling_params import SamplingParams
     from k3serve.prefill.worker import HandoffTarget, PrefillResult
     from k3serve.transfer.control import Reservation
@@ -40,9 +42,11 @@ class DecodeReplica(Protocol):
 
     async def addresses(self) -> tuple[str, ...]: ...
 
-    async def admit(self, request_id: str, prompt_token_ids: list[int], params: "SamplingParams") -> "Reservation": ...
+    async def admit(
+        self, request_id: str, prompt_token_ids: list[int], params: "SamplingParams", feed: str
+    ) -> "Reservation": ...
 
-    def stream(self, request_id: str) -> AsyncIterator["RequestDelta"]: ...
+    def feed(self, feed_id: str) -> AsyncIterator[list[tuple[str, "Item"]]]: ...
 
     async def abort_request(self, request_id: str) -> None: ...
 
@@ -88,16 +92,21 @@ class RayDecodeReplica(_RayReplica):
     async def addresses(self) -> tuple[str, ...]:
         return tuple(await self.actor.control_addresses.remote())
 
-    async def admit(self, request_id, prompt_token_ids, params):
-        return await self.actor.admit.remote(request_id, prompt_token_ids, params)
+    async def admit(self, request_id, prompt_token_ids, params, feed: str):
+        return await self.actor.admit.remote(request_id, prompt_token_ids, params, feed)
 
-    async def stream(self, request_id: str):
-        refs = self.actor.stream.options(num_returns="streaming").remote(request_id)
+    async def feed(self, feed_id: str):
+        import ray
+
+        refs = self.actor.feed.options(num_returns="streaming").remote(feed_id)
         try:
             async for ref in refs:
                 yield await ref
         except _process_gone_errors() as e:
-            raise ReplicaDiedError(f"decode replica {self.name} died while serving request {request_id}") from e
+            raise ReplicaDiedError(f"decode replica {self.name} died") from e
+        finally:  # the consumer left (router closing): end the feed there too, aborting its requests
+            with contextlib.suppress(Exception):  # already ended, or the actor is gone
+                ray.cancel(refs)
 
     async def abort_request(self, request_id: str) -> None:
         await self.actor.abort_request.remote(request_id)

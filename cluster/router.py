@@ -2,12 +2,13 @@
 
 One request:
     1. tokenize, check the context;  pick the decode replica with the fewest requests in flight
-       from here (then the most free blocks), `admit` there (reservation + an opened delta
-       stream); NoCapacity: the next replica; everywhere -> 503
+       from here (then the most free blocks), `admit` there (reservation; its deltas will come
+       through this router's feed from that replica, `cluster/decode_feed.py`); NoCapacity: the
+       next replica; everywhere -> 503
     2. pick a prefill replica by load with prefix affinity; `prefill` pushes the prompt state
        into the reservation. If that replica fails before the decode side adopted the request,
        retry once on another replica (the reservation is rewritten whole, then checksummed).
-    3. stream the decode replica's deltas (the first one carries the prefill's first token).
+    3. stream the request's deltas (the first one carries the prefill's first token).
     Client gone or any failure: abort on both sides; the decode reservation and the prefill
     pin are freed by their owners (immediately, or when the in-flight write has landed).
 
@@ -23,9 +24,11 @@ import logging
 from typing import AsyncIterator, Sequence
 
 from k3serve.cluster.api.errors import EngineOverloadedError
+from k3serve.cluster.decode_feed import DecodeFeed, RequestDeltas
 from k3serve.cluster.metrics import IngressMetrics
 from k3serve.cluster.replica_metrics import ReplicaMetricsCollector
-from k3serve.cluster.replicas import DecodeReplica, PrefillReplica
+from k3serve.cluster.replicas import DecodeReplica, PrefillReplica, ReplicaDiedError
+from k3serve.decode.worker import UnknownFeedError
 from k3serve.engine.async_engine import GenerateRequest
 from k3serve.engine.outputs import RequestDelta
 from k3serve.model.tokenizer import Tokenizer
@@ -63,6 +66,7 @@ class DisaggregatedRouter:
         self._inflight: dict[str, int] = {r.name: 0 for r in self.prefill}  # prefill requests in flight
         self._decoding: dict[str, int] = {r.name: 0 for r in self.decode}  # admitted here, not yet ended
         self._healthy: dict[str, bool] = {}
+        self._feeds: dict[str, DecodeFeed] = {r.name: DecodeFeed(r) for r in self.decode}
         self._refresher: asyncio.Task | None = None
 
     # ---- EngineClient ---------------------------------------------------------------------------
@@ -85,12 +89,11 @@ class DisaggregatedRouter:
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; max_model_len={self.max_model_len}")
         rid, params = request.request_id, request.sampling_params
-        decode, reservation = await self._admit(rid, prompt_ids, params)
-        stream = decode.stream(rid)
+        decode, reservation, deltas = await self._admit(rid, prompt_ids, params)
         finished = False
         try:
             address = self._decode_addresses[decode.name]
-            result = await self._prefill(rid, prompt_ids, params, HandoffTarget(address, reservation), stream)
+            result = await self._prefill(rid, prompt_ids, params, HandoffTarget(address, reservation))
             if self.metrics is not None:
                 self.metrics.observe_prefill_time(result.prefill_seconds)
                 self.metrics.observe_handoff_time(result.transfer_seconds)
@@ -99,7 +102,7 @@ class DisaggregatedRouter:
                 yield result.delta
                 return
             first_logprobs = result.first_logprobs
-            async for delta in stream:
+            async for delta in deltas:
                 if first_logprobs is not None and delta.logprobs is None:
                     # The first token was sampled by the prefill engine; its logprobs come from there.
                     delta = dataclasses.replace(delta, logprobs=first_logprobs)  # decode's first delta: that token
@@ -108,15 +111,16 @@ class DisaggregatedRouter:
                 finished = delta.finished
         finally:
             self._decoding[decode.name] -= 1
+            deltas.close()
             if not finished:
                 await _quietly(decode.abort_request(rid))
-            await _quietly(stream.aclose())
 
     # ---- routing --------------------------------------------------------------------------------
-    async def _admit(self, rid: str, prompt_ids: list[int], params) -> tuple[DecodeReplica, object]:
+    async def _admit(self, rid: str, prompt_ids: list[int], params) -> tuple[DecodeReplica, object, RequestDeltas]:
         """Decode replica with the fewest requests admitted by this router and not yet ended, then
         the most free blocks; the next one on NoCapacity. The count is live; the stats are up to
-        `refresh_seconds` old, so ranking by free blocks alone sent a whole burst to one replica."""
+        `refresh_seconds` old, so ranking by free blocks alone sent a whole burst to one replica.
+        The request's deltas are routed from that replica's feed before it is admitted there."""
         if not self._decode_stats:
             await self._refresh()
         needed = len(prompt_ids)
@@ -126,13 +130,19 @@ class DisaggregatedRouter:
         )
         for replica in order:
             self._decoding[replica.name] += 1  # counted before the await, so concurrent admits spread
-            admitted = False
+            admitted, deltas = False, None
             try:
                 if replica.name not in self._decode_addresses:
                     self._decode_addresses[replica.name] = await replica.addresses()
-                reservation = await replica.admit(rid, prompt_ids, params)
+                link = await self._feeds[replica.name].link()
+                deltas = link.follow(rid)
+                try:
+                    reservation = await replica.admit(rid, prompt_ids, params, link.feed_id)
+                except UnknownFeedError:  # a restarted replica: the requests on that feed are gone
+                    link.fail(ReplicaDiedError(f"decode replica {replica.name} restarted"))
+                    raise
                 admitted = True  # generate() uncounts it when the request ends
-                return replica, reservation
+                return replica, reservation, deltas
             except NoCapacityError:
                 continue
             except (ValueError, TypeError):
@@ -144,6 +154,8 @@ class DisaggregatedRouter:
             finally:
                 if not admitted:
                     self._decoding[replica.name] -= 1
+                    if deltas is not None:
+                        deltas.close()
         raise EngineOverloadedError(f"no decode replica has room for {needed} tokens now; retry later")
 
     def _prefill_order(self, prompt_ids: list[int]) -> list[PrefillReplica]:
@@ -159,7 +171,7 @@ class DisaggregatedRouter:
             return [preferred] + [r for r in by_load if r is not preferred]
         return by_load
 
-    async def _prefill(self, rid, prompt_ids, params, target: HandoffTarget, stream):
+    async def _prefill(self, rid, prompt_ids, params, target: HandoffTarget):
         """Run the prompt on one prefill replica; once more elsewhere if it fails before handing off."""
         errors = []
         for replica in self._prefill_order(prompt_ids)[:2]:
@@ -213,6 +225,8 @@ class DisaggregatedRouter:
     async def close(self) -> None:
         if self._refresher is not None:
             self._refresher.cancel()
+        for feed in self._feeds.values():
+            feed.close()
 
 
 async def _quietly(awaitable) -> None:

@@ -9,6 +9,12 @@
                               ok   -> engine.add_prefilled_request: decode from the first token
                               bad  -> fail the request loudly, free the reservation, count it
     deltas            <---  continuous batching with every other request
+                            (per request, or per step for all the requests of one feed)
+
+A router follows its requests through one feed (`feed(feed_id)`, then `admit(..., feed=feed_id)`):
+one long-lived stream that yields, per engine step, the deltas of all of them, so a step costs one
+cross-process message, not one per request. A feed that ends (its router left, or cancelled it)
+aborts the requests it still carries.
 
 The control plane (gRPC `DecodeControl`) is served by this object; every operation that touches
 the engine's pools or cache runs on the engine thread (`AsyncEngine.submit`), so the scheduler
@@ -31,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from k3serve.decode.handoff import make_receiver
-from k3serve.engine.async_engine import AsyncEngine
+from k3serve.engine.async_engine import AsyncEngine, DeltaFeed, Item
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.llm_engine import EngineStats, LLMEngine
 from k3serve.engine.outputs import RequestDelta
@@ -54,6 +60,11 @@ from k3serve.transfer.tp_map import RankCache, sending_ranks
 
 class HandoffFailedError(RuntimeError):
     """A request's state did not arrive intact or in time; it is failed, never continued."""
+
+
+class UnknownFeedError(RuntimeError):
+    """`admit` named a feed this worker does not serve (its stream ended, or this is a restarted
+    process): every request the caller routed through that feed is gone."""
 
 
 @dataclass
@@ -94,6 +105,7 @@ class DecodeWorker:
         self._lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}
         self._streams: dict[str, AsyncIterator[RequestDelta]] = {}  # admitted, not yet followed
+        self._feeds: dict[str, DeltaFeed] = {}  # open feeds by id
         self.receiver = self.server = None
         try:
             self._expected_ranks = self._sources(prefill_tp)
@@ -134,24 +146,49 @@ class DecodeWorker:
         return sending_ranks(prefill_tp, self.decode_tp, heads)
 
     # ---- ingress side -------------------------------------------------------------------------
-    async def admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Reservation:
+    async def admit(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, feed: str | None = None
+    ) -> Reservation:
         """Reserve room for a request the ingress routes here; raises NoCapacityError if full.
-        Its delta stream is opened now, so nothing the handoff produces can be missed."""
+        Its deltas go to the open feed `feed`, else to `stream(request_id)`; either is set up
+        now, so nothing the handoff produces can be missed."""
         reservation = await self.engine.call(lambda e: self._reserve(e, request_id, len(prompt_token_ids)))
         with self._lock:
             pending = self._pending.get(request_id)
             if pending is not None:
                 pending.prompt_token_ids, pending.params = list(prompt_token_ids), params
-        self._streams[request_id] = self.engine.stream(request_id)
+        if feed is None:
+            self._streams[request_id] = self.engine.stream(request_id)
+        elif feed in self._feeds:  # checked after the await: the feed may have ended meanwhile
+            self.engine.follow(request_id, self._feeds[feed])
+        else:
+            await self.engine.abort(request_id)  # frees the reservation
+            raise UnknownFeedError(f"decode worker {self.name} serves no feed {feed!r}")
         return reservation
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestDelta]:
-        """The deltas of an admitted request, from its first token to the end."""
+        """The deltas of a request admitted without a feed, from its first token to the end."""
         stream = self._streams.pop(request_id, None)
         if stream is None:
             raise UnknownRequestError(f"request {request_id!r} was not admitted here (or is already streamed)")
         async for delta in stream:
             yield delta
+
+    async def feed(self, feed_id: str) -> AsyncIterator[list[tuple[str, Item]]]:
+        """Open feed `feed_id`: first an empty batch (the feed is open: admit may name it), then per
+        engine step the (request_id, delta or error) of every request admitted through it. When
+        the consumer stops, the requests it still carries are aborted."""
+        if feed_id in self._feeds:
+            raise ValueError(f"feed {feed_id!r} is already open")
+        feed = self._feeds[feed_id] = DeltaFeed()
+        try:
+            yield []
+            async for batch in feed.batches():
+                yield batch
+        finally:
+            del self._feeds[feed_id]
+            for request_id in list(feed.request_ids):
+                await self.engine.abort(request_id)
 
     async def abort_request(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)

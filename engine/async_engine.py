@@ -3,8 +3,13 @@ ends the stream with a last delta (finish_reason "abort"). Either that or a cons
 iterating frees everything the request held.
 
 One background thread owns the `LLMEngine` and is the only one that touches it; asyncio callers
-talk to it through a command queue, and it hands deltas back with `call_soon_threadsafe`. The
+talk to it through a command queue, and it hands deltas back with `call_soon_threadsafe`, once per
+event loop per step (one wake-up of the loop however many requests the step advanced). The
 thread sleeps on the queue when there is no work, so an idle engine costs no CPU.
+
+A request's deltas go to its own queue (`generate`, `stream`) or into a `DeltaFeed` shared by many
+requests (`follow`), which hands its consumer everything a step produced as one batch: what a
+decode replica streams to a router in another process (one message per step, not per token).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import asyncio
 import concurrent.futures
 import queue
 import threading
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, TypeVar
 
@@ -37,23 +43,64 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped; no request can make progress."""
 
 
-class _Stream:
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+Item = RequestDelta | BaseException  # a delta, or the error that ends the request
 
-    def put(self, item: RequestDelta | BaseException) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the caller's event loop is closed: nobody is listening
-            pass
+
+def _ends_request(item: Item) -> bool:
+    return isinstance(item, BaseException) or item.finished
+
+
+class _Stream:
+    """One request's deltas, for one consumer. `put` runs on the consumer's loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Item] = asyncio.Queue()
+
+    def put(self, request_id: str, item: Item) -> None:
+        self.queue.put_nowait(item)
+
+
+class DeltaFeed:
+    """The deltas of many requests, handed to one consumer a step at a time: `batches()` yields,
+    per engine step, every (request_id, delta or error) that step produced for the requests that
+    `AsyncEngine.follow` put here, in order. Never blocks the engine: a consumer that falls
+    behind gets a bigger next batch. `request_ids` are the followed requests not yet ended."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.request_ids: set[str] = set()
+        self._pending: list[tuple[str, Item]] = []
+        self._ready = asyncio.Event()
+
+    def put(self, request_id: str, item: Item) -> None:
+        self._pending.append((request_id, item))
+        if _ends_request(item):
+            self.request_ids.discard(request_id)
+        self._ready.set()
+
+    async def batches(self) -> AsyncIterator[list[tuple[str, Item]]]:
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            batch, self._pending = self._pending, []
+            yield batch
+
+
+_Sink = _Stream | DeltaFeed
+
+
+def _deliver(batch: list[tuple[_Sink, str, Item]]) -> None:
+    """On a consumer's loop: one engine step's items for that loop."""
+    for sink, request_id, item in batch:
+        sink.put(request_id, item)
 
 
 class AsyncEngine:
     def __init__(self, args: EngineArgs | None = None, group: TPGroup | None = None, **engine_args: Any) -> None:
         self.engine = LLMEngine(args if args is not None else EngineArgs.from_kwargs(**engine_args), group)
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, _Sink] = {}  # where each followed request's deltas go
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self.on_abort: Callable[[str], None] | None = None  # engine thread, after every abort
@@ -81,7 +128,7 @@ class AsyncEngine:
         """Yield the request's deltas until it finishes. Raises ValueError for a bad request
         (before any delta), EngineDeadError if the engine thread failed."""
         self._check_alive()
-        stream = self._open(request.request_id)
+        stream = self._open(request.request_id, _Stream())
         self._commands.put(("add", request))
         async for delta in self._follow(request.request_id, stream):
             yield delta
@@ -90,7 +137,14 @@ class AsyncEngine:
         """Deltas of a request that enters the engine by other means (a handoff adopted through
         `call`). Registered now, so nothing emitted after this call is missed."""
         self._check_alive()
-        return self._follow(request_id, self._open(request_id))
+        return self._follow(request_id, self._open(request_id, _Stream()))
+
+    def follow(self, request_id: str, feed: DeltaFeed) -> None:
+        """Send the deltas of a request that enters the engine by other means into `feed`, from
+        now until its last delta (or error). Aborting it is the feed owner's job."""
+        self._check_alive()
+        self._open(request_id, feed)
+        feed.request_ids.add(request_id)
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` on the engine thread between two steps; return (or raise) its result."""
@@ -107,13 +161,12 @@ class AsyncEngine:
         """End the stream of `request_id` (if anyone follows it) by raising `error` there."""
         self._emit(request_id, error)
 
-    def _open(self, request_id: str) -> _Stream:
-        stream = _Stream(asyncio.get_running_loop())
+    def _open(self, request_id: str, sink: _Sink) -> _Sink:
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"duplicate request_id {request_id!r}")
-            self._streams[request_id] = stream
-        return stream
+            self._streams[request_id] = sink
+        return sink
 
     async def _follow(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestDelta]:
         finished = False
@@ -130,7 +183,8 @@ class AsyncEngine:
             if not finished:  # consumer gave up (disconnect, cancellation) or an error: free it
                 self._commands.put(("abort", request_id))
             with self._lock:
-                self._streams.pop(request_id, None)
+                if self._streams.get(request_id) is stream:
+                    del self._streams[request_id]
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -151,14 +205,12 @@ class AsyncEngine:
                 if not self._drain_commands(block):
                     self.engine.close()
                     return
-                for delta in self.engine.step():
-                    self._emit(delta.request_id, delta)
+                self._emit_all([(delta.request_id, delta) for delta in self.engine.step()])
         except BaseException as e:  # surface to every waiting caller, never hang them
             self._error = e
             with self._lock:
-                streams = list(self._streams.values())
-            for stream in streams:
-                stream.put(EngineDeadError(f"engine failed: {e!r}"))
+                followed = list(self._streams)
+            self._emit_all([(rid, EngineDeadError(f"engine failed: {e!r}")) for rid in followed])
             try:  # release the TP followers (if the group still works), rather than leave them waiting
                 self.engine.close()
             except BaseException:
@@ -199,8 +251,23 @@ class AsyncEngine:
             except queue.Empty:
                 return True
 
-    def _emit(self, request_id: str, item: RequestDelta | BaseException) -> None:
+    def _emit(self, request_id: str, item: Item) -> None:
+        self._emit_all([(request_id, item)])
+
+    def _emit_all(self, items: list[tuple[str, Item]]) -> None:
+        """Route items to their sinks: one `call_soon_threadsafe` per consumer loop. A request's
+        last item unregisters it here, so a late delta (after an abort) goes nowhere."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, str, Item]]] = defaultdict(list)
         with self._lock:
-            stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.put(item)
+            for request_id, item in items:
+                sink = self._streams.get(request_id)
+                if sink is None:
+                    continue
+                if _ends_request(item):
+                    del self._streams[request_id]
+                by_loop[sink.loop].append((sink, request_id, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # the consumer's event loop is closed: nobody is listening
+                pass
