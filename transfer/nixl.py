@@ -15,6 +15,13 @@ UCX environment defaults (set only when unset, before the agent is created):
     ucx_error_handling_mode=none (UCX backend parameter) when UCX_TLS names only intra-host
                            transports (e.g. "shm,self"), which cannot run with the default
                            peer error handling.
+Progress thread: the agent's UCX progress thread sleeps `progress_delay_us` (default 100 us)
+between rounds. The Python wrapper hard-codes 0 (`pthrDelay = 0`): its progress thread then
+busy-polls a whole core even when idle (measured: an idle serving actor at 87% CPU), which on a
+small host starves the engines. The thread itself must stay on: without it a target is never
+notified. 100 us adds at most that to a notification; `progress_delay_us=0` restores the
+busy-poll for hosts with cores to spare.
+
 The target reads notifications with get_notifications() -> [(sender agent, payload)], the shape
 LocalBackend uses. Target buffers are pre-faulted at register() (one byte per page rewritten with its own value):
 the first transfer into fresh memory otherwise pays the page faults.
@@ -77,6 +84,29 @@ def _ucx_env_defaults(params: dict[str, str]) -> None:
         params.setdefault("ucx_error_handling_mode", "none")
 
 
+def _make_agent(api, name: str, progress_delay_us: int):
+    """A `nixl_agent` (the wrapper) whose progress thread sleeps `progress_delay_us` between rounds.
+
+    The wrapper builds its binding agent itself, with pthrDelay = 0 and no way to change it. So it
+    is built around an agent without threads or backends (cheap, dropped at once) and handed the
+    binding agent made here instead: the wrapper's own settings for a config without a listener
+    (progress thread on, listener off, sync mode NONE, no telemetry) but the delay.
+    """
+    bind = getattr(api, "nixlBind", None)
+    if bind is None:
+        raise TransferError(f"{api.__name__} does not expose its bindings (nixlBind): cannot set the progress "
+                            f"thread's delay; {INSTALL_HINT}")
+    wrapper = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=[]))
+    config = bind.nixlAgentConfig()
+    config.useProgThread = True
+    config.useListenThread = False
+    config.syncMode = api.nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE.value
+    config.pthrDelay = progress_delay_us
+    config.captureTelemetry = False
+    wrapper.agent = bind.nixlAgent(name, config)
+    return wrapper
+
+
 def _mem(device: str) -> tuple[str, int]:
     """RegionDesc.device -> (NIXL memory type, device id)."""
     if device == "cpu":
@@ -106,6 +136,8 @@ class NixlBackend(TransferBackend):
         backend:        NIXL backend plugin (default "UCX").
         backend_params: extra init parameters for the plugin (strings).
         num_threads:    UCX worker threads (0 = plugin default).
+        progress_delay_us: sleep of the agent's progress thread between rounds (see the module
+                        docstring; 0 = busy-poll, the wrapper's own setting).
         timeout_s:      poll() reports FAILED for a handle still pending after timeout_s plus its
                         bytes at floor_gib_s (a backstop against a peer that vanished).
     """
@@ -121,7 +153,10 @@ class NixlBackend(TransferBackend):
         num_threads: int = 0,
         timeout_s: float = 30.0,
         floor_gib_s: float = 0.05,
+        progress_delay_us: int = 100,
     ) -> None:
+        if progress_delay_us < 0:
+            raise ValueError(f"progress_delay_us must be >= 0, got {progress_delay_us}")
         api = import_nixl_api()
         params = {k: str(v) for k, v in (backend_params or {}).items()}
         if backend == "UCX":
@@ -133,7 +168,7 @@ class NixlBackend(TransferBackend):
         self._timeout_s = timeout_s
         self._floor_gib_s = floor_gib_s
         try:
-            self._agent = api.nixl_agent(self.agent_name, api.nixl_agent_config(backends=[]))
+            self._agent = _make_agent(api, self.agent_name, progress_delay_us)
             if backend not in self._agent.get_plugin_list():
                 plugins = self._agent.get_plugin_list()
                 raise TransferError(f"NIXL plugin {backend!r} not found; available: {plugins}")

@@ -30,6 +30,27 @@ def test_two_process_write_is_byte_exact_with_notification() -> None:
     w.roundtrip("nixl", notify=w.NOTIFY)
 
 
+def test_idle_agent_does_not_burn_a_core() -> None:
+    """The progress thread sleeps between rounds (`progress_delay_us`); the wrapper's own setting
+    busy-polls a core. The thread stays on: the roundtrip above is only notified through it."""
+    import time
+
+    from k3serve.transfer.nixl import NixlBackend
+
+    b = NixlBackend(agent_name="k3-test-idle")
+    try:
+        b.register("buf", torch.zeros(1 << 20, dtype=torch.uint8))
+        b.agent_info()
+        time.sleep(0.2)  # the progress thread is up
+        cpu = time.process_time()
+        time.sleep(1.0)
+        assert time.process_time() - cpu < 0.3, "an idle NIXL agent kept a core busy"
+    finally:
+        b.close()
+    with pytest.raises(ValueError, match="progress_delay_us"):
+        NixlBackend(progress_delay_us=-1)
+
+
 def test_write_to_exited_peer_fails_fast() -> None:
     status, err, secs = w.peer_crash("nixl", {"timeout_s": 10}, bound_s=30)
     assert secs < 30
