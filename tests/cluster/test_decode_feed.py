@@ -1,0 +1,164 @@
+"""The router's decode feed (`cluster/decode_feed.py`): one stream per (router, decode replica)
+that carries, per engine step, the deltas of every request the router admitted there. Real
+in-process workers (prefill + decode, transfer "local", the tiny model), a real router.
+
+- 8 concurrent requests through one decode replica each get exactly their own tokens, in order
+  (greedy: the offline engine's tokens), and the feed carries them in fewer items than deltas
+  (a step's deltas travel together).
+- A request whose consumer does not read holds back no other request and loses nothing.
+- A feed cut mid-stream (what a dead decode actor does) ends every request on it with
+  ReplicaDiedError at once; the decode pool is freed, and the next request opens a new feed.
+- A client that leaves mid-stream frees the decode pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from k3serve.cluster.replicas import ReplicaDiedError
+from k3serve.cluster.router import DisaggregatedRouter
+from k3serve.decode.worker import DecodeWorker
+from k3serve.engine.async_engine import GenerateRequest
+from k3serve.engine.config import EngineArgs
+from k3serve.engine.llm import LLM
+from k3serve.engine.sampling_params import SamplingParams
+from k3serve.model.tokenizer import Tokenizer
+from k3serve.prefill.worker import PrefillWorker
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
+
+ENGINE_ARGS = dict(block_size=16, max_model_len=512, cache_memory_bytes=64 << 20)
+PROMPTS = [[(i * 17 + j * 7) % 450 + 20 for j in range(24 + i)] for i in range(8)]
+NUM_TOKENS = 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+
+
+class CuttableDecode:
+    """A decode worker whose feeds can be cut as its process's death would cut them; the rest
+    passes through. Counts the feed items and the deltas they carried."""
+
+    def __init__(self, worker: DecodeWorker) -> None:
+        self.worker, self.name = worker, worker.name
+        self.cut = asyncio.Event()
+        self.num_items = self.num_deltas = 0
+
+    async def feed(self, feed_id: str):
+        batches = self.worker.feed(feed_id).__aiter__()
+        try:
+            while True:
+                next_batch = asyncio.ensure_future(batches.__anext__())
+                cut = asyncio.ensure_future(self.cut.wait())
+                await asyncio.wait([next_batch, cut], return_when=asyncio.FIRST_COMPLETED)
+                if cut.done():
+                    next_batch.cancel()
+                    raise ReplicaDiedError(f"decode replica {self.name} died")
+                cut.cancel()
+                batch = next_batch.result()
+                self.num_items += 1
+                self.num_deltas += len(batch)
+                yield batch
+        finally:
+            await batches.aclose()
+
+    def __getattr__(self, name: str):
+        return getattr(self.worker, name)
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_checkpoint: Path):
+    args = EngineArgs(model=str(tiny_checkpoint), **ENGINE_ARGS)
+    prefill = PrefillWorker(args, transfer="local", name="prefill-0")
+    decode = DecodeWorker(args, transfer="local", name="decode-0")
+    yield prefill, decode
+    decode.shutdown()
+    prefill.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint: Path) -> list[list[int]]:
+    llm = LLM(str(tiny_checkpoint), **ENGINE_ARGS)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.fixture
+async def router(workers, tiny_checkpoint: Path):
+    prefill, decode = workers
+    router = DisaggregatedRouter([prefill], [CuttableDecode(decode)], Tokenizer.from_dir(tiny_checkpoint),
+                                 "k3-tiny", ENGINE_ARGS["max_model_len"])
+    yield router
+    await router.close()
+    await _wait_decode_idle(decode)
+
+
+async def _wait_decode_idle(decode: DecodeWorker, deadline_s: float = 10.0) -> None:
+    """Until the decode engine holds no request, reservation, block or slot."""
+    idle = None
+    for _ in range(int(deadline_s / 0.05)):
+        s = await decode.stats()
+        idle = (s.num_running, s.num_waiting, s.num_reserved, s.block_usage, s.slot_usage)
+        if idle == (0, 0, 0, 0.0, 0.0):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"decode pool not idle: (running, waiting, reserved, blocks, slots) = {idle}")
+
+
+async def _tokens(router: DisaggregatedRouter, rid: str, prompt: list[int], params=GREEDY) -> list[int]:
+    """A request's tokens, checking each delta continues the previous ones."""
+    tokens: list[int] = []
+    async for delta in router.generate(GenerateRequest(rid, prompt, params)):
+        tokens += delta.new_token_ids
+        assert delta.request_id == rid and delta.num_output_tokens == len(tokens), (rid, delta)
+    return tokens
+
+
+async def test_concurrent_requests_get_their_own_tokens_in_order_in_batched_items(router, reference) -> None:
+    decode = router.decode[0]
+    got = await asyncio.gather(*(_tokens(router, f"many-{i}", p) for i, p in enumerate(PROMPTS)))
+    assert got == reference
+    assert decode.num_deltas >= len(PROMPTS) * (NUM_TOKENS - 1)  # the first token may come from prefill
+    assert decode.num_items < decode.num_deltas / 2, (decode.num_items, decode.num_deltas)
+
+
+async def test_a_consumer_that_does_not_read_holds_back_nothing(router, reference) -> None:
+    stalled = router.generate(GenerateRequest("stalled", PROMPTS[0], GREEDY))
+    first = await stalled.__anext__()  # admitted and decoding; then nobody reads it
+    others = await asyncio.wait_for(
+        asyncio.gather(*(_tokens(router, f"busy-{i}", p) for i, p in enumerate(PROMPTS[1:4], 1))), 30)
+    assert others == reference[1:4]
+    rest = [t for delta in [d async for d in stalled] for t in delta.new_token_ids]
+    assert first.new_token_ids + rest == reference[0]
+
+
+async def test_a_cut_feed_ends_every_request_on_it_and_the_next_request_opens_a_new_one(router, reference) -> None:
+    decode = router.decode[0]
+    streaming: set[str] = set()
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+    async def until_cut(rid: str, prompt: list[int]) -> BaseException | None:
+        try:
+            async for _ in router.generate(GenerateRequest(rid, prompt, long)):
+                streaming.add(rid)
+        except ReplicaDiedError as e:
+            return e
+        return None
+
+    requests = [asyncio.create_task(until_cut(f"cut-{i}", p)) for i, p in enumerate(PROMPTS[:4])]
+    while len(streaming) < len(requests):
+        await asyncio.sleep(0.01)
+    decode.cut.set()
+    errors = await asyncio.wait_for(asyncio.gather(*requests), 5)
+    assert all(isinstance(e, ReplicaDiedError) for e in errors), errors
+    await _wait_decode_idle(decode.worker)  # the router aborted them on the (live) worker
+    decode.cut.clear()
+    assert await _tokens(router, "after-cut", PROMPTS[5]) == reference[5]
+
+
+async def test_a_client_that_leaves_mid_stream_frees_the_decode_pool(router) -> None:
+    stream = router.generate(GenerateRequest("leaves", PROMPTS[2], SamplingParams(max_tokens=400, ignore_eos=True)))
+    for _ in range(3):
+        await stream.__anext__()
+    await stream.aclose()
+    await _wait_decode_idle(router.decode[0].worker)
