@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from k3serve.transfer.backend import AgentInfo, RegionDesc, TransferError, WriteOp
+from k3serve.transfer.backend import AgentInfo, RegionDesc, TransferError, TransferStatus, WriteOp
 
 from k3serve.transfer._ops import RegionIndex  # noqa: E402
 from k3serve.transfer.nixl import import_nixl_api  # noqa: E402
@@ -49,6 +49,35 @@ def test_idle_agent_does_not_burn_a_core() -> None:
         b.close()
     with pytest.raises(ValueError, match="progress_delay_us"):
         NixlBackend(progress_delay_us=-1)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_write_lands_and_notifies_with_the_sleeping_progress_thread(device: str) -> None:
+    """Two agents in this process, the target's memory on `device` (VRAM on a GPU host): a
+    write lands byte-exact and its notification arrives, with the default progress delay."""
+    import time
+
+    from k3serve.transfer.nixl import NixlBackend
+
+    sender, receiver = NixlBackend(agent_name="k3-test-tx"), NixlBackend(agent_name="k3-test-rx")
+    try:
+        src = torch.arange(4096, dtype=torch.int32)
+        dst = torch.zeros(4096, dtype=torch.int32, device=device)
+        sender.register("src", src)
+        receiver.register("dst", dst)
+        peer = sender.connect(receiver.agent_info())
+        handle = sender.write(peer, [WriteOp(src.data_ptr(), dst.data_ptr(), src.numel() * 4)], notify=b"landed")
+        deadline, notes = time.monotonic() + 10, []
+        while (status := sender.poll(handle)) is TransferStatus.PENDING or not notes:
+            notes += receiver.get_notifications()
+            assert time.monotonic() < deadline, f"write {status}, notifications {notes}"
+            time.sleep(0.001)
+        sender.release(handle)
+        assert status is TransferStatus.DONE and notes == [("k3-test-tx", b"landed")]
+        assert torch.equal(dst.cpu(), src)
+    finally:
+        sender.close()
+        receiver.close()
 
 
 def test_write_to_exited_peer_fails_fast() -> None:
