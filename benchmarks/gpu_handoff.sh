@@ -7,10 +7,8 @@
 set -u
 OUT=${OUT:-/tmp/k3serve-gpu-handoff}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-nixl \
-  .whl-nixl/*.whl || exit 1
-export PYTHONPATH="$PWD:/tmp/site-nixl" PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+ls .whl-nixl/*.whl >/dev/null 2>&1 || { echo "no NIXL wheel in .whl-nixl/ (carry it)"; exit 1; }
+source benchmarks/_gpu_env.sh .whl-nixl
 HANDOFF_S=${HANDOFF_S:-240}
 {
   nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,clocks.max.sm --format=csv

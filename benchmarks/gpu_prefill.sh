@@ -12,12 +12,7 @@
 set -u
 OUT=${OUT:-/tmp/k3serve-gpu-prefill}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source benchmarks/_gpu_env.sh
 TOTAL_S=${TOTAL_S:-520} KDA_S=${KDA_S:-280} TEST_S=${TEST_S:-120}
 start=$(date +%s)
 left() { echo $(( TOTAL_S - ($(date +%s) - start) )); }
