@@ -1,7 +1,8 @@
 """KDA on the GPU: prefill with in-pass checkpoints (8K tokens; 12 heads = one K3 rank at TP8, 96 = K3
 whole, 32) and pooled decode (batch 1-64), ours vs fla.
 
-    python benchmarks/gpu_kda.py [--out gpu_kda.json] [--heads 12,96,32] [--ops prefill,decode] [--smoke]
+    python benchmarks/gpu_kda.py [--out gpu_kda.json] [--heads 12,96,32] [--decode-heads 12,32]
+                                 [--ops prefill,decode] [--smoke]
 
 Prefill, per head count, one sequence of T tokens with an fp32 initial state, a checkpoint mid-chunk
 at T/2 + 17 (times in us, median of CUDA-event timings, each measured twice interleaved, best kept):
@@ -145,7 +146,8 @@ def decode_row(N: int, H: int, dev, ceil) -> dict:
 
 def main() -> None:
     def options(parser) -> None:
-        parser.add_argument("--heads", default="12,96,32", help="KDA head counts (prefill and decode)")
+        parser.add_argument("--heads", default="12,96,32", help="KDA head counts of the prefill rows")
+        parser.add_argument("--decode-heads", default="12,32", help="KDA head counts of the decode rows")
         parser.add_argument("--ops", default="prefill,decode", help="which of prefill, decode to run")
 
     args = parse_args(__doc__, options)
@@ -154,6 +156,7 @@ def main() -> None:
     ceil = ceilings(dev, args.smoke)
     T, batches = (130, [1, 3]) if args.smoke else (8192, [1, 4, 16, 64])
     heads = [2] if args.smoke else [int(h) for h in args.heads.split(",")]
+    decode_heads = [2] if args.smoke else [int(h) for h in args.decode_heads.split(",")]
     ops = args.ops.split(",")
     result = {"device": device_name(dev), "ceilings": ceil, "prefill": [], "resume": [], "decode": []}
 
@@ -167,7 +170,7 @@ def main() -> None:
         result["resume"].append(resume)
         print(row, resume, file=sys.stderr, flush=True)
         save()
-    for H in heads if "decode" in ops else []:
+    for H in decode_heads if "decode" in ops else []:
         for N in batches:
             result["decode"].append(decode_row(N, H, dev, ceil))
             print(result["decode"][-1], file=sys.stderr, flush=True)

@@ -17,7 +17,8 @@ One measurement = `ForwardBatch.build` + forward + logits of the last token, CUD
 
 p = "engine" is the scheduler's choice (the prompt's last block boundary below its end: 8128 of 8192),
 "mid" = tokens/2 + 17 (mid-chunk, both halves large).
-The in-pass checkpoint slot, the final state and the last-token logits are compared with split's.
+The in-pass checkpoint slot, the final state and the last-token logits are compared with split's (the
+run stops, timing nothing more, if the checkpoint slots differ by more than GROSS).
 Floor = max(FLOPs / bf16 matmul rate, weight bytes / copy bandwidth), both measured in this run; FLOPs
 = every dense weight once per token + routed experts at the expected rows (tokens * top-k * local /
 all experts) + causal MLA attention + chunked KDA (as benchmarks/gpu_kda.py counts it)."""
