@@ -1,8 +1,9 @@
-"""One decode step of the engine's model on one GPU, eager: ours (the GPU kernels) against the same model
-and caches with the torch reference ops forced (`reference_kernels()`), batch 1 / 8 / 32 at 2K context.
+"""One decode step of the engine's model on one GPU: ours eager (the GPU kernels), ours replayed as a CUDA
+graph (`engine/cuda_graphs.py`, the engine's default on CUDA), and the same model and caches with the torch
+reference ops forced (`reference_kernels()`), batch 1 / 8 / 32 at 2K context.
 
     python benchmarks/gpu_engine.py [--out gpu_engine.json] [--configs k3-tiny-gpu,k3-rank-slice]
-                                    [--budget-s 150] [--smoke]
+                                    [--budget-s 150] [--max-model-len 8192] [--smoke]
 
 Models (random weights generated in memory on the GPU: model construction, then a random init of every
 parameter; routed experts through `quantize_mxfp4`; no checkpoint is written):
@@ -17,10 +18,14 @@ parameter; routed experts through `quantize_mxfp4`; no checkpoint is written):
 
 Step = `ForwardBatch.build` (host lists -> device tensors) + `model(batch, cache)` + `compute_logits`,
 synchronized, wall clock, median; the caches hold 2048 random tokens per sequence (MLA blocks and KDA
-state), the step appends the 2049th. Floor = bytes one step must read (every weight except the routed
-experts, plus the MXFP4 bytes of the local experts the router actually picked in this step, the MLA
-latent cache, the KDA state read and written) / device copy bandwidth measured in the same run.
-`--smoke` runs the script on the CPU with small contexts (checks the code, measures nothing)."""
+state), the step appends the 2049th. Graphs: `DecodeGraphs` captured for the batch sizes 1 / 8 / 32 (no
+padding), block tables as wide as --max-model-len (as in the engine), step = `DecodeGraphs.run` (inputs
+into the static buffers + replay) + `compute_logits`; capture time (warm-up + record, all sizes) reported.
+Floor = bytes one step must read (every weight except the routed experts, plus the MXFP4 bytes of the
+local experts the router actually picked in this step, the MLA latent cache, the KDA state read and
+written) / device copy bandwidth measured in the same run.
+`--smoke` runs the script on the CPU with small contexts (checks the code, measures nothing; no graphs
+on a CPU: the graphs column stays empty)."""
 
 from __future__ import annotations
 
@@ -38,6 +43,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from k3serve.engine.cuda_graphs import DecodeGraphs  # noqa: E402
+from k3serve.engine.scheduler_output import ScheduledSeq  # noqa: E402
 from k3serve.kernels import _backend, kda, mla, moe  # noqa: E402
 from k3serve.kernels.mxfp4 import quantize_mxfp4  # noqa: E402
 from k3serve.model.batch import ForwardBatch, ModelCache  # noqa: E402
@@ -108,7 +115,8 @@ def build_model(hf: dict, tp_size: int, dev: torch.device, dtype: torch.dtype) -
 
 def make_cache(model: KimiForCausalLM, tp_size: int, max_batch: int, ctx: int, dev, dtype) -> ModelCache:
     blocks_per_seq = -(-(ctx + 1) // BLOCK)
-    cache = ModelCache.allocate(model.config, max_batch * blocks_per_seq + 1, max_batch, BLOCK, tp_size, dtype, dev)
+    cache = ModelCache.allocate(model.config, max_batch * blocks_per_seq + 1, max_batch, BLOCK, tp_size, dtype, dev,
+                                reserve_pad_slot=True)
     for t in cache.mla_kv + cache.kda_conv:
         t.normal_()
     for t in cache.kda_recurrent:
@@ -116,16 +124,32 @@ def make_cache(model: KimiForCausalLM, tp_size: int, max_batch: int, ctx: int, d
     return cache
 
 
-def decode_step_fn(model: KimiForCausalLM, cache: ModelCache, n: int, ctx: int):
+def decode_seqs(model: KimiForCausalLM, n: int, ctx: int) -> list[ScheduledSeq]:
+    """n sequences, each one token after ctx cached ones, in its own blocks and slot."""
     blocks_per_seq = -(-(ctx + 1) // BLOCK)
-    dev = next(model.parameters()).device
     vocab = model.config.vocab_size
-    tokens = [[(17 * i + 5) % vocab] for i in range(n)]
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(n)]
+    return [ScheduledSeq(f"r{i}", [(17 * i + 5) % vocab], ctx, tables[i], i, is_prefill=False, needs_sample=True)
+            for i in range(n)]
+
+
+def decode_step_fn(model: KimiForCausalLM, cache: ModelCache, n: int, ctx: int):
+    dev = next(model.parameters()).device
+    seqs = decode_seqs(model, n, ctx)
 
     def step() -> torch.Tensor:
-        batch = ForwardBatch.build(tokens, [ctx] * n, tables, list(range(n)), BLOCK, device=dev)
+        batch = ForwardBatch.build([s.token_ids for s in seqs], [ctx] * n, [s.block_ids for s in seqs],
+                                   [s.slot_id for s in seqs], BLOCK, device=dev)
         return model.compute_logits(model(batch, cache))
+
+    return step
+
+
+def graph_step_fn(model: KimiForCausalLM, graphs: DecodeGraphs, n: int, ctx: int):
+    seqs = decode_seqs(model, n, ctx)
+
+    def step() -> torch.Tensor:
+        return model.compute_logits(graphs.run(seqs))
 
     return step
 
@@ -251,6 +275,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--ctx", type=int, default=2048)
     parser.add_argument("--budget-s", type=float, default=150.0, help="skip what would start after this")
+    parser.add_argument("--max-model-len", type=int, default=8192, help="graphs: block-table width in tokens")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--profile", action="store_true", help="time nothing; profile one eager step of ours per row")
     args = parser.parse_args()
@@ -267,7 +292,7 @@ def main() -> None:
     bw = copy_bandwidth(dev, args.smoke)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     result = {"device": name, "date": str(datetime.date.today()), "torch": torch.__version__, "ctx": ctx,
-              "copy_bytes_per_s": bw, "rows": [], "skipped": []}
+              "graphs_max_model_len": args.max_model_len, "copy_bytes_per_s": bw, "rows": [], "skipped": []}
 
     def save() -> None:
         if args.out is not None:
@@ -283,6 +308,14 @@ def main() -> None:
         model = build_model(hf, tp_size, dev, dtype)
         cache = make_cache(model, tp_size, max(batches), ctx, dev, dtype)
         print(f"{cfg_name}: built in {time.perf_counter() - t0:.1f} s", flush=True)
+        graphs, capture_s = None, None
+        if not args.profile:  # on a CPU (--smoke) nothing is captured: the padded body runs once, as a code check
+            t0 = time.perf_counter()
+            graphs = DecodeGraphs(model, cache, sorted(batches), -(-max(args.max_model_len, ctx + 1) // BLOCK))
+            if dev.type == "cuda":
+                graphs.capture()
+                capture_s = time.perf_counter() - t0
+                print(f"{cfg_name}: graphs for {graphs.captured} captured in {capture_s:.1f} s", flush=True)
         for n in batches:
             if time.perf_counter() - started > args.budget_s:
                 result["skipped"].append(f"{cfg_name} N{n}: over --budget-s")
@@ -305,30 +338,46 @@ def main() -> None:
             with _backend.reference_kernels():
                 ref_ms, ref_all = time_step(step, dev, warmup=1, iters=3 if (args.smoke or big) else 7)
                 ref_used = backends()
+            graphs_ms, graphs_all = None, []
+            if graphs is not None and graphs.captured:
+                before = graphs.num_replays
+                graphs_ms, graphs_all = time_step(graph_step_fn(model, graphs, n, ctx), dev, warmup=3, iters=30)
+                assert graphs.num_replays - before == 33, "the graph step did not replay"
+            elif graphs is not None:
+                graph_step_fn(model, graphs, n, ctx)()
             moved = step_bytes(model, cache, n, ctx, hits)
             floor_ms = 1e3 * moved["total"] / bw
-            row = {"config": cfg_name, "batch": n, "ctx": ctx, "ours_ms": ours_ms, "reference_ms": ref_ms,
-                   "speedup": ref_ms / ours_ms, "floor_ms": floor_ms, "ours_x_floor": ours_ms / floor_ms,
+            row = {"config": cfg_name, "batch": n, "ctx": ctx, "ours_ms": ours_ms, "graphs_ms": graphs_ms,
+                   "reference_ms": ref_ms, "speedup": ref_ms / ours_ms,
+                   "graphs_speedup_vs_ours": None if graphs_ms is None else ours_ms / graphs_ms,
+                   "floor_ms": floor_ms, "ours_x_floor": ours_ms / floor_ms,
+                   "graphs_x_floor": None if graphs_ms is None else graphs_ms / floor_ms,
                    "ours_backends": used, "reference_backends": ref_used, "bytes": moved,
-                   "ours_times_ms": ours_all, "reference_times_ms": ref_all,
-                   "ours_warmup_and_timing_s": first_ms}
+                   "ours_times_ms": ours_all, "graphs_times_ms": graphs_all, "reference_times_ms": ref_all,
+                   "ours_warmup_and_timing_s": first_ms, "graphs_capture_s": capture_s}
             result["rows"].append(row)
             save()
-            print(f"{cfg_name} N{n}: ours {ours_ms:.2f} ms ({used}), reference {ref_ms:.2f} ms ({ref_used}), "
-                  f"floor {floor_ms:.3f} ms", flush=True)
-        del model, cache
+            shown = "-" if graphs_ms is None else f"{graphs_ms:.2f} ms"
+            print(f"{cfg_name} N{n}: ours {ours_ms:.2f} ms ({used}), graphs {shown}, reference {ref_ms:.2f} ms "
+                  f"({ref_used}), floor {floor_ms:.3f} ms", flush=True)
+        del model, cache, graphs
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
-    print(f"\n### Decode step, eager ({name}, {result['date']}; {ctx} cached tokens per sequence; copy "
-          f"{bw / 1e12:.2f} TB/s measured in this run)\n")
-    cols = ["model", "batch", "ours ms", "reference ms", "speedup", "floor ms", "ours x floor", "MB / step",
-            "local experts hit / layer", "ours ran"]
+    print(f"\n### Decode step, eager and CUDA graphs ({name}, {result['date']}; {ctx} cached tokens per sequence; "
+          f"copy {bw / 1e12:.2f} TB/s measured in this run)\n")
+    cols = ["model", "batch", "ours ms", "graphs ms", "reference ms", "speedup", "graphs vs ours", "floor ms",
+            "ours x floor", "graphs x floor", "MB / step", "local experts hit / layer", "ours ran"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
+
+    def opt(value: float | None, fmt: str, unit: str = "") -> str:
+        return "-" if value is None else format(value, fmt) + unit
+
     for r in result["rows"]:
-        print(f"| {r['config']} | {r['batch']} | {r['ours_ms']:.2f} | {r['reference_ms']:.2f} | "
-              f"{r['speedup']:.1f}x | {r['floor_ms']:.3f} | {r['ours_x_floor']:.0f} | "
+        print(f"| {r['config']} | {r['batch']} | {r['ours_ms']:.2f} | {opt(r['graphs_ms'], '.2f')} | "
+              f"{r['reference_ms']:.2f} | {r['speedup']:.1f}x | {opt(r['graphs_speedup_vs_ours'], '.1f', 'x')} | "
+              f"{r['floor_ms']:.3f} | {r['ours_x_floor']:.0f} | {opt(r['graphs_x_floor'], '.0f')} | "
               f"{r['bytes']['total'] / 1e6:.0f} | {','.join(map(str, r['bytes']['experts_hit_per_layer']))} | "
               f"{r['ours_backends']} |")
     for s in result["skipped"]:

@@ -41,6 +41,11 @@ class EngineArgs:
     model_cache_dir: str = str(DEFAULT_MODEL_CACHE_DIR)
     served_model_name: str | None = None
     """The model id clients see (`/v1/models`); None = the preset name or the directory name."""
+    enforce_eager: bool = False
+    """True: every step runs eagerly. False: on CUDA (bf16, TP 1) decode-only steps replay CUDA graphs."""
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    """Decode batch sizes captured as CUDA graphs (a batch is padded up to the next one), strictly
+    increasing, each <= max_num_seqs; None = 1, 2, 4, 8, then multiples of 16, up to min(max_num_seqs, 512)."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "block_size", "max_model_len", "max_num_seqs"):
@@ -57,6 +62,16 @@ class EngineArgs:
             )
         if self.cache_memory_bytes is not None and self.cache_memory_bytes <= 0:
             raise ValueError(f"cache_memory_bytes must be > 0, got {self.cache_memory_bytes}")
+        if self.cuda_graph_batch_sizes is not None:
+            sizes = self.cuda_graph_batch_sizes
+            if (not isinstance(sizes, (tuple, list)) or not sizes
+                    or not all(type(b) is int and 1 <= b <= self.max_num_seqs for b in sizes)
+                    or any(a >= b for a, b in zip(sizes, sizes[1:]))):
+                raise ValueError(
+                    f"cuda_graph_batch_sizes must be strictly increasing integers in [1, max_num_seqs="
+                    f"{self.max_num_seqs}], got {sizes!r}"
+                )
+            object.__setattr__(self, "cuda_graph_batch_sizes", tuple(sizes))
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -72,6 +87,14 @@ class EngineArgs:
         if self.dtype == "auto":
             return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
         return DTYPES[self.dtype]
+
+    @property
+    def graph_batch_sizes(self) -> tuple[int, ...]:
+        """The decode batch sizes to capture (`cuda_graph_batch_sizes` or its default)."""
+        if self.cuda_graph_batch_sizes is not None:
+            return self.cuda_graph_batch_sizes
+        cap = min(self.max_num_seqs, 512)
+        return tuple(sorted({b for b in (1, 2, 4, 8, *range(16, cap + 1, 16)) if b <= cap} | {cap}))
 
     @property
     def kda_slots(self) -> int:

@@ -1,7 +1,8 @@
 """Runs one scheduled step through the model: state copies, one forward pass, logits.
 
 The runner is the only place that turns the scheduler's lists into tensors (once per step,
-`ForwardBatch.build`) and the only place that touches the cache tensors outside the model.
+`ForwardBatch.build`, or `DecodeGraphs.run` for a decode-only step replayed as a CUDA graph) and the
+only place that touches the cache tensors outside the model.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 
 from k3serve.engine.config import EngineArgs
+from k3serve.engine.cuda_graphs import DecodeGraphs, capture_decode_graphs, graphs_enabled
 from k3serve.engine.memory import PoolPlan
 
 from k3serve.engine.scheduler_output import NO_SLOT, ScheduledSeq, SchedulerOutput
@@ -31,19 +33,26 @@ class RunnerOutput:
 def load_runner(
     args: EngineArgs, model_dir: Path, plan: PoolPlan, tp: TensorParallel, group: TPGroup | None = None
 ) -> ModelRunner:
-    """This rank's model shard and cache pools (the same plan on every rank of an engine)."""
+    """This rank's model shard and cache pools (the same plan on every rank of an engine), and its
+    captured decode graphs where `graphs_enabled(args)`."""
     model = load_model(model_dir, tp, args.torch_dtype, args.device)
+    use_graphs = graphs_enabled(args)
     cache = ModelCache.allocate(
-        model.config, plan.num_blocks, plan.num_slots, plan.block_size, tp.world_size, args.torch_dtype, args.device
+        model.config, plan.num_blocks, plan.num_slots, plan.block_size, tp.world_size, args.torch_dtype, args.device,
+        reserve_pad_slot=use_graphs,
     )
-    return ModelRunner(model, cache, group)
+    return ModelRunner(model, cache, group, capture_decode_graphs(model, cache, args) if use_graphs else None)
 
 
 class ModelRunner:
-    def __init__(self, model: KimiForCausalLM, cache: ModelCache, group: TPGroup | None = None) -> None:
+    def __init__(
+        self, model: KimiForCausalLM, cache: ModelCache, group: TPGroup | None = None,
+        graphs: DecodeGraphs | None = None,
+    ) -> None:
         self.model = model
         self.cache = cache
         self.group = group  # set on rank 0 of a TP engine: every step is announced to the other ranks
+        self.graphs = graphs  # decode-only steps that fit replay these instead of the eager forward
         self.device = next(model.parameters()).device
 
     def execute(self, output: SchedulerOutput, want_chunk_logits: set[str] = frozenset()) -> RunnerOutput:
@@ -56,7 +65,10 @@ class ModelRunner:
                 self.cache.zero_slot(seq.slot_id)
             if seq.copy_state_from_slot != NO_SLOT:
                 self.cache.copy_slot(seq.copy_state_from_slot, seq.slot_id)
-        hidden = self.model(self._build_batch(seqs), self.cache)
+        if self.graphs is not None and self.graphs.fits(seqs):
+            hidden = self.graphs.run(seqs)
+        else:
+            hidden = self.model(self._build_batch(seqs), self.cache)
         for seq in seqs:
             if seq.copy_state_to_slot != NO_SLOT:
                 self.cache.copy_slot(seq.slot_id, seq.copy_state_to_slot)
@@ -65,7 +77,9 @@ class ModelRunner:
         for seq in seqs:
             starts.append(starts[-1] + seq.num_scheduled_tokens)
         sample_rows = [starts[i + 1] - 1 for i, s in enumerate(seqs) if s.needs_sample]
-        logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else None
+        every_row = sample_rows == list(range(len(seqs)))  # a decode step: slice, no index upload (host sync)
+        rows = slice(len(seqs)) if every_row else sample_rows
+        logits = self.model.compute_logits(hidden[rows]) if sample_rows else None
         sample_ids = [s.request_id for s in seqs if s.needs_sample]
         chunk_logits = {
             s.request_id: self.model.compute_logits(hidden[starts[i] : starts[i + 1]])

@@ -43,6 +43,12 @@ def reference_kernels(enabled: bool = True):
         _force_reference = saved
 
 
+def reference_forced() -> bool:
+    """Whether `reference_kernels()` (or the environment) forces the torch reference right now: the engine
+    then runs eagerly, since a CUDA graph captured earlier would replay the GPU kernels regardless."""
+    return _force_reference
+
+
 def gpu_kernels(*tensors: Tensor | None) -> bool:
     """Whether an op may dispatch to its GPU implementation: every tensor on CUDA, and the reference
     is not forced."""

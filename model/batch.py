@@ -9,6 +9,9 @@ from it and never recompute positions or slot mappings. Sequences are packed bac
 
 Single-token sequences come first (`num_decode`), so the decode path (absorbed MLA, recurrent
 KDA step) and the prefill path (MHA form, chunked KDA) each get a contiguous view.
+
+`StaticDecodeInputs` is the fixed-shape form of a decode-only batch (CUDA graphs): tensors at fixed
+addresses, the batch padded to a bucket size with rows that write nowhere a request owns.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class ModelCache:
     kda_recurrent: list[torch.Tensor]  # per KDA layer [num_slots, H_local, K, V] fp32
     kda_conv: list[torch.Tensor]  # per KDA layer [num_slots, 3 * H_local * K, kernel - 1]
     block_size: int
+    pad_slot: int | None = None  # a KDA slot no request owns: padding rows of fixed-shape batches use it
 
     @classmethod
     def allocate(
@@ -37,9 +41,14 @@ class ModelCache:
         tp_size: int = 1,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        reserve_pad_slot: bool = False,
     ) -> "ModelCache":
+        """`reserve_pad_slot` adds one KDA slot after the `num_slots` the state pool hands out, for the
+        padding rows of fixed-shape decode batches (`StaticDecodeInputs`)."""
         h_local = config.kda.num_heads // tp_size
         d = config.kda.head_dim
+        pad_slot = num_slots if reserve_pad_slot else None
+        num_slots += int(reserve_pad_slot)
         return cls(
             mla_kv=[
                 torch.zeros(num_blocks, block_size, config.mla_kv_dim, dtype=dtype, device=device)
@@ -54,6 +63,7 @@ class ModelCache:
                 for _ in config.kda_layers
             ],
             block_size=block_size,
+            pad_slot=pad_slot,
         )
 
     def copy_slot(self, src: int, dst: int) -> None:
@@ -73,13 +83,15 @@ class ForwardBatch:
     cu_seqlens: torch.Tensor  # [N+1] int64, offsets of each sequence's new tokens
     num_computed: torch.Tensor  # [N] int64, tokens already in the cache before this step
     seq_lens: torch.Tensor  # [N] int64, num_computed + new tokens
-    block_tables: torch.Tensor  # [N, max_blocks] int32, -1 padded
+    block_tables: torch.Tensor  # [N, max_blocks] int32; entries past a sequence's blocks are never read (-1 here)
     slot_mapping: torch.Tensor  # [T] int64, block_id * block_size + offset for each new token
     slot_ids: torch.Tensor  # [N] int64, KDA state slot of each sequence
     checkpoint_offsets: torch.Tensor | None  # [N] int64, new tokens after which to checkpoint KDA, -1 none
     checkpoint_slot_ids: torch.Tensor | None  # [N] int64, slot receiving that checkpoint, -1 none
     num_decode: int  # leading sequences with exactly one new token
     cu_seqlens_list: list[int]  # host copy of cu_seqlens, for python-side splitting
+    fresh_slot_ids: torch.Tensor | None = None  # [F] int64, slots of sequences with num_computed 0 (None: none)
+    pad_slot: int | None = None  # slot of padding rows (may repeat in slot_ids; their outputs are ignored)
 
     @property
     def num_seqs(self) -> int:
@@ -128,6 +140,7 @@ class ForwardBatch:
                     raise ValueError(f"block table of {len(table)} blocks cannot hold position {pos}")
                 positions.append(pos)
                 slot_mapping.append(table[pos // block_size] * block_size + pos % block_size)
+        fresh = [slot for slot, start in zip(slot_ids, num_computed) if start == 0]
         max_blocks = max((len(t) for t in block_tables), default=0)
         tables = torch.full((n, max(max_blocks, 1)), -1, dtype=torch.int32)
         for i, table in enumerate(block_tables):
@@ -149,4 +162,74 @@ class ForwardBatch:
             checkpoint_slot_ids=None if checkpoint_slot_ids is None else tensor(checkpoint_slot_ids),
             num_decode=num_decode,
             cu_seqlens_list=cu,
+            fresh_slot_ids=tensor(fresh) if fresh else None,
+        )
+
+
+class StaticDecodeInputs:
+    """A decode-only batch at fixed addresses, for up to `max_seqs` rows: what a captured CUDA graph reads.
+
+    Every real row is one new token continuing a cached context (num_computed > 0, no checkpoint).
+    `load` writes a step's rows (one host-to-device copy for the per-row values, one for the block
+    tables) and pads the batch to `num_rows` with rows that read no cache (seq_len 0), write no MLA row
+    (slot_mapping -1) and run their KDA step on the cache's `pad_slot`, a slot no request owns: their
+    outputs are garbage to be ignored, and no request's blocks or slots are touched by them.
+
+    Block tables are [max_seqs, max_blocks] with max_blocks = ceil(max_model_len / block_size): the MLA
+    decode kernel sizes its grid from that width, not from the batch's longest context, so every shape
+    depends on `num_rows` alone. Entries past a row's used blocks are stale (never read).
+    """
+
+    def __init__(self, max_seqs: int, max_blocks: int, block_size: int, pad_slot: int,
+                 device: torch.device | str) -> None:
+        self.max_seqs, self.max_blocks, self.block_size, self.pad_slot = max_seqs, max_blocks, block_size, pad_slot
+        self.device = torch.device(device)
+        self._pad_row = (0, 0, 0, -1, pad_slot)  # token_id, num_computed, seq_len, slot_mapping, slot_id
+        self._rows = torch.tensor([self._pad_row] * max_seqs, dtype=torch.int64, device=self.device)
+        self.block_tables = torch.full((max_seqs, max_blocks), -1, dtype=torch.int32, device=self.device)
+        self._tables_staging = torch.empty(max_seqs * max_blocks, dtype=torch.int32, device=self.device)
+        self._cu_seqlens = torch.arange(max_seqs + 1, dtype=torch.int64, device=self.device)
+
+    def load(self, token_ids: list[int], num_computed: list[int], block_tables: list[list[int]],
+             slot_ids: list[int], num_rows: int) -> None:
+        """Rows 0..n-1 from the lists (one token per sequence), rows n..num_rows-1 padding."""
+        n = len(token_ids)
+        if not (len(num_computed) == len(block_tables) == len(slot_ids) == n):
+            raise ValueError("token_ids, num_computed, block_tables and slot_ids must have one entry per sequence")
+        if not n <= num_rows <= self.max_seqs:
+            raise ValueError(f"{n} sequences padded to {num_rows} rows: need n <= num_rows <= {self.max_seqs}")
+        rows, bs = [], self.block_size
+        for token, start, table, slot in zip(token_ids, num_computed, block_tables, slot_ids):
+            if start < 1 or start // bs >= len(table) or len(table) > self.max_blocks:
+                raise ValueError(f"a static decode row continues a cached context within {self.max_blocks} blocks; "
+                                 f"got num_computed={start} with a table of {len(table)} blocks")
+            rows.append((token, start, start + 1, table[start // bs] * bs + start % bs, slot))
+        rows += [self._pad_row] * (num_rows - n)
+        pinned = self.device.type == "cuda"  # pinned host memory: the copies are asynchronous, no host sync
+        self._rows[:num_rows].copy_(torch.tensor(rows, dtype=torch.int64, pin_memory=pinned), non_blocking=True)
+        if n == 0:
+            return
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [-1] * (width - len(t)) for t in block_tables], dtype=torch.int32, pin_memory=pinned)
+        staged = self._tables_staging[: n * width].view(n, width)
+        staged.copy_(tables, non_blocking=True)
+        self.block_tables[:n, :width].copy_(staged)
+
+    def batch(self, num_rows: int) -> ForwardBatch:
+        """The first `num_rows` rows as a decode batch; device work only (it runs inside the graph)."""
+        token_ids, num_computed, seq_lens, slot_mapping, slot_ids = self._rows[:num_rows].t().contiguous().unbind()
+        return ForwardBatch(
+            token_ids=token_ids,
+            positions=num_computed,  # one token per row: its position is the cached length
+            cu_seqlens=self._cu_seqlens[: num_rows + 1],
+            num_computed=num_computed,
+            seq_lens=seq_lens,
+            block_tables=self.block_tables[:num_rows],
+            slot_mapping=slot_mapping,
+            slot_ids=slot_ids,
+            checkpoint_offsets=None,
+            checkpoint_slot_ids=None,
+            num_decode=num_rows,
+            cu_seqlens_list=list(range(num_rows + 1)),
+            pad_slot=self.pad_slot,
         )

@@ -21,12 +21,14 @@ def causal_conv1d(
     cu_seqlens: Tensor,
     state_indices: Tensor,
     activation: str | None = "silu",
+    pad_slot: int | None = None,
 ) -> Tensor:
     """y [T, C] = act(depthwise causal conv of x [T, C] with weight [C, W]), continuing each sequence
     n from conv_state[state_indices[n]] ([S, C, W-1] pool) and updating those rows in place.
 
     cu_seqlens [N+1] int64 packs N sequences of >= 1 token; state_indices [N] int64 are distinct
-    slots. A fresh sequence needs its slot zeroed by the caller. activation: "silu" or None."""
+    slots, except `pad_slot`, which the padding rows of a fixed-shape batch share (their outputs are
+    garbage, to be ignored). A fresh sequence needs its slot zeroed by the caller. activation: "silu" or None."""
     if x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"x must be a floating [T, C] tensor, got {x.dtype} {tuple(x.shape)}")
     T, C = x.shape
@@ -53,8 +55,10 @@ def causal_conv1d(
     lens = cu_seqlens.diff()
     if cu_seqlens[0] != 0 or cu_seqlens[-1] != T or (lens < 1).any():
         raise ValueError(f"cu_seqlens must rise strictly from 0 to T={T}, got {cu_seqlens.tolist()}")
-    if ((state_indices < 0) | (state_indices >= S)).any() or state_indices.unique().numel() != N:
-        raise ValueError(f"state_indices must be distinct slots in [0, {S}), got {state_indices.tolist()}")
+    owned = state_indices if pad_slot is None else state_indices[state_indices != pad_slot]
+    if ((state_indices < 0) | (state_indices >= S)).any() or owned.unique().numel() != owned.numel():
+        raise ValueError(f"state_indices must be distinct slots in [0, {S}) (pad_slot {pad_slot} may repeat), "
+                         f"got {state_indices.tolist()}")
     return naive.causal_conv1d(x, weight, conv_state, cu_seqlens, state_indices, activation)
 
 

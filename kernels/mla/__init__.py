@@ -9,7 +9,7 @@ Paged cache layout (vLLM reshape_and_cache convention), one MLA layer:
 
 All LSEs are natural-log (convert base-2 LSEs, e.g. FlashInfer's default, before merging).
 Decode and merge run the Triton kernels of `triton_decode.py` on CUDA (bf16/fp16, power-of-2 L, R and
-block size), else `naive.py`; `last_backend[name]` records which.
+block size), the cache write `triton_cache.py` (any dtype), else `naive.py`; `last_backend[name]` records which.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch import Tensor
 from .._backend import gpu_kernels, has_module
 from . import naive
 
-last_backend: dict[str, str] = {}  # "mla_decode_paged" / "merge_attn_states" -> "triton" | "naive"
+last_backend: dict[str, str] = {}  # "mla_decode_paged" / "merge_attn_states" / "write_kv_cache" -> "triton" | "naive"
 
 __all__ = ["mla_prefill_attention", "write_kv_cache", "gather_kv_cache", "mla_decode_paged", "merge_attn_states"]
 
@@ -94,9 +94,17 @@ def write_kv_cache(kv_cache: Tensor, slot_mapping: Tensor, latent: Tensor) -> No
         raise ValueError(
             f"slot_mapping must be integer [T={latent.shape[0]}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
         )
+    if gpu_kernels(kv_cache, slot_mapping, latent) and has_module("triton") and kv_cache.stride(-1) == 1:
+        # Values on a GPU come from the engine's batch and are trusted: checking them costs a host sync.
+        from . import triton_cache
+
+        last_backend["write_kv_cache"] = "triton"
+        triton_cache.write_kv_cache(kv_cache, slot_mapping, latent.to(kv_cache.dtype))
+        return
     num_slots = kv_cache.shape[0] * kv_cache.shape[1]
     if ((slot_mapping < -1) | (slot_mapping >= num_slots)).any():
         raise ValueError(f"slot_mapping must lie in [-1, {num_slots}), got {slot_mapping.tolist()}")
+    last_backend["write_kv_cache"] = "naive"
     naive.write_kv_cache(kv_cache, slot_mapping, latent)
 
 

@@ -70,21 +70,23 @@ class KimiDeltaAttention(Sharded):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, recurrent: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
         T, H, d = x.shape[0], self.num_heads, self.head_dim
-        fresh = batch.slot_ids[batch.num_computed == 0]
-        recurrent[fresh] = 0  # a new sequence starts from zero state, whatever the slot held
-        conv[fresh] = 0
+        if batch.fresh_slot_ids is not None:  # a new sequence starts from zero state, whatever the slot held
+            recurrent[batch.fresh_slot_ids] = 0
+            conv[batch.fresh_slot_ids] = 0
 
         qkv_in = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3P]
         conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
         if batch.checkpoint_offsets is not None:
             self._checkpoint_conv(qkv_in, batch, conv)
-        qkv = causal_conv1d(qkv_in, conv_weight, conv, batch.cu_seqlens, batch.slot_ids, activation="silu")
+        qkv = causal_conv1d(qkv_in, conv_weight, conv, batch.cu_seqlens, batch.slot_ids, activation="silu",
+                            pad_slot=batch.pad_slot)
         q, k, v = (t.reshape(T, H, d) for t in qkv.split(H * d, dim=-1))
         beta = torch.sigmoid(self.b_proj(x).float())  # [T, H]
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)).reshape(T, H, d), self.A_log, self.dt_bias, self.lower_bound)
 
         if batch.num_decode == batch.num_seqs and batch.checkpoint_offsets is None:  # chunked form emits checkpoints
-            o = kda_decode(q, k, v, g, beta, recurrent, batch.slot_ids, use_qk_l2norm_in_kernel=True)
+            o = kda_decode(q, k, v, g, beta, recurrent, batch.slot_ids, use_qk_l2norm_in_kernel=True,
+                           pad_slot=batch.pad_slot)
         else:
             o = self._chunked(q, k, v, g, beta, batch, recurrent)
 

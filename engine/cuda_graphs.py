@@ -1,0 +1,136 @@
+"""Decode steps as CUDA graphs: one captured graph per decode batch size ("bucket"), replayed instead of
+launching the step's ~700 kernels one by one from Python (nano-vllm's `capture_cudagraph` / `run_model`,
+vLLM v1's full decode graphs). Eager decode is host-bound (docs/BENCHMARKS.md, "Engine on H200").
+
+A decode-only step (every sequence one new token after a cached context, no KDA checkpoint) is padded up
+to the smallest bucket that holds it. `StaticDecodeInputs` (model/batch.py) keeps its inputs at fixed
+addresses and makes the padding rows harmless (no cache read, MLA writes skipped, KDA step on the cache's
+pad slot). Capture runs each bucket once eagerly first (Triton compiles, the MoE autotunes for that
+bucket's row count: autotuning benchmarks, which synchronizes, so it cannot happen while recording),
+then records it, largest bucket first, every graph in one memory pool (only one replays at a time).
+CUDA's sync debug mode is "error" while recording: a host sync inside the step raises at capture.
+
+When graphs are used (`graphs_enabled`): a CUDA device, bf16 (the GPU kernels are bf16 kernels; other
+dtypes run torch reference ops, which synchronize), TP 1, `enforce_eager` off, reference kernels not
+forced. TP > 1 needs two more things: the step's all-reduces run on the TP group's gloo process group
+(host copies, host-side waits), so they would have to become NCCL all-reduces on the GPU tensors, which
+a graph can record; and every rank must capture the same buckets and replay the same bucket each step
+(the leader's step broadcast already keeps the ranks in the same order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections import Counter
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from k3serve.engine.config import EngineArgs
+from k3serve.engine.scheduler_output import ScheduledSeq
+from k3serve.kernels._backend import reference_forced
+from k3serve.model.batch import ModelCache, StaticDecodeInputs
+from k3serve.model.model import KimiForCausalLM
+
+
+def graphs_enabled(args: EngineArgs) -> bool:
+    return (not args.enforce_eager and args.device.startswith("cuda") and args.torch_dtype == torch.bfloat16
+            and args.tensor_parallel_size == 1 and not reference_forced())
+
+
+class DecodeGraphs:
+    """Fixed-shape decode steps for `batch_sizes` over one model and cache.
+
+    `run` pads the step to its bucket and replays that bucket's graph; before `capture()` (and on a CPU,
+    where nothing is captured) it runs the very same padded step eagerly, which is how the CPU tests hold
+    the graph body equal to the plain eager path. `replays` counts replays per bucket (a silent fallback
+    to the eager path shows as none), `num_padding_rows` the padding rows run so far."""
+
+    @torch.inference_mode()
+    def __init__(self, model: KimiForCausalLM, cache: ModelCache, batch_sizes: Sequence[int], max_blocks: int) -> None:
+        if cache.pad_slot is None:
+            raise ValueError("fixed-shape decode needs a pad slot: ModelCache.allocate(..., reserve_pad_slot=True)")
+        if not batch_sizes or any(b < 1 for b in batch_sizes) or list(batch_sizes) != sorted(set(batch_sizes)):
+            raise ValueError(f"batch_sizes must be strictly increasing positive integers, got {batch_sizes}")
+        self.model, self.cache = model, cache
+        self.batch_sizes = tuple(batch_sizes)
+        self.max_blocks = max_blocks
+        device = next(model.parameters()).device
+        self.inputs = StaticDecodeInputs(self.batch_sizes[-1], max_blocks, cache.block_size, cache.pad_slot, device)
+        self._hidden = torch.zeros(self.batch_sizes[-1], model.config.hidden_size, dtype=model.dtype, device=device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.replays: Counter[int] = Counter()
+        self.num_padding_rows = 0
+
+    @property
+    def captured(self) -> tuple[int, ...]:
+        return tuple(sorted(self._graphs))
+
+    @property
+    def num_replays(self) -> int:
+        return sum(self.replays.values())
+
+    def fits(self, seqs: list[ScheduledSeq]) -> bool:
+        """A decode-only step within the largest bucket (and the GPU kernels not overridden)."""
+        return (0 < len(seqs) <= self.batch_sizes[-1] and not reference_forced()
+                and all(s.num_scheduled_tokens == 1 and s.num_computed_tokens > 0 and s.checkpoint_offset < 0
+                        and len(s.block_ids) <= self.max_blocks for s in seqs))
+
+    @torch.inference_mode()
+    def run(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
+        """hidden [len(seqs), hidden_size] of a step that `fits` (a view of the output buffer, valid until
+        the next run). The state copies around the forward are the caller's, as in the eager path."""
+        n = len(seqs)
+        bucket = next(b for b in self.batch_sizes if b >= n)
+        self.inputs.load([s.token_ids[0] for s in seqs], [s.num_computed_tokens for s in seqs],
+                         [s.block_ids for s in seqs], [s.slot_id for s in seqs], bucket)
+        self.num_padding_rows += bucket - n
+        graph = self._graphs.get(bucket)
+        if graph is None:
+            self._step(bucket)
+        else:
+            graph.replay()
+            self.replays[bucket] += 1
+        return self._hidden[:n]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Warm up and record every bucket, largest first, into one shared memory pool."""
+        self.inputs.load([], [], [], [], self.batch_sizes[-1])  # every row padding: only the pad slot is written
+        pool = None
+        for bucket in reversed(self.batch_sizes):
+            self._step(bucket)  # warm-up: Triton compiles and autotunes for this shape
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool), _host_syncs_raise():
+                self._step(bucket)
+            pool = graph.pool() if pool is None else pool
+            self._graphs[bucket] = graph
+        torch.cuda.synchronize()
+
+    def _step(self, bucket: int) -> None:
+        """The graph body: one padded decode forward into the output buffer."""
+        self._hidden[:bucket].copy_(self.model(self.inputs.batch(bucket), self.cache))
+
+
+@contextlib.contextmanager
+def _host_syncs_raise() -> Iterator[None]:
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+def capture_decode_graphs(model: KimiForCausalLM, cache: ModelCache, args: EngineArgs) -> DecodeGraphs | None:
+    """The engine's captured decode graphs; None, with a warning that names the cause, when capturing
+    fails (e.g. an op without a sync-free GPU kernel for this model): the engine then runs eagerly."""
+    graphs = DecodeGraphs(model, cache, args.graph_batch_sizes, -(-args.max_model_len // args.block_size))
+    try:
+        graphs.capture()
+    except RuntimeError as e:
+        warnings.warn(f"CUDA graphs off, decode steps run eagerly: capturing the decode step failed: {e}",
+                      stacklevel=2)
+        return None
+    return graphs
