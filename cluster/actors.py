@@ -3,7 +3,9 @@
 An actor is a replica: Ray restarts it when it dies (`max_restarts=-1`); a restarted decode
 actor publishes a new control address, which the router picks up on its next refresh. A TP
 replica (rank 0 plus `*RankActor` followers in a placement group) is started with
-`max_restarts=0`: its ranks live and die together. Worker
+`max_restarts=0`: its ranks live and die together. Every rank binds and advertises its node's
+address, chosen in the actor (`cluster/node_address.py`); a TP replica's rank 0 picks the group's
+address on its own node before the followers start (`_Rank0`). Worker
 calls pass through unchanged; a decode feed (one per router: every delta of a step in one item)
 is a Ray streaming generator.
 """
@@ -14,39 +16,71 @@ from typing import Any
 
 import ray
 
+from k3serve.cluster.node_address import ReplicaAddresses, node_ip
+from k3serve.decode.worker import DecodeWorker
 from k3serve.engine.config import EngineArgs
+from k3serve.prefill.worker import PrefillWorker
+from k3serve.transfer.backend import TransferBackend
+from k3serve.transfer.backends import host_options
 
 
-def _rank0_worker(worker_cls, engine_kwargs: dict[str, Any], worker_kwargs: dict[str, Any], num_threads: int,
-                  init_method: str | None):
-    """Rank 0's worker; with `init_method`, it leads a TP group whose followers are starting too."""
-    import torch
-
-    from k3serve.engine.tp_group import TPGroup
-
-    torch.set_num_threads(num_threads)
-    args = EngineArgs(**engine_kwargs)
-    group = TPGroup(0, args.tensor_parallel_size, init_method) if init_method else None
-    return worker_cls(args, group=group, **worker_kwargs)
+def _on_this_node(transfer: str, advertise_host: str | None) -> tuple[str, dict[str, Any]]:
+    """This node's address (chosen here, where the rank runs) and the transfer options that make
+    the rank's agent reachable at it."""
+    host = node_ip(advertise_host)
+    return host, host_options(transfer, host)
 
 
-@ray.remote(max_restarts=-1, max_task_retries=0)
-class PrefillActor:
-    """Rank 0 of a prefill engine (the whole engine when TP is 1)."""
+class _Rank0:
+    """Rank 0 of an engine, on the node Ray placed it. TP 1: the worker is built at once (and again
+    on a restart, wherever that lands). TP > 1, in two steps, so that rank 0 picks the group's
+    address on its own node: `tp_init_method()` opens the group's store on a free port here and
+    answers `tcp://<this node>:<port>`, the driver starts the followers with it, then `start()`
+    waits for them and builds the worker."""
+
+    worker_cls: type
 
     def __init__(
         self, engine_kwargs: dict[str, Any], worker_kwargs: dict[str, Any], num_threads: int = 1,
-        init_method: str | None = None,
+        advertise_host: str | None = None,
     ) -> None:
-        from k3serve.prefill.worker import PrefillWorker
+        import torch
 
-        self.worker = _rank0_worker(PrefillWorker, engine_kwargs, worker_kwargs, num_threads, init_method)
+        torch.set_num_threads(num_threads)
+        self.host, transfer_options = _on_this_node(worker_kwargs["transfer"], advertise_host)
+        self.args = EngineArgs(**engine_kwargs)
+        self.worker_kwargs = {**worker_kwargs, "transfer_options": transfer_options, **self._host_kwargs()}
+        self.worker = self._store = self._init_method = None
+        if self.args.tensor_parallel_size == 1:
+            self.worker = self.worker_cls(self.args, **self.worker_kwargs)
 
-    async def prefill(self, request_id, prompt_token_ids, params, target):
-        return await self.worker.prefill(request_id, prompt_token_ids, params, target)
+    def _host_kwargs(self) -> dict[str, Any]:
+        """Worker kwargs that bind its own servers on this node's address."""
+        return {}
 
-    async def abort(self, request_id: str) -> None:
-        await self.worker.abort(request_id)
+    def tp_init_method(self) -> str:
+        """TP > 1, first: the address the followers join (a port of this node, held open)."""
+        from k3serve.engine.tp_group import leader_store
+
+        if self._store is None:
+            self._store, self._init_method = leader_store(self.args.tensor_parallel_size, self.host)
+        return self._init_method
+
+    def start(self) -> None:
+        """TP > 1, once the followers were started with `tp_init_method()`: the group, the worker."""
+        from k3serve.engine.tp_group import TPGroup
+
+        if self._store is None:
+            raise RuntimeError("start() before tp_init_method(): the followers have no address to join")
+        group = TPGroup(0, self.args.tensor_parallel_size, self._init_method, host=self.host, store=self._store)
+        self.worker = self.worker_cls(self.args, group=group, **self.worker_kwargs)
+
+    def _agent(self) -> TransferBackend:
+        raise NotImplementedError
+
+    def node_addresses(self) -> ReplicaAddresses:
+        """Where peers reach this rank, as it advertises them (transfer agent, TP group)."""
+        return ReplicaAddresses(self.host, self._agent().agent_info().endpoint, self._init_method)
 
     async def stats(self):
         return await self.worker.stats()
@@ -55,42 +89,63 @@ class PrefillActor:
         return await self.worker.metrics_text()
 
     def shutdown(self) -> None:
-        self.worker.shutdown()
+        if self.worker is not None:  # None: a TP rank 0 whose group never formed
+            self.worker.shutdown()
+
+
+@ray.remote(max_restarts=-1, max_task_retries=0)
+class PrefillActor(_Rank0):
+    """Rank 0 of a prefill engine (the whole engine when TP is 1)."""
+
+    worker_cls = PrefillWorker
+
+    def _agent(self) -> TransferBackend:
+        return self.worker.sender.backend
+
+    async def prefill(self, request_id, prompt_token_ids, params, target):
+        return await self.worker.prefill(request_id, prompt_token_ids, params, target)
+
+    async def abort(self, request_id: str) -> None:
+        await self.worker.abort(request_id)
 
 
 @ray.remote(max_restarts=0)
 class PrefillRankActor:
     """Rank > 0 of a TP prefill engine: follows rank 0 until it stops."""
 
-    def run(self, rank: int, engine_kwargs: dict[str, Any], init_method: str, transfer: str, num_threads: int = 1) -> None:
+    def run(self, rank: int, engine_kwargs: dict[str, Any], init_method: str, transfer: str,
+            advertise_host: str | None = None, num_threads: int = 1) -> None:
         from k3serve.prefill.rank import follower_main
 
-        follower_main(rank, EngineArgs(**engine_kwargs), init_method, transfer, num_threads=num_threads)
+        host, transfer_options = _on_this_node(transfer, advertise_host)
+        follower_main(rank, EngineArgs(**engine_kwargs), init_method, transfer, transfer_options,
+                      num_threads=num_threads, host=host)
 
 
 @ray.remote(max_restarts=0)
 class DecodeRankActor:
     """Rank > 0 of a TP decode engine: follows rank 0 until it stops; answers handshakes."""
 
-    def run(self, rank: int, engine_kwargs: dict[str, Any], init_method: str, transfer: str, host: str,
-            prefill_tp: int, num_threads: int = 1) -> None:
+    def run(self, rank: int, engine_kwargs: dict[str, Any], init_method: str, transfer: str,
+            advertise_host: str | None = None, prefill_tp: int = 1, num_threads: int = 1) -> None:
         from k3serve.decode.rank import follower_main
 
+        host, transfer_options = _on_this_node(transfer, advertise_host)
         follower_main(rank, EngineArgs(**engine_kwargs), init_method, transfer, host, prefill_tp,
-                      num_threads=num_threads)
+                      transfer_options, num_threads=num_threads)
 
 
 @ray.remote(max_restarts=-1, max_task_retries=0)
-class DecodeActor:
+class DecodeActor(_Rank0):
     """Rank 0 of a decode engine (the whole engine when TP is 1)."""
 
-    def __init__(
-        self, engine_kwargs: dict[str, Any], worker_kwargs: dict[str, Any], num_threads: int = 1,
-        init_method: str | None = None,
-    ) -> None:
-        from k3serve.decode.worker import DecodeWorker
+    worker_cls = DecodeWorker
 
-        self.worker = _rank0_worker(DecodeWorker, engine_kwargs, worker_kwargs, num_threads, init_method)
+    def _agent(self) -> TransferBackend:
+        return self.worker.receiver.backend
+
+    def _host_kwargs(self) -> dict[str, Any]:
+        return {"host": self.host}  # the control server
 
     def control_address(self) -> str:
         """Rank 0's control address."""
@@ -109,12 +164,3 @@ class DecodeActor:
 
     async def abort_request(self, request_id: str) -> None:
         await self.worker.abort_request(request_id)
-
-    async def stats(self):
-        return await self.worker.stats()
-
-    async def metrics_text(self) -> str:
-        return await self.worker.metrics_text()
-
-    def shutdown(self) -> None:
-        self.worker.shutdown()

@@ -15,6 +15,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from k3serve.cluster.node_address import check_host_ip
+
 
 class ServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -43,6 +45,10 @@ class ServeConfig(BaseModel):
     lease_seconds: float = Field(30.0, gt=0, description="longest a reservation or pinned state waits for its handoff")
     verify_checksums: bool = Field(True, description="decode verifies every handoff's checksums before continuing")
     ray_address: str | None = Field(None, description="join this Ray cluster; default: start a local one")
+    advertise_host: str | None = Field(
+        None, description="IP every Ray worker binds its servers on and advertises to peers (one node only); "
+        "default: $K3SERVE_HOST_IP of the worker's node, else Ray's node IP (cluster/node_address.py)",
+    )
 
     @model_validator(mode="after")
     def _cross_check(self) -> "ServeConfig":
@@ -54,6 +60,11 @@ class ServeConfig(BaseModel):
             raise ValueError("colocated mode runs one engine with decode_tp=1")
         if self.mode == "disaggregated" and max(self.prefill_tp, self.decode_tp) > 1 and self.transfer == "local":
             raise ValueError("prefill_tp or decode_tp > 1 runs ranks in separate processes: use transfer mooncake or nixl")
+        if self.advertise_host is not None:
+            check_host_ip(self.advertise_host, "advertise_host")
+            if self.mode == "disaggregated" and self.launcher == "local":
+                raise ValueError("advertise_host is for --launcher ray: the local launcher's workers share one "
+                                 "machine and talk over 127.0.0.1")
         return self
 
     @classmethod

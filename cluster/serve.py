@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from k3serve.cluster.config import ServeConfig
 from k3serve.cluster.metrics import IngressMetrics
+from k3serve.cluster.node_address import LOOPBACK
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.llm_engine import resolve_model_dir
 
@@ -93,12 +94,13 @@ def _router(config: ServeConfig, prefill: list, decode: list, engine_kwargs: dic
 
 
 def _start_local(config: ServeConfig, engine_kwargs: dict) -> Deployment:
-    """Workers in this process; the ranks > 0 of a TP engine (prefill or decode) in child processes."""
+    """Workers in this process; the ranks > 0 of a TP engine (prefill or decode) in child processes.
+    One machine: every address is 127.0.0.1 (the workers' defaults)."""
     import multiprocessing
 
     from k3serve.decode import rank as decode_rank
     from k3serve.decode.worker import DecodeWorker
-    from k3serve.engine.tp_group import TPGroup
+    from k3serve.engine.tp_group import TPGroup, leader_store
     from k3serve.prefill import rank as prefill_rank
     from k3serve.prefill.worker import PrefillWorker
 
@@ -112,12 +114,12 @@ def _start_local(config: ServeConfig, engine_kwargs: dict) -> Deployment:
         """Rank 0's group of a TP engine; ranks > 0 start first, in child processes."""
         if tp == 1:
             return None
-        init = f"tcp://127.0.0.1:{_free_port()}"
+        store, init = leader_store(tp, LOOPBACK)
         for rank in range(1, tp):
             proc = ctx.Process(target=target, args=follower_args(rank, init), daemon=True)
             proc.start()
             stops.append(lambda p=proc: _join_or_kill(p))
-        return TPGroup(0, tp, init)
+        return TPGroup(0, tp, init, store=store)
 
     prefill = []
     for i in range(config.prefill_replicas):
@@ -129,7 +131,7 @@ def _start_local(config: ServeConfig, engine_kwargs: dict) -> Deployment:
     decode = []
     for i in range(config.decode_replicas):
         group = tp_group(config.decode_tp, decode_rank.follower_main,
-                         lambda rank, init: (rank, decode_args, init, config.transfer, "127.0.0.1", config.prefill_tp))
+                         lambda rank, init: (rank, decode_args, init, config.transfer, LOOPBACK, config.prefill_tp))
         worker = DecodeWorker(decode_args, name=f"decode-{i}", group=group, **decode_kw)
         stops.append(worker.shutdown)
         decode.append(worker)
@@ -143,17 +145,10 @@ def _join_or_kill(process, timeout_s: float = 30.0) -> None:
         process.kill()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_ray(config: ServeConfig, engine_kwargs: dict) -> Deployment:
     import ray
 
+    from k3serve.cluster.actors import DecodeActor, DecodeRankActor, PrefillActor, PrefillRankActor
     from k3serve.cluster.replicas import RayDecodeReplica, RayPrefillReplica
 
     stops: list[Callable[[], None]] = []
@@ -170,15 +165,17 @@ def _start_ray(config: ServeConfig, engine_kwargs: dict) -> Deployment:
             )
         stops.append(ray.shutdown)
     prefill_kw, decode_kw = _worker_kwargs(config)
-    prefill_actors = [
-        _start_ray_prefill(config, engine_kwargs, {**prefill_kw, "name": f"prefill-{i}"}, stops)
+    prefill_pool = _RayPool(PrefillActor, PrefillRankActor, config.prefill_tp, {})
+    decode_pool = _RayPool(DecodeActor, DecodeRankActor, config.decode_tp, {"prefill_tp": config.prefill_tp})
+    prefill_actors, prefill_up = zip(*[
+        _start_ray_replica(config, prefill_pool, engine_kwargs, {**prefill_kw, "name": f"prefill-{i}"}, stops)
         for i in range(config.prefill_replicas)
-    ]
-    decode_actors = [
-        _start_ray_decode(config, engine_kwargs, {**decode_kw, "name": f"decode-{i}"}, stops)
+    ])
+    decode_actors, decode_up = zip(*[
+        _start_ray_replica(config, decode_pool, engine_kwargs, {**decode_kw, "name": f"decode-{i}"}, stops)
         for i in range(config.decode_replicas)
-    ]
-    ray.get([a.stats.remote() for a in prefill_actors + decode_actors])  # wait until up
+    ])
+    ray.get([*prefill_up, *decode_up])  # wait until up; a failed start raises its own error here
     for actor in prefill_actors + decode_actors:
         stops.append(lambda a=actor: ray.get(a.shutdown.remote(), timeout=30))
     prefill = [RayPrefillReplica(f"prefill-{i}", a) for i, a in enumerate(prefill_actors)]
@@ -204,67 +201,59 @@ def _uvicorn_server_class():
     return Server
 
 
-def _start_ray_prefill(config: ServeConfig, engine_kwargs: dict, worker_kwargs: dict, stops: list) -> Any:
-    """One prefill replica: a single actor, or TP ranks packed in a placement group (rank 0 is the
-    replica's API; ranks > 0 follow it). A TP replica is not restarted piecewise."""
-    from k3serve.cluster.actors import PrefillActor, PrefillRankActor
+@dataclass(frozen=True)
+class _RayPool:
+    """The actor classes of one pool's replicas: rank 0, and ranks > 0 of a TP replica."""
 
-    tp = config.prefill_tp
-    kwargs = {**engine_kwargs, "tensor_parallel_size": tp}
-    if tp == 1:
-        return PrefillActor.options(num_cpus=1).remote(kwargs, worker_kwargs)
-    init, in_bundle = _tp_placement(config, tp, stops)
-    for rank in range(1, tp):
-        follower = PrefillRankActor.options(**in_bundle(rank)).remote()
-        follower.run.remote(rank, kwargs, init, config.transfer)  # returns when rank 0 says "stop"
-    return PrefillActor.options(max_restarts=0, **in_bundle(0)).remote(kwargs, worker_kwargs, init_method=init)
+    leader: Any
+    follower: Any
+    tp: int
+    follower_kwargs: dict[str, Any]
 
 
-def _start_ray_decode(config: ServeConfig, engine_kwargs: dict, worker_kwargs: dict, stops: list) -> Any:
-    """One decode replica: a single actor, or TP ranks packed in a placement group (rank 0 is the
-    replica's API and full control server; ranks > 0 follow it and answer handshakes). A TP
-    replica is not restarted piecewise."""
-    from k3serve.cluster.actors import DecodeActor, DecodeRankActor
+def _start_ray_replica(
+    config: ServeConfig, pool: _RayPool, engine_kwargs: dict, worker_kwargs: dict, stops: list
+) -> tuple[Any, Any]:
+    """One replica: its rank-0 actor, and the ref that resolves once it is up. A single actor when
+    TP is 1; else TP ranks in a placement group: rank 0 (the replica's API; a decode one the full
+    control server) picks the group's address on its own node, the followers (decode ones answer
+    handshakes) are started with it, then rank 0 forms the group. A TP replica is not restarted
+    piecewise (`max_restarts=0`). Every rank chooses its own node's address (`advertise_host`
+    overrides it)."""
+    import ray
 
-    tp = config.decode_tp
-    kwargs = {**engine_kwargs, "tensor_parallel_size": tp}
-    if tp == 1:
-        return DecodeActor.options(num_cpus=1).remote(kwargs, worker_kwargs)
-    init, in_bundle = _tp_placement(config, tp, stops)
-    host = worker_kwargs.get("host", "127.0.0.1")
-    for rank in range(1, tp):
-        follower = DecodeRankActor.options(**in_bundle(rank)).remote()
-        follower.run.remote(rank, kwargs, init, config.transfer, host, config.prefill_tp)  # until rank 0 says "stop"
-    return DecodeActor.options(max_restarts=0, **in_bundle(0)).remote(kwargs, worker_kwargs, init_method=init)
+    kwargs = {**engine_kwargs, "tensor_parallel_size": pool.tp}
+    if pool.tp == 1:
+        actor = pool.leader.options(num_cpus=1).remote(kwargs, worker_kwargs, advertise_host=config.advertise_host)
+        return actor, actor.stats.remote()
+    in_bundle = _tp_placement(config, pool.tp, stops)
+    leader = pool.leader.options(max_restarts=0, **in_bundle(0)).remote(
+        kwargs, worker_kwargs, advertise_host=config.advertise_host)
+    init = ray.get(leader.tp_init_method.remote(), timeout=120)
+    for rank in range(1, pool.tp):
+        follower = pool.follower.options(**in_bundle(rank)).remote()
+        follower.run.remote(rank, kwargs, init, config.transfer, config.advertise_host,
+                            **pool.follower_kwargs)  # returns when rank 0 says "stop"
+    return leader, leader.start.remote()
 
 
-def _tp_placement(config: ServeConfig, tp: int, stops: list) -> tuple[str, Callable[[int], dict]]:
-    """A placement group of `tp` bundles (one GPU, or one CPU, each) packed on one node: the TP
-    group's init address (rank 0's node) and the actor options that put rank i in bundle i."""
+def _tp_placement(config: ServeConfig, tp: int, stops: list) -> Callable[[int], dict]:
+    """A placement group of `tp` bundles (one GPU, or one CPU, each), packed on as few nodes as
+    fit (PACK: a TP8 group spans two 4-GPU trays): the actor options that put rank i in bundle i."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     resource = {"GPU": 1} if config.device.startswith("cuda") else {"CPU": 1}
-    pg = placement_group([resource] * tp, strategy="STRICT_PACK")
+    pg = placement_group([resource] * tp, strategy="PACK")
     ray.get(pg.ready(), timeout=120)
     stops.append(lambda: remove_placement_group(pg))
-    init = f"tcp://{_bundle_ip(pg)}:{_free_port()}"
 
     def in_bundle(i: int) -> dict:
         return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
                 "num_cpus": resource.get("CPU", 0), "num_gpus": resource.get("GPU", 0)}
 
-    return init, in_bundle
-
-
-def _bundle_ip(pg) -> str:
-    """The node address of a placement group's first bundle (where rank 0 listens)."""
-    import ray
-    from ray.util.placement_group import placement_group_table
-
-    node_id = placement_group_table(pg)["bundles_to_node_id"][0]
-    return next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
+    return in_bundle
 
 
 def run(config: ServeConfig) -> int:

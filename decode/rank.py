@@ -17,7 +17,9 @@ def follower_main(
     rank: int, args: EngineArgs, init_method: str, transfer: str, host: str = "127.0.0.1", prefill_tp: int = 1,
     transfer_options: dict | None = None, num_threads: int | None = None,
 ) -> None:
-    group, runner, config = join_engine(rank, args, init_method, num_threads)
+    """`host`: this node's address (control server, group sockets; the transfer agent's, via
+    `transfer_options`)."""
+    group, runner, config = join_engine(rank, args, init_method, num_threads, host)
     try:
         receiver = make_receiver(args, runner, config, rank, transfer, transfer_options,
                                  prefill_tp)

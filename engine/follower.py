@@ -11,14 +11,15 @@ from k3serve.model.config import ModelConfig
 
 
 def join_engine(
-    rank: int, args: EngineArgs, init_method: str, num_threads: int | None = None
+    rank: int, args: EngineArgs, init_method: str, num_threads: int | None = None, host: str = "127.0.0.1"
 ) -> tuple[TPGroup, ModelRunner, ModelConfig]:
-    """Returns (group, runner, config); the caller must `group.close()` when done."""
+    """Returns (group, runner, config); the caller must `group.close()` when done. `host`: this
+    node's address, where this rank's group sockets listen."""
     import torch
 
     if num_threads is not None:
         torch.set_num_threads(num_threads)
-    group = TPGroup(rank, args.tensor_parallel_size, init_method)
+    group = TPGroup(rank, args.tensor_parallel_size, init_method, host=host)
     try:
         kind, plan = group.follow()
         if kind != "plan":

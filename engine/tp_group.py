@@ -17,12 +17,18 @@ process (e.g. a prefill and a decode engine's rank 0 under `--launcher local`). 
               closes)
     pg        everything else: gathers, and the model's all-reduces (`tensor_parallel()`), with
               `timeout_s`, so a rank stuck inside an action fails the others
+
+Addresses: rank 0 opens the store on a port of its own node (`leader_store`: the kernel picks it,
+so nothing races for it) and publishes `tcp://<its host>:<port>` for the followers to join; every
+rank's gloo sockets listen on its own `host`, which its peers dial (gloo's default would be
+whatever the hostname resolves to, often 127.0.0.1, unreachable from another node).
 """
 
 from __future__ import annotations
 
 import datetime
 import pickle
+import socket
 from typing import Any, Callable
 from urllib.parse import urlparse
 
@@ -35,19 +41,45 @@ _IDLE_TIMEOUT = datetime.timedelta(days=365)  # how long a follower waits for ra
 _JOIN_TIMEOUT = datetime.timedelta(seconds=600)  # how long the ranks take to find each other
 
 
+def leader_store(world_size: int, host: str, timeout_s: float = 600.0) -> tuple[dist.TCPStore, str]:
+    """Rank 0, before its followers start: the group's store listening on a free port of `host`
+    (that interface only: TCPStore by itself listens on all of them), and the init_method
+    (`tcp://host:port`) the followers join; pass both to rank 0's `TPGroup`."""
+    timeout = max(datetime.timedelta(seconds=timeout_s), _JOIN_TIMEOUT)
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        listener.bind((host, 0))
+        listener.listen(world_size)
+        port = listener.getsockname()[1]
+        store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                              master_listen_fd=listener.fileno())
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store owns the socket now
+    return store, f"tcp://{_uri_host(host)}:{port}"
+
+
 class TPGroup:
-    def __init__(self, rank: int, world_size: int, init_method: str, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, rank: int, world_size: int, init_method: str, timeout_s: float = 600.0, host: str = "127.0.0.1",
+        store: dist.TCPStore | None = None,
+    ) -> None:
+        """Join (rank 0: host) the group at `init_method`; this rank's sockets listen on `host`.
+        Rank 0 passes the `store` of `leader_store` when its followers were given its address."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         url = urlparse(init_method)
         if url.scheme != "tcp" or not url.hostname or not url.port:
             raise ValueError(f"init_method must be tcp://host:port, got {init_method!r}")
-        self.rank, self.world_size = rank, world_size
+        if store is not None and rank != 0:
+            raise ValueError(f"rank {rank} joins rank 0's store: only rank 0 passes one")
+        self.rank, self.world_size, self.init_method = rank, world_size, init_method
         timeout = datetime.timedelta(seconds=timeout_s)
         join = max(timeout, _JOIN_TIMEOUT)  # every rank loads its libraries and joins
-        self._store = dist.TCPStore(url.hostname, url.port, world_size, is_master=rank == 0, timeout=join)
-        self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", self._store), rank, world_size, _IDLE_TIMEOUT)
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("pg", self._store), rank, world_size, timeout)
+        self._store = store or dist.TCPStore(url.hostname, url.port, world_size, is_master=rank == 0, timeout=join)
+        self.control = _gloo(dist.PrefixStore("control", self._store), rank, world_size, host, _IDLE_TIMEOUT)
+        self.pg = _gloo(dist.PrefixStore("pg", self._store), rank, world_size, host, timeout)
 
     @property
     def is_leader(self) -> bool:
@@ -82,6 +114,18 @@ class TPGroup:
     def close(self) -> None:
         """Drop the connections; the group is unusable afterwards. Safe to call twice."""
         self.control = self.pg = self._store = None
+
+
+def _gloo(store: dist.Store, rank: int, world_size: int, host: str, timeout: datetime.timedelta) -> dist.ProcessGroupGloo:
+    """A gloo group whose sockets listen on `host` (its peers dial that address)."""
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    options._timeout = timeout
+    return dist.ProcessGroupGloo(store, rank, world_size, options)
+
+
+def _uri_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def _broadcast_object(pg, value: Any, is_root: bool) -> Any:

@@ -138,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-memory-bytes", type=int, help="CPU: cache bytes per engine")
     p.add_argument("--device")
     p.add_argument("--ray-address", help="join an existing Ray cluster")
+    p.add_argument("--advertise-host", help="IP the Ray workers bind and advertise (one node; default: "
+                   "$K3SERVE_HOST_IP, else each worker's Ray node IP)")
     p.add_argument("--config", type=Path, help="YAML file with any of the options above")
     p.set_defaults(func=_serve)
 

@@ -13,9 +13,10 @@ from k3serve.prefill.worker import make_sender
 
 def follower_main(
     rank: int, args: EngineArgs, init_method: str, transfer: str, transfer_options: dict | None = None,
-    num_threads: int | None = None,
+    num_threads: int | None = None, host: str = "127.0.0.1",
 ) -> None:
-    group, runner, config = join_engine(rank, args, init_method, num_threads)
+    """`host`: this node's address (group sockets; the transfer agent's, via `transfer_options`)."""
+    group, runner, config = join_engine(rank, args, init_method, num_threads, host)
     try:
         sender = make_sender(args, runner, config, rank, transfer, transfer_options)
         try:

@@ -4,6 +4,7 @@ host needs only the packages of the backend it runs:
     make_backend("mooncake", hostname="10.0.0.5", protocol="rdma")   # MooncakeBackend
     make_backend("nixl")                                             # NixlBackend (UCX)
     make_backend("local")                                            # LocalBackend (one process)
+    make_backend("mooncake", **host_options("mooncake", node_ip))    # reachable at this node's IP
     available_backends()  -> {"local": True, "mooncake": True, "nixl": False}
 """
 
@@ -29,6 +30,11 @@ _REQUIRES: dict[str, tuple[tuple[str, ...], ...]] = {
 }
 
 
+# The constructor option through which a backend's agent tells peers its node's address; None: it
+# finds its interfaces itself (NIXL: UCX puts every usable one in the agent's metadata).
+_HOST_OPTION: dict[str, str | None] = {"mooncake": "hostname", "nixl": None, "local": None}
+
+
 def backend_names() -> tuple[str, ...]:
     return tuple(_BACKENDS)
 
@@ -36,15 +42,27 @@ def backend_names() -> tuple[str, ...]:
 def make_backend(name: str, **options) -> TransferBackend:
     """A new backend agent. `options` go to the backend's constructor (see its class docstring).
     TransferError for an unknown name, or (from the backend) when its package is missing."""
-    key = name.strip().lower()
-    if key not in _BACKENDS:
-        raise TransferError(f"unknown transfer backend {name!r}; choose one of {', '.join(_BACKENDS)}")
+    key = _key(name)
     module, cls = _BACKENDS[key]
     try:
         mod = importlib.import_module(f".{module}", __package__)
     except ImportError as e:
         raise TransferError(f"transfer backend {key!r} could not be loaded: {e}") from e
     return getattr(mod, cls)(**options)
+
+
+def host_options(name: str, host: str) -> dict[str, str]:
+    """The `make_backend(name, ...)` options that make its agent reachable at `host`, this node's
+    address (Mooncake's hostname defaults to 127.0.0.1, which no other node can dial)."""
+    option = _HOST_OPTION[_key(name)]
+    return {option: host} if option else {}
+
+
+def _key(name: str) -> str:
+    key = name.strip().lower()
+    if key not in _BACKENDS:
+        raise TransferError(f"unknown transfer backend {name!r}; choose one of {', '.join(_BACKENDS)}")
+    return key
 
 
 def _importable(module: str) -> bool:

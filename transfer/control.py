@@ -282,12 +282,19 @@ class _Servicer(pb_grpc.DecodeControlServicer):
 
 class DecodeControlServer:
     """Serves `DecodeControl` for one decode rank. `start()` binds (port 0 by default: the kernel
-    picks a free port) and publishes the bound port in `.port` / `.address`; nothing guesses."""
+    picks a free port) and publishes the bound port in `.port` / `.address`; nothing guesses.
+
+    `host` is both the address bound and the one published: the node's address that prefill ranks
+    dial (cluster/node_address.py), on that interface only. Not 0.0.0.0: the control plane has no
+    authentication, so it is not opened on every interface, and no peer could dial that address."""
 
     def __init__(self, handler: DecodeControlHandler, compat_hash: str, host: str = "127.0.0.1",
                  port: int = 0, max_workers: int = 8) -> None:
         if not compat_hash:
             raise ValueError("compat_hash is empty: pass the hash of model config + cache dtype + block size + layout")
+        if host.strip("[]") in ("0.0.0.0", "::", ""):
+            raise ValueError(f"DecodeControlServer host {host!r} is not an address a peer can dial: "
+                             "bind the node's address (cluster/node_address.py)")
         self.host = host
         self.port: int | None = None  # set by start()
         self.instance_id = uuid.uuid4().hex  # new per server: tells clients the regions moved

@@ -71,8 +71,9 @@ class MooncakeBackend(TransferBackend):
     """One Mooncake TransferEngine on one rank.
 
     Options:
-        hostname:    address peers use to reach this engine (default 127.0.0.1; use the pod IP
-                     across hosts).
+        hostname:    address peers use to reach this engine (default 127.0.0.1: one machine);
+                     across hosts this node's IP (`backends.host_options`; the Ray launcher
+                     passes each worker's node IP, cluster/node_address.py).
         protocol:    "tcp" (default; CPU hosts), "rdma" or "nvlink" (GPU hosts, passed through).
         device_name: RDMA NIC filter, e.g. "mlx5_0,mlx5_1" ("" = auto-discover).
         timeout_s:   poll() reports FAILED for a handle still pending after timeout_s plus its
