@@ -39,6 +39,7 @@ from k3serve.model.batch import ModelCache
 from k3serve.model.presets import preset_config
 from k3serve.transfer.backend import TransferBackend, TransferStatus, WriteOp
 from k3serve.transfer.backends import backend_names, make_backend
+from k3serve.transfer import checksum
 from k3serve.transfer.checksum import mismatched_regions, request_checksums
 from k3serve.transfer.layout import CacheLayout, HeadSlice, register_cache
 from k3serve.transfer.tp_map import RankCache, RequestSpan, TPMapping
@@ -112,9 +113,10 @@ def _named_tensors(cache: ModelCache) -> dict[str, torch.Tensor]:
 
 
 def timed_checksums(cache: ModelCache, layout: CacheLayout, block_ids, slot: int, num_tokens: int,
-                    heads: HeadSlice | None, include_mla: bool, dev: torch.device) -> tuple[dict[str, str], list[float]]:
-    """request_checksums on the cache's device, CHECKSUM_REPS times (ms each; the first compiles nothing
-    but warms the allocator, so all are kept)."""
+                    heads: HeadSlice | None, include_mla: bool, dev: torch.device) -> tuple[dict[str, str], list[float], str]:
+    """request_checksums on the cache's device, CHECKSUM_REPS times after one warm-up (on CUDA it compiles
+    the Triton kernel): the sums, ms each, and the path that ran ("triton" | "matmul")."""
+    request_checksums(cache, layout, block_ids, slot, num_tokens, heads, include_mla)
     times, sums = [], {}
     for _ in range(CHECKSUM_REPS):
         sync(dev)
@@ -122,7 +124,7 @@ def timed_checksums(cache: ModelCache, layout: CacheLayout, block_ids, slot: int
         sums = request_checksums(cache, layout, block_ids, slot, num_tokens, heads, include_mla)
         sync(dev)
         times.append((time.perf_counter() - t0) * 1e3)
-    return sums, times
+    return sums, times, checksum.last_backend["checksum"]
 
 
 def receiver(conn, spec: dict) -> None:
@@ -228,10 +230,10 @@ def main() -> None:
         ops = mapping.ops(RequestSpan(src_blocks, dst_blocks, src_slot, dst_slot, args.tokens))[(0, 0)]
         nbytes = sum(op.length for op in ops)
         view = mapping.view(0, 0)
-        sent, send_ck_ms = timed_checksums(cache, layout, src_blocks, src_slot, args.tokens, view.heads, view.mla,
+        sent, send_ck_ms, send_ck_path = timed_checksums(cache, layout, src_blocks, src_slot, args.tokens, view.heads, view.mla,
                                            src_dev)
         conn.send(("checksums", dst_blocks, dst_slot, args.tokens))
-        before, _ = recv(conn, "checksums")
+        before, _, _ = recv(conn, "checksums")
         result["differed_before"] = len(mismatched_regions(sent, before))
 
         seconds = [write_and_wait(backend, peer, ops) for _ in range(args.warmup + args.reps)]
@@ -239,14 +241,15 @@ def main() -> None:
         result["first_writes_ms"] = [s * 1e3 for s in seconds[: args.warmup]]
 
         conn.send(("checksums", dst_blocks, dst_slot, args.tokens))
-        landed, recv_ck_ms = recv(conn, "checksums")
+        landed, recv_ck_ms, recv_ck_path = recv(conn, "checksums")
         bad = mismatched_regions(sent, landed)
         conn.send(("bytes", [(op.dst_addr, op.length) for op in ops]))
         landed_bytes = torch.frombuffer(bytearray(conn.recv_bytes()), dtype=torch.uint8)
         sent_bytes = torch.cat(byte_ranges(cache, regions, [(op.src_addr, op.length) for op in ops])).cpu()
         result.update(regions_checked=len(sent), checksum_mismatches=bad,
                       direct_compare_equal=bool(torch.equal(sent_bytes, landed_bytes)),
-                      sender_checksum_ms=send_ck_ms, receiver_checksum_ms=recv_ck_ms)
+                      sender_checksum_ms=send_ck_ms, receiver_checksum_ms=recv_ck_ms,
+                      checksum_paths=[send_ck_path, recv_ck_path])
 
         # Anchors, this process: the same ranges as tensor copies into a mirror of the decode cache on dst_dev.
         mirror, _ = allocate(args.preset, num_blocks + 1, 4, dst_dev, seed=3)
@@ -298,6 +301,11 @@ def report(result: dict, out: Path | None) -> None:
     print(f"checksum pass (transfer/checksum.py, on each side's device; median of {CHECKSUM_REPS}): sender share "
           f"{send_ck:.2f} ms, receiver landed {recv_ck:.2f} ms; handoff as the serving path runs it "
           f"(write + both checksums) {handoff['median_ms'] + send_ck + recv_ck:.2f} ms")
+    mb = handoff["bytes"] / 1e6
+    print(f"checksum kernel: {mb:.1f} MB in {result['regions_checked']} regions, sender path "
+          f"{result['checksum_paths'][0]} {mb / send_ck:.1f} GB/s ({send_ck / handoff['median_ms']:.2f}x the write), "
+          f"receiver path {result['checksum_paths'][1]} {mb / recv_ck:.1f} GB/s ({recv_ck / handoff['median_ms']:.2f}x "
+          f"the write); goal each side < 1 ms (HBM read of these bytes at 4.8 TB/s: {mb / 4.8e6 * 1e3:.3f} ms)")
     print(f"byte-exact: {result['regions_checked']} region checksums "
           f"{'equal' if not result['checksum_mismatches'] else 'DIFFER: ' + ', '.join(result['checksum_mismatches'])}"
           f" (before the first write {result['differed_before']} differed); direct compare of "

@@ -26,13 +26,18 @@ v = w + 32769 in 1..65536, so a zero word still counts) at word position p adds 
                                                      words, ALWAYS change it (views < 4 GiB)
     lane 2: v * R^p      mod p2 = 2^31 - 19 (prime)  polynomial hash, R a primitive root: the rest
 
-Cheap because nothing is reduced per element: the words of all the pieces of a request are
-placed, row-aligned, into one float64 matrix X of rows of 1024 words (zero-padded), and one
-matmul X @ [1, j+1, R^j & 0xffff, R^j >> 16] gives four exact integer sums per row (every
-product and partial sum stays far below 2^53, so any summation order is exact, on any device).
-Rows are folded with their position (lane 1) and R^(row start) (lane 2) in int64, summed per
-piece, and the piece's offset in the view and the +32769 shift are fixed up with Python ints.
-Only one small tensor of per-piece sums reaches the host.
+A request's view is described as pieces (`Piece`: words of a cache tensor, in block runs for MLA),
+never gathered into a new tensor up front. Two exact paths compute the same per-piece lanes:
+
+  CPU (and CUDA without triton): cheap because nothing is reduced per element: the pieces' words
+  are placed, row-aligned, into float64 matrices of rows of 1024 words (zero-padded), and one
+  matmul X @ [1, j+1, R^j & 0xffff, R^j >> 16] a batch gives four exact integer sums per row
+  (every product and partial sum stays far below 2^53, so any summation order is exact). Rows are
+  folded with their position (lane 1) and R^(row start) (lane 2) in int64, summed per piece, and
+  the piece's offset in the view and the +32769 shift are fixed up with Python ints.
+  CUDA: `checksum_triton`: one kernel reads every piece in place, in int64 with every bound
+  checked, one launch and one host sync for the whole request (the matmul path paid a staging copy,
+  a dozen launches and a sync per 4M-word batch: ~40 ms for a K3 rank's 283 MB on an H200).
 """
 
 from __future__ import annotations
@@ -40,9 +45,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
+from k3serve.kernels._backend import has_module
 from k3serve.model.batch import ModelCache
 from k3serve.transfer.layout import CacheLayout, HeadSlice
 from k3serve.transfer.metrics import BoundTransferMetrics
@@ -58,19 +65,39 @@ _BATCH_WORDS = 1 << 22  # words per matmul: float64 temporaries of 32 MiB at mos
 _MAX_VIEW_WORDS = _P1 - 2
 
 
-@dataclass(frozen=True)
-class _Piece:
-    """Words of one region's view: `words` (int16) at word position `offset` of the view."""
+class Piece(NamedTuple):  # a NamedTuple: a K3 rank's request makes 162 of them per checksum pass
+    """`count` 16-bit words at word position `offset` of a region's view, read from the contiguous
+    tensor `source` in runs of `run` words: run k starts at word `first + runs[k] * run_stride` of
+    `source` (the last run is cut at `count`). One run (`runs == (0,)`) for a slot's KDA state; a
+    request's MLA blocks for an MLA layer, so neither path gathers them into a new tensor first."""
 
     region: str
+    source: torch.Tensor
+    first: int
+    count: int
+    offset: int
+    run: int
+    run_stride: int = 0
+    runs: tuple[int, ...] = (0,)
+
+
+@dataclass(frozen=True)
+class _Words:
+    """Words of piece number `piece` as one int16 tensor, at word position `offset` of the view."""
+
+    piece: int
     words: torch.Tensor
     offset: int
+
+
+last_backend: dict[str, str] = {}  # "checksum" -> "triton" | "matmul": the GPU tests assert on it
 
 
 def region_checksum(tensor_view: torch.Tensor, offset: int = 0) -> str:
     """Checksum of the bytes of `tensor_view` (row-major order), placed at byte `offset` of the view
     being checksummed. Same bytes at the same offset -> same value, on any device and tensor."""
-    return _checksum_pieces([_piece("", tensor_view, offset)])[""]
+    data = tensor_view.contiguous()
+    return _checksum_pieces([_piece("", data, 0, data.numel() * data.element_size(), offset)])[""]
 
 
 def combine_checksums(parts: Iterable[str]) -> str:
@@ -96,16 +123,16 @@ def request_checksums(
     Sender (prefill rank s, for decode rank r): `heads` and `include_mla` from `TPMapping.view(s, r)`.
     Receiver (decode rank r): `heads=HeadSlice.whole_shard(layout)`, `include_mla=True`; its
     values equal `combine_request_checksums` of the senders' dicts when the bytes arrived intact.
-    All regions are summed in one pass (`_checksum_pieces`).
+    All regions are summed in one pass (`_checksum_pieces`); bad ids or slots are refused (ValueError).
     """
-    pieces: list[_Piece] = []
+    pieces: list[Piece] = []
     if include_mla and cache.mla_kv:
         if num_tokens > len(block_ids) * layout.block_size:
             raise ValueError(f"{num_tokens} tokens do not fit in {len(block_ids)} blocks of {layout.block_size}")
-        ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=cache.mla_kv[0].device)
-        for region, kv in zip(layout.mla, cache.mla_kv):
-            rows = kv.index_select(0, ids)  # [blocks, block_size, kv_dim]: the request's blocks, gathered once
-            pieces.append(_piece(region.name, rows.reshape(-1, rows.shape[-1])[:num_tokens], 0))
+        blocks = tuple(int(b) for b in block_ids[: -(-num_tokens // layout.block_size)])
+        for region, kv in zip(layout.mla, cache.mla_kv):  # token rows 0..num_tokens-1: whole blocks, the last cut
+            block_bytes = kv[0].numel() * kv.element_size()
+            pieces.append(_piece(region.name, kv, 0, num_tokens * region.bytes_per_token, 0, block_bytes, blocks))
     if heads is not None:
         first = layout.tp_rank * layout.num_kda_heads_local
         if not first <= heads.start < heads.stop <= first + layout.num_kda_heads_local:
@@ -113,16 +140,19 @@ def request_checksums(
         lo, hi = heads.start - first, heads.stop - first  # local heads on this rank
         into_view = heads.start - heads.view_start  # first head's position in the decode view
         k = layout.kda_head_dim
-        for region, state in zip(layout.kda_recurrent, cache.kda_recurrent):
-            pieces.append(_piece(region.name, state[slot_id, lo:hi], into_view * region.bytes_per_head))
+        for region, state in zip(layout.kda_recurrent, cache.kda_recurrent):  # state[slot_id, lo:hi]
+            at = slot_id * region.bytes_per_slot + lo * region.bytes_per_head
+            pieces.append(_piece(region.name, state, at, (hi - lo) * region.bytes_per_head, into_view * region.bytes_per_head))
         for region, conv in zip(layout.kda_conv, cache.kda_conv):
+            slot_at = slot_id * region.bytes_per_slot
             if hi - lo == heads.view_heads == layout.num_kda_heads_local:  # the whole slot, in place
-                pieces.append(_piece(region.name, conv[slot_id], 0))
+                pieces.append(_piece(region.name, conv, slot_at, region.bytes_per_slot, 0))
                 continue
             for sub in range(3):  # q, k, v sub-blocks, each cut by the same channel range
-                rows = conv[slot_id, sub * region.channels_local + lo * k : sub * region.channels_local + hi * k]
+                at = slot_at + sub * region.bytes_per_subblock + lo * k * region.bytes_per_channel
                 view_row = sub * heads.view_heads * k + into_view * k
-                pieces.append(_piece(region.name, rows, view_row * region.bytes_per_channel))
+                pieces.append(_piece(region.name, conv, at, (hi - lo) * k * region.bytes_per_channel,
+                                     view_row * region.bytes_per_channel))  # fmt: skip
     return _checksum_pieces(pieces)
 
 
@@ -146,42 +176,86 @@ def mismatched_regions(
     return bad
 
 
-def _piece(region: str, tensor: torch.Tensor, offset: int) -> _Piece:
-    """`tensor`'s bytes as int16 words at byte `offset` of a view; ValueError off the word grid."""
-    data = tensor.contiguous().reshape(-1)
-    nbytes = data.numel() * data.element_size()
-    if offset % _WORD or nbytes % _WORD:
+def _piece(
+    region: str, source: torch.Tensor, at: int, nbytes: int, offset: int,
+    run_bytes: int | None = None, runs: tuple[int, ...] = (0,),
+) -> Piece:
+    """`nbytes` bytes of `source` from byte `at` (or in runs of `run_bytes` from byte `at + r * run_bytes`,
+    r in `runs`), placed at byte `offset` of a view; ValueError off the word grid or outside `source`."""
+    if not source.is_contiguous():
+        raise ValueError(f"checksummed tensors must be contiguous (region {region!r})")
+    run_bytes = run_bytes or max(nbytes, _WORD)
+    if (offset | nbytes | at | run_bytes | source.data_ptr()) % _WORD:
         raise ValueError(f"checksummed views are made of {_WORD}-byte words: offset {offset}, {nbytes} bytes")
     if offset < 0 or (offset + nbytes) // _WORD > _MAX_VIEW_WORDS:
         raise ValueError(f"checksummed views must lie in [0, {_MAX_VIEW_WORDS * _WORD}) bytes; got offset {offset} + {nbytes}")
-    if data.element_size() == 1:
-        data = data.view(torch.uint8)  # bool and fp8 views too
-    return _Piece(region, data.view(torch.int16), offset // _WORD)
+    used = runs[: -(-nbytes // run_bytes)] or (0,)
+    size = source.numel() * source.element_size()
+    if at < 0 or min(used) < 0 or at + max(used) * run_bytes + min(run_bytes, nbytes) > size:
+        raise ValueError(f"region {region!r}: bytes [{at}, +{nbytes}) in runs {runs} lie outside its {size}-byte tensor")
+    words = run_bytes // _WORD
+    return Piece(region, source, at // _WORD, nbytes // _WORD, offset // _WORD, words, words, used)
 
 
-def _checksum_pieces(pieces: list[_Piece]) -> dict[str, str]:
-    """Sum every piece's lanes into its region's (see the module docstring for the scheme)."""
-    lanes: dict[str, tuple[int, int]] = {}
-    for batch in _batches(pieces):
-        for piece, start_row, (s0, b1, v2) in zip(*_row_sums(batch)):
-            n, off = piece.words.numel(), piece.offset
-            shift = off - start_row * _ROW  # view position - matrix position of every word of the piece
+def _checksum_pieces(pieces: list[Piece]) -> dict[str, str]:
+    """Sum every piece's lanes into its region's (see the module docstring for the scheme): the Triton
+    kernel of `checksum_triton` on CUDA (one launch, one host sync), the float64 matmul elsewhere."""
+    if pieces and pieces[0].source.is_cuda and has_module("triton"):
+        from k3serve.transfer.checksum_triton import piece_lanes
+
+        last_backend["checksum"] = "triton"
+        lanes = piece_lanes(pieces)
+    else:
+        last_backend["checksum"] = "matmul"
+        lanes = _matmul_lanes(pieces)
+    return _fold(pieces, lanes)
+
+
+def _fold(pieces: Sequence[Piece], lanes: Iterable[tuple[int, int]]) -> dict[str, str]:
+    """Per-piece lanes added up per region."""
+    sums: dict[str, tuple[int, int]] = {}
+    for piece, (lane1, lane2) in zip(pieces, lanes, strict=True):
+        a, b = sums.get(piece.region, (0, 0))
+        sums[piece.region] = ((a + lane1) % _P1, (b + lane2) % _P2)
+    return {region: _format(*lane) for region, lane in sums.items()}
+
+
+def _matmul_lanes(pieces: list[Piece]) -> list[tuple[int, int]]:
+    """Every piece's lanes through the float64 matmul (the fast path on CPU)."""
+    lanes = [(0, 0)] * len(pieces)
+    words = [_Words(i, _words(piece), piece.offset) for i, piece in enumerate(pieces)]
+    for batch in _batches(words):
+        for part, start_row, (s0, b1, v2) in zip(*_row_sums(batch)):
+            n, off = part.words.numel(), part.offset
+            shift = off - start_row * _ROW  # view position - matrix position of every word of the part
             lane1 = b1 + shift * s0 + _SHIFT * (n * off + n * (n + 1) // 2)
             geometric = (pow(_R, n, _P2) - 1) * _R_MINUS_1_INV
             lane2 = pow(_R, shift, _P2) * v2 + _SHIFT * pow(_R, off, _P2) * geometric
-            a, b = lanes.get(piece.region, (0, 0))
-            lanes[piece.region] = ((a + lane1) % _P1, (b + lane2) % _P2)
-    return {region: _format(*lane) for region, lane in lanes.items()}
+            a, b = lanes[part.piece]
+            lanes[part.piece] = ((a + lane1) % _P1, (b + lane2) % _P2)
+    return lanes
 
 
-def _batches(pieces: list[_Piece]) -> Iterable[list[_Piece]]:
+def _words(piece: Piece) -> torch.Tensor:
+    """The piece's words as one int16 tensor: a view for one run, one index_select for several."""
+    raw = piece.source.reshape(-1).view(torch.uint8)
+    words = raw[: raw.numel() - raw.numel() % _WORD].view(torch.int16)
+    if len(piece.runs) == 1:
+        start = piece.first + piece.runs[0] * piece.run_stride
+        return words[start : start + piece.count]
+    rows = words.as_strided((max(piece.runs) + 1, piece.run), (piece.run_stride, 1), words.storage_offset() + piece.first)
+    ids = torch.as_tensor(piece.runs, dtype=torch.long, device=words.device)
+    return rows.index_select(0, ids).reshape(-1)[: piece.count]
+
+
+def _batches(pieces: list[_Words]) -> Iterable[list[_Words]]:
     """Pieces cut to at most one batch each and packed into batches of <= _BATCH_WORDS words of
     whole rows (what one matmul takes)."""
-    batch: list[_Piece] = []
+    batch: list[_Words] = []
     rows = 0
     for piece in pieces:
         for start in range(0, max(piece.words.numel(), 1), _BATCH_WORDS):
-            part = _Piece(piece.region, piece.words[start : start + _BATCH_WORDS], piece.offset + start)
+            part = _Words(piece.piece, piece.words[start : start + _BATCH_WORDS], piece.offset + start)
             need = -(-part.words.numel() // _ROW)
             if batch and (rows + need) * _ROW > _BATCH_WORDS:
                 yield batch
@@ -192,7 +266,7 @@ def _batches(pieces: list[_Piece]) -> Iterable[list[_Piece]]:
         yield batch
 
 
-def _row_sums(batch: list[_Piece]) -> tuple[list[_Piece], list[int], list[list[int]]]:
+def _row_sums(batch: list[_Words]) -> tuple[list[_Words], list[int], list[list[int]]]:
     """One matmul over the batch's words: per piece its first matrix row and three exact sums:
     sum(w), sum(w * (q + 1)) mod p1 and sum(w * R^q) mod p2, with q a word's position in the
     matrix (w the raw int16 value: the shift and the view offset are fixed up by the caller)."""

@@ -6,11 +6,18 @@ landing, for every TP ratio."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import random
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from _transfer_setup import BLOCK_SIZE, close, connect, fill_random_bytes, make_side, run_transfer, shard, tiny_config
 from k3serve.model.batch import ModelCache
+from k3serve.model.presets import preset_config
 from k3serve.transfer import checksum
 from k3serve.transfer.checksum import (
     combine_checksums,
@@ -38,6 +45,11 @@ def _oracle(t: torch.Tensor, offset: int = 0) -> str:
     return f"{lane1:08x}{lane2:08x}"
 
 
+def _whole(region: str, t: torch.Tensor, offset: int) -> checksum.Piece:
+    """All of `t`'s bytes as one piece at byte `offset` of the view of `region`."""
+    return checksum._piece(region, t, 0, t.numel() * t.element_size(), offset)
+
+
 def _lane1(value: str) -> str:
     return value[:8]
 
@@ -57,7 +69,7 @@ def test_pieces_split_across_matmul_batches_add_up(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(checksum, "_BATCH_WORDS", 4 * checksum._ROW)
     assert region_checksum(t, 10) == _oracle(t, 10)
     small = torch.randn(3, dtype=torch.float32)
-    pieces = [checksum._piece("a", t, 0), checksum._piece("b", small, 8), checksum._piece("a", small, 5000)]
+    pieces = [_whole("a", t, 0), _whole("b", small, 8), _whole("a", small, 5000)]
     assert checksum._checksum_pieces(pieces) == {"a": combine_checksums([_oracle(t), _oracle(small, 5000)]),
                                                  "b": _oracle(small, 8)}
 
@@ -187,14 +199,104 @@ def test_a_missing_region_is_a_mismatch() -> None:
     assert mismatched_regions({"mla.0": "0" * 16, "kda_conv.0": "1" * 16}, {"mla.0": "0" * 16}) == ["kda_conv.0"]
 
 
+def _random_pieces(rng: random.Random, count: int) -> list[checksum.Piece]:
+    """Pieces as request_checksums makes them, at random: a slice of a tensor or a list of block runs
+    (shuffled block ids, the last run cut), odd word counts, 1-, 2- and 4-byte dtypes, random offsets
+    (up to the top of the 2^31-word view), several pieces in one region."""
+    pieces = []
+    for _ in range(count):
+        dtype = rng.choice([torch.uint8, torch.bfloat16, torch.float32])
+        size = rng.choice([1, 2, 3, 7, 31, 64, 65, 200, 513])
+        source = torch.randint(0, 256, (size * 16 // dtype.itemsize,), dtype=torch.uint8)
+        source = source.view(dtype)  # random bytes, whatever the dtype
+        nbytes = source.numel() * source.element_size()
+        offset = 2 * rng.choice([0, rng.randrange(1, 5000), checksum._MAX_VIEW_WORDS - nbytes // 2])
+        region = f"r{rng.randrange(4)}"
+        if rng.random() < 0.4:  # block runs
+            run = 2 * rng.randrange(1, min(100, nbytes // 2) + 1)
+            blocks = rng.sample(range(nbytes // run), k=rng.randrange(1, min(nbytes // run, 5) + 1))
+            used = 2 * rng.randrange(1, len(blocks) * run // 2 + 1)
+            pieces.append(checksum._piece(region, source, 0, used, offset, run, tuple(blocks)))
+        else:
+            at = 2 * rng.randrange(nbytes // 2)
+            pieces.append(checksum._piece(region, source, at, 2 * rng.randrange(0, (nbytes - at) // 2 + 1), offset))
+    return pieces
+
+
+def _kernel_matches_matmul_path(seed: int) -> None:
+    """Run where TRITON_INTERPRET=1 was set before triton was imported (the interpreter runs the
+    kernel on CPU tensors), with small tiles and steps so that a few hundred words span many tiles,
+    steps and runs: the kernel's lanes, piece by piece, are the matmul path's and the big-int oracle's."""
+    from k3serve.transfer import checksum_triton
+
+    checksum_triton.TILE, checksum_triton.BLOCK = 64, 16
+    pieces = _random_pieces(random.Random(seed), 40)
+    lanes = checksum_triton.piece_lanes(pieces)
+    assert lanes == checksum._matmul_lanes(pieces)
+    for piece, (lane1, lane2) in zip(pieces, lanes):
+        assert f"{lane1:08x}{lane2:08x}" == _oracle(checksum._words(piece), 2 * piece.offset)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its interpreter runs the kernel)")
+def test_cuda_kernel_gives_the_matmul_paths_lanes() -> None:
+    """The CUDA path's Triton kernel, under the interpreter on CPU, in a process of its own (triton
+    picks the interpreter when it is imported): see `_kernel_matches_matmul_path`."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(filter(None, sys.path))}
+    code = "import test_checksum; test_checksum._kernel_matches_matmul_path(5)"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-4000:]
+
+
+def test_request_pieces_are_checked_against_their_tensors() -> None:
+    """The CUDA path reads raw addresses: a piece outside its tensor is refused before any read."""
+    t = torch.zeros(4, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="outside"):
+        checksum._piece("r", t, 0, 32, 0, 16, (1, 4))  # block 4 of 4
+    with pytest.raises(ValueError, match="outside"):
+        checksum._piece("r", t, 56, 16, 0)
+    with pytest.raises(ValueError, match="contiguous"):
+        checksum._piece("r", t.t(), 0, 8, 0)
+    config = tiny_config()
+    cache = ModelCache.allocate(config, num_blocks=4, num_slots=2, block_size=BLOCK_SIZE)
+    layout = CacheLayout.from_cache(cache, config, 0, 1)
+    with pytest.raises(ValueError, match="outside"):
+        request_checksums(cache, layout, [0, 9], 0, BLOCK_SIZE + 1, heads=None)
+    with pytest.raises(ValueError, match="outside"):
+        request_checksums(cache, layout, [], 2, 0, heads=HeadSlice.whole_shard(layout))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cpu_and_gpu_agree(dtype: torch.dtype) -> None:
     t = torch.randn(1000, 77).to(dtype)
     assert region_checksum(t) == region_checksum(t.cuda())
+    assert checksum.last_backend["checksum"] == "triton"
     assert region_checksum(t[3:9], offset=18) == region_checksum(t.cuda()[3:9], offset=18)
     assert region_checksum(t[3:9], offset=18) == _oracle(t[3:9], offset=18)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_request_checksums_at_k3_size() -> None:
+    """A Kimi-K3 TP8 rank's cache (24 MLA + 69 KDA layers, ~70 MB of a 500-token request in 162
+    regions, shuffled blocks): the Triton kernel on the GPU gives the CPU path's values, for the
+    receiver's whole shard and for a sender's share of a TP16 decode rank's view."""
+    config = preset_config("kimi-k3")
+    gpu = ModelCache.allocate(config, 12, 3, 64, 8, torch.bfloat16, "cuda")
+    for t in (*gpu.mla_kv, *gpu.kda_recurrent, *gpu.kda_conv):
+        t.view(torch.uint8).random_(0, 256)
+    cpu = ModelCache([t.cpu() for t in gpu.mla_kv], [t.cpu() for t in gpu.kda_recurrent],
+                     [t.cpu() for t in gpu.kda_conv], gpu.block_size)  # fmt: skip
+    layout = CacheLayout.from_cache(gpu, config, 0, 8)
+    blocks, tokens = [7, 2, 11, 0, 5, 9, 3, 1], 500
+    to_tp16_rank1 = HeadSlice(6, 12, 6, 6)  # heads 6-11 of this rank: the conv slot cut in q, k, v parts
+    for heads, mla, regions in [(HeadSlice.whole_shard(layout), True, 162), (to_tp16_rank1, False, 138)]:
+        on_gpu = request_checksums(gpu, layout, blocks, 1, tokens, heads, mla)
+        assert checksum.last_backend["checksum"] == "triton"
+        assert on_gpu == request_checksums(cpu, layout, blocks, 1, tokens, heads, mla)
+        assert checksum.last_backend["checksum"] == "matmul"
+        assert len(on_gpu) == regions
 
 
 def _change(t: torch.Tensor, index: tuple[int, ...]) -> None:
