@@ -1,31 +1,42 @@
 """One decode step of the engine's model on one GPU: ours eager (the GPU kernels), ours replayed as a CUDA
 graph (`engine/cuda_graphs.py`, the engine's default on CUDA), and the same model and caches with the torch
-reference ops forced (`reference_kernels()`), batch 1 / 8 / 32 at 2K context.
+reference ops forced (`reference_kernels()`); by default issue 7's row: k3-rank-slice, first 12 layers of
+K3, 8192 cached tokens per sequence, batch 1 / 2 / 4 / 8 / 16 / 32 / 64.
 
-    python benchmarks/gpu_engine.py [--out gpu_engine.json] [--configs k3-tiny-gpu,k3-rank-slice]
-                                    [--budget-s 150] [--max-model-len 8192] [--smoke]
+    python benchmarks/gpu_engine.py [--out gpu_engine.json] [--configs k3-rank-slice,k3-tiny-gpu] [--layers 12]
+                                    [--ctx 8192] [--batches 1,2,4,8,16,32,64] [--reference-batches 1,8,64]
+                                    [--reference-cap-s 15] [--profile] [--profile-batches 1,64]
+                                    [--budget-s 270] [--max-model-len 8192] [--smoke]
 
 Models (random weights generated in memory on the GPU: model construction, then a random init of every
 parameter; routed experts through `quantize_mxfp4`; no checkpoint is written):
 
   k3-tiny-gpu     `model.presets.K3_TINY_GPU`: 7 layers, hidden 256, KDA 12 x 128, MLA latent 512 + 64,
                   8 MXFP4 experts of 128 x 128 (the GPU engine tests' model).
-  k3-rank-slice   one rank of Kimi-K3 at TP8 / EP8, 4 layers in K3's order (0: KDA + dense MLP, 1-2: KDA +
-                  MoE, 3: MLA + MoE): KDA 12 of 96 heads, MLA 12 of 96 heads, dense MLP 4224 of 33792,
-                  112 local of 896 MXFP4 experts (latent 3584, intermediate 3072, top-16), shared experts
-                  768 of 6144, hidden 7168; the vocabulary is one TP8 shard (20480 of 163840) standing in for
-                  a vocab-parallel lm_head. All-reduces are no-ops: this times one rank's compute.
+  k3-rank-slice   one rank of Kimi-K3 at TP8 / EP8, the first --layers layers in K3's order (layer 1: KDA +
+                  dense MLP, then KDA + MoE with MLA + MoE at every 4th layer: 12 layers = 9 KDA + 3 MLA, 11
+                  MoE): KDA 12 of 96 heads, MLA 12 of 96 heads, dense MLP 4224 of 33792, 112 local of 896 MXFP4
+                  experts (latent 3584, intermediate 3072, top-16), shared experts 768 of 6144, hidden 7168; the
+                  vocabulary is one TP8 shard (20480 of 163840) standing in for a vocab-parallel lm_head.
+                  All-reduces are no-ops: this times one rank's compute. 12 layers hold ~25 GB of weights.
 
 Step = `ForwardBatch.build` (host lists -> device tensors) + `model(batch, cache)` + `compute_logits`,
-synchronized, wall clock, median; the caches hold 2048 random tokens per sequence (MLA blocks and KDA
-state), the step appends the 2049th. Graphs: `DecodeGraphs` captured for the batch sizes 1 / 8 / 32 (no
-padding), block tables as wide as --max-model-len (as in the engine), step = `DecodeGraphs.run` (inputs
-into the static buffers + replay) + `compute_logits`; capture time (warm-up + record, all sizes) reported.
+synchronized, wall clock, median; the caches hold --ctx random tokens per sequence (MLA blocks and KDA
+state), the step appends the next one. Graphs: `DecodeGraphs` captured for every batch size (no padding),
+block tables as wide as --max-model-len (as in the engine), step = `DecodeGraphs.run` (inputs into the static
+buffers + replay) + `compute_logits`; capture time (warm-up + record, all sizes) reported.
 Floor = bytes one step must read (every weight except the routed experts, plus the MXFP4 bytes of the
 local experts the router actually picked in this step, the MLA latent cache, the KDA state read and
 written) / device copy bandwidth measured in the same run.
-`--smoke` runs the script on the CPU with small contexts (checks the code, measures nothing; no graphs
-on a CPU: the graphs column stays empty)."""
+
+Order under --budget-s (wall seconds from start; what would start later is skipped and listed): eager and
+graphs at every batch; the reference at --reference-batches; --profile; the reference at the other batches.
+A reference row starts only when its --reference-cap-s fits in the budget, and stops timing once past that
+cap (at least 1 timed step after 1 warm-up; the table shows how many). --profile: torch.profiler (CUDA
+activity) over 6 graph steps at --profile-batches: kernels per step, busy vs span vs wall, op families,
+top 15 kernels (`_kernel_profile.py`); if the replay shows no kernels, the eager step is profiled instead
+and the profile says so. `--smoke` runs the script on the CPU with k3-tiny-gpu and small contexts (checks
+the code, measures nothing; no graphs on a CPU: the graphs column stays empty, the padded step runs eagerly)."""
 
 from __future__ import annotations
 
@@ -34,6 +45,7 @@ import copy
 import datetime
 import json
 import math
+import signal
 import statistics
 import sys
 import time
@@ -42,7 +54,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _kernel_profile import print_profile, profile_step  # noqa: E402
 from k3serve.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from k3serve.engine.scheduler_output import ScheduledSeq  # noqa: E402
 from k3serve.kernels import _backend, kda, mla, moe  # noqa: E402
@@ -65,11 +79,16 @@ class LocalTP(TensorParallel):
         return x
 
 
-def rank_slice_hf() -> dict:
+def rank_slice_hf(num_layers: int = 4) -> dict:
+    """One TP8 rank of Kimi-K3 cut to its first `num_layers` layers, kept in K3's order (MLA at every 4th)."""
     hf = preset_hf_config("kimi-k3")
     text = hf["text_config"]
-    text.update(num_hidden_layers=4, vocab_size=163840 // 8)
-    text["linear_attn_config"].update(full_attn_layers=[4], kda_layers=[1, 2, 3])
+    lin = text["linear_attn_config"]
+    if not 1 <= num_layers <= text["num_hidden_layers"]:
+        raise ValueError(f"num_layers must be in 1..{text['num_hidden_layers']}, got {num_layers}")
+    text.update(num_hidden_layers=num_layers, vocab_size=163840 // 8)
+    lin.update(full_attn_layers=[i for i in lin["full_attn_layers"] if i <= num_layers],
+               kda_layers=[i for i in lin["kda_layers"] if i <= num_layers])
     return hf
 
 
@@ -154,16 +173,20 @@ def graph_step_fn(model: KimiForCausalLM, graphs: DecodeGraphs, n: int, ctx: int
     return step
 
 
-def time_step(step, dev: torch.device, warmup: int, iters: int) -> tuple[float, list[float]]:
+def time_step(step, dev: torch.device, warmup: int, iters: int,
+              cap_s: float | None = None) -> tuple[float, list[float]]:
+    """Median wall ms of `iters` synchronized steps after `warmup`; with `cap_s`, timing stops once warm-up
+    and timed steps together have taken that long (at least one step is timed)."""
     def sync():
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
+    started = time.perf_counter()
     for _ in range(warmup):
         step()
     sync()
-    times = []
-    for _ in range(iters):
+    times: list[float] = []
+    while len(times) < iters and (cap_s is None or not times or time.perf_counter() - started < cap_s):
         start = time.perf_counter()
         step()
         sync()
@@ -233,141 +256,185 @@ def experts_hit(step) -> list[int]:
     return hits
 
 
-def profile_step(step, dev: torch.device, steps: int = 3, top: int = 15) -> dict:
-    """Where an eager step's time goes: torch.profiler over `steps` steps, per step. GPU busy = the sum of
-    the device time of every kernel and copy (overlap ignored)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            step()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-    events = prof.key_averages()
-    device_us = sum(getattr(e, "self_device_time_total", 0.0) for e in events if e.device_type.name == "CUDA")
-    by_cpu = sorted((e for e in events if e.device_type.name == "CPU"), key=lambda e: -e.self_cpu_time_total)
-
-    def count(*names: str) -> float:
-        return sum(e.count for e in events if e.key in names) / steps
-
-    return {
-        "gpu_busy_ms_per_step": device_us / 1e3 / steps,
-        "kernel_launches_per_step": count("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
-                                          "cudaLaunchKernelExC"),
-        "syncs_per_step": count("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"),
-        "aten_ops_per_step": sum(e.count for e in events if e.key.startswith("aten::")) / steps,
-        "top_self_cpu_us_per_step": [(e.key, round(e.self_cpu_time_total / steps), e.count // steps)
-                                     for e in by_cpu[:top]],
-    }
-
-
 def backends() -> str:
     used = {**kda.last_backend, **mla.last_backend, **moe.last_backend}
     short = {"kda_decode": "kda", "mla_decode_paged": "mla", "fused_experts": "moe"}
     return " ".join(f"{short[k]}:{used.get(k, '-')}" for k in short)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path)
-    parser.add_argument("--configs", default="k3-tiny-gpu,k3-rank-slice")
-    parser.add_argument("--batches", default="1,8,32")
-    parser.add_argument("--ctx", type=int, default=2048)
-    parser.add_argument("--budget-s", type=float, default=150.0, help="skip what would start after this")
+class Budget:
+    """Wall seconds from the start against --budget-s; what does not fit is listed, not silently dropped."""
+
+    def __init__(self, seconds: float, skipped: list[str]) -> None:
+        self.deadline = time.perf_counter() + seconds
+        self.skipped = skipped
+
+    def allows(self, what: str, need_s: float = 0.0) -> bool:
+        if time.perf_counter() + need_s <= self.deadline:
+            return True
+        self.skipped.append(f"{what}: over --budget-s")
+        return False
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="JSON of rows and profiles, rewritten after each one")
+    parser.add_argument("--configs", help="default k3-rank-slice (--smoke: k3-rank-slice,k3-tiny-gpu)")
+    parser.add_argument("--layers", type=int, default=12, help="k3-rank-slice: K3's first LAYERS layers")
+    parser.add_argument("--batches", help="default 1,2,4,8,16,32,64 (--smoke: 1,4)")
+    parser.add_argument("--ctx", type=int, default=8192, help="cached tokens per sequence (--smoke: 128)")
+    parser.add_argument("--reference-batches", help="reference first at these (of --batches); default 1,8,64 "
+                        "(--smoke: 1)")
+    parser.add_argument("--reference-cap-s", type=float, default=15.0, help="stop timing a reference row after this")
+    parser.add_argument("--profile", action="store_true", help="profile graph replays at --profile-batches")
+    parser.add_argument("--profile-batches", help="default 1,64 (--smoke: 1,4)")
+    parser.add_argument("--budget-s", type=float, default=270.0, help="skip what would start after this")
     parser.add_argument("--max-model-len", type=int, default=8192, help="graphs: block-table width in tokens")
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--profile", action="store_true", help="time nothing; profile one eager step of ours per row")
     args = parser.parse_args()
-    started = time.perf_counter()
-    if torch.cuda.is_available():
-        dev = torch.device("cuda")
-    elif args.smoke:
-        dev = torch.device("cpu")
+    args.configs = (args.configs or ("k3-rank-slice,k3-tiny-gpu" if args.smoke else "k3-rank-slice")).split(",")
+    unknown = [c for c in args.configs if c not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown --configs {unknown}; choose from {sorted(CONFIGS)}")
+    defaults = {"batches": ("1,2,4,8,16,32,64", "1,4"), "reference_batches": ("1,8,64", "1"),
+                "profile_batches": ("1,64", "1,4")}
+    for name, (full, smoke) in defaults.items():
+        values = [int(b) for b in (getattr(args, name) or (smoke if args.smoke else full)).split(",")]
+        if any(b < 1 for b in values):
+            parser.error(f"--{name.replace('_', '-')} must be positive integers, got {values}")
+        setattr(args, name, sorted(set(values)))
+    if args.smoke:
+        args.ctx = 128
+    return args
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def time_ours_and_graphs(cfg_name: str, model: KimiForCausalLM, cache: ModelCache, graphs: DecodeGraphs, n: int,
+                         ctx: int, dev: torch.device, bw: float, smoke: bool) -> dict:
+    """A row without its reference: ours eager, ours as a graph replay (when captured), bytes and floor."""
+    step = decode_step_fn(model, cache, n, ctx)
+    t0 = time.perf_counter()
+    ours_ms, ours_all = time_step(step, dev, warmup=3, iters=3 if smoke else 15)
+    used = backends()
+    hits = experts_hit(step)
+    first_s = time.perf_counter() - t0
+    graphs_ms, graphs_all = None, []
+    if graphs.captured:
+        before = graphs.num_replays
+        graphs_ms, graphs_all = time_step(graph_step_fn(model, graphs, n, ctx), dev, warmup=3, iters=30)
+        if graphs.num_replays - before != 33:
+            raise RuntimeError(f"{cfg_name} N{n}: the graph step replayed {graphs.num_replays - before} of 33 times")
+    else:  # on a CPU nothing is captured: the padded body runs once, as a code check
+        graph_step_fn(model, graphs, n, ctx)()
+    moved = step_bytes(model, cache, n, ctx, hits)
+    floor_ms = 1e3 * moved["total"] / bw
+    return {"config": cfg_name, "layers": model.config.num_hidden_layers, "batch": n, "ctx": ctx,
+            "ours_ms": ours_ms, "graphs_ms": graphs_ms, "reference_ms": None, "reference_steps": 0, "speedup": None,
+            "graphs_speedup_vs_ours": None if graphs_ms is None else ours_ms / graphs_ms,
+            "floor_ms": floor_ms, "ours_x_floor": ours_ms / floor_ms,
+            "graphs_x_floor": None if graphs_ms is None else graphs_ms / floor_ms,
+            "ours_backends": used, "reference_backends": None, "bytes": moved,
+            "ours_times_ms": ours_all, "graphs_times_ms": graphs_all, "reference_times_ms": [],
+            "ours_warmup_and_timing_s": first_s}
+
+
+def time_reference(row: dict, model: KimiForCausalLM, cache: ModelCache, dev: torch.device, iters: int,
+                   cap_s: float) -> None:
+    """Fill in the row's reference: the same eager step with `reference_kernels()`, timing capped at cap_s."""
+    step = decode_step_fn(model, cache, row["batch"], row["ctx"])
+    with _backend.reference_kernels():
+        ref_ms, ref_all = time_step(step, dev, warmup=1, iters=iters, cap_s=cap_s)
+        ref_used = backends()
+    row.update(reference_ms=ref_ms, reference_steps=len(ref_all), reference_times_ms=ref_all,
+               speedup=ref_ms / row["ours_ms"], reference_backends=ref_used, reference_cap_s=cap_s)
+    print(f"{row['config']} N{row['batch']}: reference {ref_ms:.2f} ms (median of {len(ref_all)}; {ref_used})",
+          flush=True)
+
+
+def profile_row(row: dict, model: KimiForCausalLM, cache: ModelCache, graphs: DecodeGraphs,
+                dev: torch.device) -> dict:
+    """Kernels of the graph step (the eager step when the profiler cannot see inside the replays)."""
+    n, ctx = row["batch"], row["ctx"]
+    if not graphs.captured:
+        source = "padded step run eagerly (nothing captured on a CPU: --smoke checks the code only)"
+        prof = profile_step(graph_step_fn(model, graphs, n, ctx), dev)
     else:
-        sys.exit("needs a CUDA device (or --smoke)")
+        source = "graph replays"
+        prof = profile_step(graph_step_fn(model, graphs, n, ctx), dev)
+        if prof.get("kernels_per_step", 0) < 10:  # a decode step is hundreds of kernels: the replay was not seen
+            source = (f"eager step: the profiler saw {prof.get('kernels_per_step', 0):.0f} kernels per graph step, "
+                      "not the kernels inside the replay")
+            prof = profile_step(decode_step_fn(model, cache, n, ctx), dev)
+    print(f"{row['config']} N{n}: profiled ({source})", flush=True)
+    return {"config": row["config"], "batch": n, "ctx": ctx, "source": source, "floor_ms": row["floor_ms"],
+            "graphs_ms": row["graphs_ms"], **prof}
+
+
+def run_config(cfg_name: str, args: argparse.Namespace, dev: torch.device, bw: float, result: dict,
+               budget: Budget, save) -> None:
+    """Eager + graphs at every batch, then the reference, the profiles and the rest of the reference."""
+    hf, tp_size = CONFIGS[cfg_name]
+    hf = rank_slice_hf(args.layers) if hf is None else hf
+    if args.smoke and cfg_name == "k3-rank-slice":
+        cfg = ModelConfig.from_hf_dict(copy.deepcopy(hf))
+        result["skipped"].append(f"{cfg_name}: not built in --smoke; its {cfg.num_hidden_layers} layers parse "
+                                 f"(KDA {[i + 1 for i in cfg.kda_layers]}, MLA {[i + 1 for i in cfg.mla_layers]})")
+        return
     dtype = torch.bfloat16
-    batches = [int(b) for b in args.batches.split(",")]
-    ctx = 128 if args.smoke else args.ctx
-    bw = copy_bandwidth(dev, args.smoke)
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    result = {"device": name, "date": str(datetime.date.today()), "torch": torch.__version__, "ctx": ctx,
-              "graphs_max_model_len": args.max_model_len, "copy_bytes_per_s": bw, "rows": [], "skipped": []}
-
-    def save() -> None:
-        if args.out is not None:
-            args.out.write_text(json.dumps(result, indent=1) + "\n")
-
-    for cfg_name in args.configs.split(","):
-        hf, tp_size = CONFIGS[cfg_name]
-        hf = rank_slice_hf() if hf is None else hf
-        if args.smoke and cfg_name == "k3-rank-slice":
-            result["skipped"].append(f"{cfg_name}: not in --smoke")
-            continue
-        t0 = time.perf_counter()
-        model = build_model(hf, tp_size, dev, dtype)
-        cache = make_cache(model, tp_size, max(batches), ctx, dev, dtype)
-        print(f"{cfg_name}: built in {time.perf_counter() - t0:.1f} s", flush=True)
-        graphs, capture_s = None, None
-        if not args.profile:  # on a CPU (--smoke) nothing is captured: the padded body runs once, as a code check
-            t0 = time.perf_counter()
-            graphs = DecodeGraphs(model, cache, sorted(batches), -(-max(args.max_model_len, ctx + 1) // BLOCK))
-            if dev.type == "cuda":
-                graphs.capture()
-                capture_s = time.perf_counter() - t0
-                print(f"{cfg_name}: graphs for {graphs.captured} captured in {capture_s:.1f} s", flush=True)
-        for n in batches:
-            if time.perf_counter() - started > args.budget_s:
-                result["skipped"].append(f"{cfg_name} N{n}: over --budget-s")
-                continue
-            step = decode_step_fn(model, cache, n, ctx)
-            if args.profile:
-                for _ in range(3):
-                    step()
-                prof = {"config": cfg_name, "batch": n, "ours_backends": backends(), **profile_step(step, dev)}
-                result.setdefault("profiles", []).append(prof)
-                save()
-                print(json.dumps(prof), flush=True)
-                continue
-            t0 = time.perf_counter()
-            ours_ms, ours_all = time_step(step, dev, warmup=3, iters=3 if args.smoke else 15)
-            used = backends()
-            hits = experts_hit(step)
-            first_ms = time.perf_counter() - t0
-            big = cfg_name == "k3-rank-slice"
-            with _backend.reference_kernels():
-                ref_ms, ref_all = time_step(step, dev, warmup=1, iters=3 if (args.smoke or big) else 7)
-                ref_used = backends()
-            graphs_ms, graphs_all = None, []
-            if graphs is not None and graphs.captured:
-                before = graphs.num_replays
-                graphs_ms, graphs_all = time_step(graph_step_fn(model, graphs, n, ctx), dev, warmup=3, iters=30)
-                assert graphs.num_replays - before == 33, "the graph step did not replay"
-            elif graphs is not None:
-                graph_step_fn(model, graphs, n, ctx)()
-            moved = step_bytes(model, cache, n, ctx, hits)
-            floor_ms = 1e3 * moved["total"] / bw
-            row = {"config": cfg_name, "batch": n, "ctx": ctx, "ours_ms": ours_ms, "graphs_ms": graphs_ms,
-                   "reference_ms": ref_ms, "speedup": ref_ms / ours_ms,
-                   "graphs_speedup_vs_ours": None if graphs_ms is None else ours_ms / graphs_ms,
-                   "floor_ms": floor_ms, "ours_x_floor": ours_ms / floor_ms,
-                   "graphs_x_floor": None if graphs_ms is None else graphs_ms / floor_ms,
-                   "ours_backends": used, "reference_backends": ref_used, "bytes": moved,
-                   "ours_times_ms": ours_all, "graphs_times_ms": graphs_all, "reference_times_ms": ref_all,
-                   "ours_warmup_and_timing_s": first_ms, "graphs_capture_s": capture_s}
-            result["rows"].append(row)
+    t0 = time.perf_counter()
+    model = build_model(hf, tp_size, dev, dtype)
+    cache = make_cache(model, tp_size, max(args.batches), args.ctx, dev, dtype)
+    info = {"layers": model.config.num_hidden_layers, "built_s": time.perf_counter() - t0,
+            "weight_bytes": tensor_bytes(list(model.parameters()) + list(model.buffers())),
+            "cache_bytes": tensor_bytes(cache.mla_kv + cache.kda_conv + cache.kda_recurrent)}
+    result["configs"][cfg_name] = info
+    print(f"{cfg_name}: {info['layers']} layers built in {info['built_s']:.1f} s, weights "
+          f"{info['weight_bytes'] / 1e9:.1f} GB, caches {info['cache_bytes'] / 1e9:.1f} GB", flush=True)
+    t0 = time.perf_counter()
+    graphs = DecodeGraphs(model, cache, args.batches, -(-max(args.max_model_len, args.ctx + 1) // BLOCK))
+    if dev.type == "cuda":
+        graphs.capture()
+        info["graphs_capture_s"] = time.perf_counter() - t0
+        print(f"{cfg_name}: graphs for {graphs.captured} captured in {info['graphs_capture_s']:.1f} s", flush=True)
+    rows: dict[int, dict] = {}
+    for n in args.batches:
+        if budget.allows(f"{cfg_name} N{n} eager + graphs"):
+            rows[n] = time_ours_and_graphs(cfg_name, model, cache, graphs, n, args.ctx, dev, bw, args.smoke)
+            result["rows"].append(rows[n])
             save()
-            shown = "-" if graphs_ms is None else f"{graphs_ms:.2f} ms"
-            print(f"{cfg_name} N{n}: ours {ours_ms:.2f} ms ({used}), graphs {shown}, reference {ref_ms:.2f} ms "
-                  f"({ref_used}), floor {floor_ms:.3f} ms", flush=True)
-        del model, cache, graphs
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+            r = rows[n]
+            shown = "-" if r["graphs_ms"] is None else f"{r['graphs_ms']:.2f} ms"
+            print(f"{cfg_name} N{n}: ours {r['ours_ms']:.2f} ms ({r['ours_backends']}), graphs {shown}, "
+                  f"floor {r['floor_ms']:.3f} ms", flush=True)
+    ref_iters = 3 if (args.smoke or cfg_name == "k3-rank-slice") else 7
 
-    print(f"\n### Decode step, eager and CUDA graphs ({name}, {result['date']}; {ctx} cached tokens per sequence; "
-          f"copy {bw / 1e12:.2f} TB/s measured in this run)\n")
-    cols = ["model", "batch", "ours ms", "graphs ms", "reference ms", "speedup", "graphs vs ours", "floor ms",
-            "ours x floor", "graphs x floor", "MB / step", "local experts hit / layer", "ours ran"]
+    def references(batches: list[int]) -> None:
+        for n in batches:
+            if budget.allows(f"{cfg_name} N{n} reference", need_s=args.reference_cap_s):
+                time_reference(rows[n], model, cache, dev, ref_iters, args.reference_cap_s)
+                save()
+
+    references([n for n in rows if n in args.reference_batches])
+    if args.profile:
+        for n in args.profile_batches:
+            if n in rows and budget.allows(f"{cfg_name} N{n} profile"):
+                result["profiles"].append(profile_row(rows[n], model, cache, graphs, dev))
+                save()
+    references([n for n in rows if n not in args.reference_batches])
+    info["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+    del model, cache, graphs
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def print_report(result: dict) -> None:
+    print(f"\n### Decode step, eager and CUDA graphs ({result['device']}, {result['date']}; {result['ctx']} cached "
+          f"tokens per sequence; copy {result['copy_bytes_per_s'] / 1e12:.2f} TB/s measured in this run)\n")
+    cols = ["model", "layers", "batch", "ours ms", "graphs ms", "reference ms (steps)", "speedup", "graphs vs ours",
+            "floor ms", "ours x floor", "graphs x floor", "MB / step", "local experts hit / layer", "ours ran"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
 
@@ -375,14 +442,50 @@ def main() -> None:
         return "-" if value is None else format(value, fmt) + unit
 
     for r in result["rows"]:
-        print(f"| {r['config']} | {r['batch']} | {r['ours_ms']:.2f} | {opt(r['graphs_ms'], '.2f')} | "
-              f"{r['reference_ms']:.2f} | {r['speedup']:.1f}x | {opt(r['graphs_speedup_vs_ours'], '.1f', 'x')} | "
-              f"{r['floor_ms']:.3f} | {r['ours_x_floor']:.0f} | {opt(r['graphs_x_floor'], '.0f')} | "
-              f"{r['bytes']['total'] / 1e6:.0f} | {','.join(map(str, r['bytes']['experts_hit_per_layer']))} | "
-              f"{r['ours_backends']} |")
+        hits = r["bytes"]["experts_hit_per_layer"]
+        hit_range = f"{min(hits)}-{max(hits)} (mean {statistics.mean(hits):.0f})" if hits else "-"
+        ref = "-" if r["reference_ms"] is None else f"{r['reference_ms']:.2f} ({r['reference_steps']})"
+        print(f"| {r['config']} | {r['layers']} | {r['batch']} | {r['ours_ms']:.2f} | {opt(r['graphs_ms'], '.2f')} | "
+              f"{ref} | {opt(r['speedup'], '.1f', 'x')} | {opt(r['graphs_speedup_vs_ours'], '.1f', 'x')} | "
+              f"{r['floor_ms']:.3f} | {r['ours_x_floor']:.1f} | {opt(r['graphs_x_floor'], '.1f')} | "
+              f"{r['bytes']['total'] / 1e6:.0f} | {hit_range} | {r['ours_backends']} |")
     for s in result["skipped"]:
         print(f"skipped: {s}")
-    save()
+    for p in result["profiles"]:
+        print_profile(f"{p['config']} batch {p['batch']}, {p['ctx']} cached tokens: {p['source']}", p, p["floor_ms"])
+
+
+def main() -> None:
+    args = parse_args()
+    if torch.cuda.is_available():
+        dev = torch.device("cuda")
+    elif args.smoke:
+        dev = torch.device("cpu")
+    else:
+        sys.exit("needs a CUDA device (or --smoke)")
+    result = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+              "date": str(datetime.date.today()), "torch": torch.__version__, "ctx": args.ctx,
+              "graphs_max_model_len": args.max_model_len, "budget_s": args.budget_s,
+              "reference_cap_s": args.reference_cap_s, "copy_bytes_per_s": None, "configs": {}, "rows": [],
+              "profiles": [], "skipped": []}
+    budget = Budget(args.budget_s, result["skipped"])
+
+    def save() -> None:
+        if args.out is not None:
+            args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+    def stop(signum, _frame) -> None:  # `timeout` sends SIGTERM: keep what was measured
+        raise SystemExit(f"stopped by signal {signum}: the results above are partial")
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        result["copy_bytes_per_s"] = copy_bandwidth(dev, args.smoke)
+        for cfg_name in args.configs:
+            run_config(cfg_name, args, dev, result["copy_bytes_per_s"], result, budget, save)
+    finally:
+        save()
+        if result["copy_bytes_per_s"] is not None:
+            print_report(result)
 
 
 if __name__ == "__main__":
