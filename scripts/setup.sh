@@ -2,7 +2,8 @@
 # Create .venv with the CPU build of torch and k3serve (editable) with its serving and test extras.
 # Safe to re-run. CPU torch goes first: a looser torch spec would pull a multi-GB CUDA build.
 #   --system-deps  Debian packages (root): libibverbs1, which Mooncake links even without RDMA
-#   --test-tools   what the deploy tests run: promtool, helm, kubectl, kubernetes-validate, ...
+#   --test-tools   what the deploy tests run: promtool, helm, kubectl, kubernetes-validate, ...; and
+#                  Triton, whose interpreter runs our GPU kernels on the CPU in the tests
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SYSTEM_DEPS=0; TEST_TOOLS=0
@@ -24,5 +25,6 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --no-deps "nixl-cu13==1.5.1"
 if [ "$TEST_TOOLS" = 1 ]; then
   bash scripts/install_deploy_tools.sh .venv
+  .venv/bin/python -m pip install -q "triton==3.6.0"  # the GPU machine's version
 fi
 echo "k3serve installed in $(pwd)/.venv"
