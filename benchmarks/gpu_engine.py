@@ -129,6 +129,7 @@ def build_model(hf: dict, tp_size: int, dev: torch.device, dtype: torch.dtype) -
             else:
                 w = getattr(mod, f"{proj}_weight")
                 w.copy_(torch.randn(w.shape, device=dev) / math.sqrt(w.shape[-1]))
+    model.process_weights_after_loading()
     return model.eval()
 
 

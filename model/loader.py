@@ -23,4 +23,5 @@ def load_model(
     with torch.device(device):
         model = KimiForCausalLM(config, tp, dtype)
     load_weights(model, model_dir)
+    model.process_weights_after_loading()
     return model.eval()

@@ -20,7 +20,7 @@ from torch import nn
 from k3serve.kernels.attn_res import attn_res_aggregate
 from k3serve.model.batch import ForwardBatch, ModelCache
 from k3serve.model.config import ModelConfig
-from k3serve.model.layers.common import Linear, RMSNorm
+from k3serve.model.layers.common import Linear, RMSNorm, Sharded
 from k3serve.model.layers.kda import KimiDeltaAttention
 from k3serve.model.layers.mla import MLAAttention
 from k3serve.model.layers.mlp import DenseMLP, SparseMoE, glu_activation
@@ -125,10 +125,22 @@ class KimiForCausalLM(nn.Module):
         self.config, self.tp, self.dtype = config, tp, dtype
         self.model = KimiModel(config, tp, dtype)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype)
+        self.weights_processed = False
+
+    def process_weights_after_loading(self) -> None:
+        """Derive the per-layer forms of the loaded weights (fp32 copies, packed blocks) once, instead
+        of every step; call it again after any reload (`load_model` does). Derived tensors keep their
+        addresses, so captured CUDA graphs see reloaded weights."""
+        for module in self.modules():
+            if isinstance(module, Sharded):
+                module.process_weights_after_loading()
+        self.weights_processed = True
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
         """Run the new tokens of every sequence in `batch`, advancing its caches. Returns [T, hidden]."""
+        if not self.weights_processed:
+            raise RuntimeError("weights are not processed: call process_weights_after_loading() after loading them")
         return self.model(batch, cache)
 
     @torch.inference_mode()

@@ -30,6 +30,20 @@ class Sharded(nn.Module):
         """Turn a checkpoint tensor into this parameter's full (unsharded) form; identity by default."""
         return tensor
 
+    def process_weights_after_loading(self) -> None:
+        """Derive, once per (re)load, what the forward would otherwise recompute from the weights every
+        step; none by default. `KimiForCausalLM.process_weights_after_loading` calls it on every module."""
+
+
+def keep_address(current: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    """A derived weight refreshed in place on reload, so CUDA graphs captured over `current` read the new
+    values; `value` itself when there is nothing to refresh (first load, or `value` already is `current`)."""
+    if current is None or current.shape != value.shape or current.dtype != value.dtype:
+        return value
+    if current.data_ptr() != value.data_ptr():
+        current.copy_(value)
+    return current
+
 
 class Linear(Sharded):
     """y = x W^T, W [out, in]. tp_dim 0: column parallel (split out), 1: row parallel (split in)."""

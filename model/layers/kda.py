@@ -15,7 +15,7 @@ from k3serve.kernels.kda import chunk_kda, kda_decode, kda_gate
 from k3serve.kernels.norm import gated_rms_norm
 from k3serve.model.batch import ForwardBatch
 from k3serve.model.config import ModelConfig
-from k3serve.model.layers.common import Linear, Sharded
+from k3serve.model.layers.common import Linear, Sharded, keep_address
 from k3serve.model.parallel import TensorParallel
 
 
@@ -57,6 +57,13 @@ class KimiDeltaAttention(Sharded):
         self.o_norm.add_param("weight", (d,), torch.float32, None)
         self.o_proj = Linear(p, hidden, dtype, tp_dim=1)
         self._num_heads_total = kda.num_heads
+        self.conv_weight: torch.Tensor | None = None  # [3P, W]: see process_weights_after_loading
+
+    def process_weights_after_loading(self) -> None:
+        """The q, k and v conv weights packed as the one [3P_local, W] fp32 block the conv kernel takes
+        (it runs the three as one conv); a copy of 3*P_local*W floats (72 KiB per K3 layer at TP8)."""
+        packed = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
+        self.conv_weight = keep_address(self.conv_weight, packed)
 
     def prepare_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A_log is per head. Kimi Linear ships [1, 1, H, 1]; K3 ships 128 entries for 96 heads,
@@ -75,10 +82,9 @@ class KimiDeltaAttention(Sharded):
             conv[batch.fresh_slot_ids] = 0
 
         qkv_in = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3P]
-        conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
         if batch.checkpoint_offsets is not None:
             self._checkpoint_conv(qkv_in, batch, conv)
-        qkv = causal_conv1d(qkv_in, conv_weight, conv, batch.cu_seqlens, batch.slot_ids, activation="silu",
+        qkv = causal_conv1d(qkv_in, self.conv_weight, conv, batch.cu_seqlens, batch.slot_ids, activation="silu",
                             pad_slot=batch.pad_slot)
         q, k, v = (t.reshape(T, H, d) for t in qkv.split(H * d, dim=-1))
         beta = torch.sigmoid(self.b_proj(x).float())  # [T, H]

@@ -14,7 +14,7 @@ import torch
 from k3serve.kernels.mla import gather_kv_cache, mla_decode_paged, mla_prefill_attention, write_kv_cache
 from k3serve.model.batch import ForwardBatch
 from k3serve.model.config import ModelConfig
-from k3serve.model.layers.common import Linear, RMSNorm, Sharded
+from k3serve.model.layers.common import Linear, RMSNorm, Sharded, keep_address
 from k3serve.model.parallel import TensorParallel
 
 
@@ -39,6 +39,16 @@ class MLAAttention(Sharded):
         if config.mla_use_output_gate:
             self.g_proj = Linear(hidden, H * self.v_dim, dtype, tp_dim=0)
         self.o_proj = Linear(H * self.v_dim, hidden, dtype, tp_dim=1)
+        self.w_uk: torch.Tensor | None = None  # fp32 [H, nope, L]: see process_weights_after_loading
+        self.w_uv: torch.Tensor | None = None  # fp32 [H, v, L]
+
+    def process_weights_after_loading(self) -> None:
+        """kv_b_proj split per head into W_UK [H, nope, L] and W_UV [H, v, L] in fp32, the form the
+        absorbed decode multiplies by. Costs an fp32 copy of this rank's kv_b_proj when the model is
+        bf16 (K3 at TP8: 8 heads x 256 x 512 x 4 B = 4 MiB per MLA layer); none when it is fp32."""
+        w = self.kv_b_proj.weight.reshape(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        self.w_uk = keep_address(self.w_uk, w[:, : self.nope].float())
+        self.w_uv = keep_address(self.w_uv, w[:, self.nope :].float())
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         T, H = x.shape[0], self.num_heads
@@ -59,20 +69,14 @@ class MLAAttention(Sharded):
             o = o * torch.sigmoid(self.g_proj(x).float()).reshape(T, H, self.v_dim)  # gate on the layer input
         return self.tp.all_reduce(self.o_proj(o.reshape(T, H * self.v_dim).to(x.dtype)))
 
-    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """kv_b_proj split per head into W_UK [H, nope, L] and W_UV [H, v, L]."""
-        w = self.kv_b_proj.weight.reshape(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
-        return w[:, : self.nope], w[:, self.nope :]
-
     def _decode(self, q: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         n = batch.num_decode
-        w_uk, w_uv = self._w_uk_uv()
-        q_latent = torch.einsum("nhd,hdl->nhl", q[..., : self.nope].float(), w_uk.float())
+        q_latent = torch.einsum("nhd,hdl->nhl", q[..., : self.nope].float(), self.w_uk)
         o_latent, _ = mla_decode_paged(
             q_latent, q[..., self.nope :].float(), kv_cache,
             batch.block_tables[:n], batch.seq_lens[:n], self.scale, self.kv_lora_rank,
         )
-        return torch.einsum("nhl,hvl->nhv", o_latent.float(), w_uv.float())
+        return torch.einsum("nhl,hvl->nhv", o_latent.float(), self.w_uv)
 
     def _prefill(self, q: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         n0, H = batch.num_decode, self.num_heads
