@@ -1,14 +1,18 @@
 """Normalizations over the last dim: RMSNorm (layer norms, MLA latent norms), the sigmoid-gated
 RMSNorm that closes a KDA layer (fla FusedRMSNormGated), and the q/k L2 norm of KDA.
 
-Each function checks shapes here and runs the fp32 reference in `naive.py`; the output dtype is
+Each function checks shapes here, then runs `triton_norm.py` (one kernel launch) when every tensor is on
+CUDA, else the fp32 reference in `naive.py`; `last_backend[name]` records which. The output dtype is
 x.dtype."""
 
 from __future__ import annotations
 
 from torch import Tensor
 
+from .._backend import gpu_kernels, has_module
 from . import naive
+
+last_backend: dict[str, str] = {}  # "rms_norm" / "gated_rms_norm" / "l2_normalize" -> "triton" | "naive"
 
 __all__ = ["rms_norm", "gated_rms_norm", "l2_normalize"]
 
@@ -23,12 +27,23 @@ def _check_float(name: str, t: Tensor) -> None:
         raise ValueError(f"{name} must be a floating tensor, got {t.dtype}")
 
 
+def _implementation(name: str, *tensors: Tensor | None):
+    """The module that runs op `name` on these tensors: triton_norm on CUDA, else naive."""
+    if gpu_kernels(*tensors) and has_module("triton"):
+        from . import triton_norm
+
+        last_backend[name] = "triton"
+        return triton_norm
+    last_backend[name] = "naive"
+    return naive
+
+
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """x [..., D] / rms(x) * weight [D]; weight None means no scale (e.g. attention-residual scores)."""
     _check_float("x", x)
     if weight is not None:
         _check_weight(x, weight)
-    return naive.rms_norm(x, weight, eps)
+    return _implementation("rms_norm", x, weight).rms_norm(x, weight, eps)
 
 
 def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -37,10 +52,10 @@ def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tenso
     if gate.shape != x.shape:
         raise ValueError(f"gate must match x {tuple(x.shape)}, got {tuple(gate.shape)}")
     _check_weight(x, weight)
-    return naive.gated_rms_norm(x, gate, weight, eps)
+    return _implementation("gated_rms_norm", x, gate, weight).gated_rms_norm(x, gate, weight, eps)
 
 
 def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
     """x [..., D] / sqrt(sum(x^2) + eps): the KDA q/k normalization (use_qk_l2norm_in_kernel)."""
     _check_float("x", x)
-    return naive.l2_normalize(x, eps)
+    return _implementation("l2_normalize", x).l2_normalize(x, eps)
