@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from k3serve.kernels.attn_res import attn_res_aggregate
+from k3serve.kernels.attn_res import attn_res_aggregate, fold_score_weight
 from k3serve.model.batch import ForwardBatch, ModelCache
 from k3serve.model.config import ModelConfig
-from k3serve.model.layers.common import Linear, RMSNorm, Sharded
+from k3serve.model.layers.common import Linear, RMSNorm, keep_address
 from k3serve.model.layers.kda import KimiDeltaAttention
 from k3serve.model.layers.mla import MLAAttention
 from k3serve.model.layers.mlp import DenseMLP, SparseMoE, glu_activation
@@ -48,6 +48,15 @@ class DecoderLayer(nn.Module):
             self.self_attention_res_norm = RMSNorm(hidden, eps, dtype)
             self.mlp_res_proj = Linear(hidden, 1, dtype)
             self.mlp_res_norm = RMSNorm(hidden, eps, dtype)
+            self.attn_res_scores: tuple[torch.Tensor, torch.Tensor] | None = None  # see process_weights_...
+
+    def process_weights_after_loading(self) -> None:
+        """The two mixes' score vectors, folded once (`fold_score_weight`): 2 x hidden fp32 a layer."""
+        if self.res_block:
+            self.attn_res_scores = _fold_scores(
+                self.attn_res_scores,
+                (self.self_attention_res_proj, self.self_attention_res_norm), (self.mlp_res_proj, self.mlp_res_norm),
+            )
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "block_sparse_moe"):
@@ -65,24 +74,35 @@ class DecoderLayer(nn.Module):
         h = h + self._attn(h, batch, cache, cache_idx)
         return h + self._mlp(self.post_attention_layernorm(h))
 
-    def forward_attn_res(
-        self, prefix: torch.Tensor, bank: list[torch.Tensor], batch: ForwardBatch, cache: ModelCache, cache_idx: int
-    ) -> torch.Tensor:
-        """Attention-residual block; may append to `bank`. Returns the new prefix (block sum)."""
-        x = _mix(prefix, bank, self.self_attention_res_proj, self.self_attention_res_norm)
-        restart = self.layer_idx % self.res_block == 0
-        if restart:
-            bank.append(prefix)
+    def forward_attn_res(self, sources: torch.Tensor, k: int, batch: ForwardBatch, cache: ModelCache,
+                         cache_idx: int) -> int:
+        """Attention-residual block over `sources` [S, T, D]: rows < k are the bank, row k the prefix
+        (block sum), updated in place; a restart freezes row k and starts the new prefix in row k + 1.
+        Returns the prefix row. The rows are what the mixes read, so no mix stacks the bank again."""
+        attn_scores, mlp_scores = self.attn_res_scores
+        x = _mix(sources, k, attn_scores, self.self_attention_res_norm.eps)
         a = self._attn(x, batch, cache, cache_idx)
-        prefix = a if restart else prefix + a
-        x = _mix(prefix, bank, self.mlp_res_proj, self.mlp_res_norm)
-        return prefix + self._mlp(self.post_attention_layernorm(x))
+        if self.layer_idx % self.res_block == 0:
+            k += 1
+            sources[k].copy_(a)
+        else:
+            sources[k].add_(a)
+        x = _mix(sources, k, mlp_scores, self.mlp_res_norm.eps)
+        sources[k].add_(self._mlp(self.post_attention_layernorm(x)))
+        return k
 
 
-def _mix(prefix: torch.Tensor, bank: list[torch.Tensor], proj: Linear, norm: RMSNorm) -> torch.Tensor:
-    if not bank:
-        return prefix
-    return attn_res_aggregate(torch.stack(bank + [prefix]), proj.weight.reshape(-1), norm.weight, norm.eps)
+def _mix(sources: torch.Tensor, k: int, score_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The layer's input: the prefix (row k) alone before the first snapshot, else the mix of rows 0..k."""
+    if k == 0:
+        return sources[0]
+    return attn_res_aggregate(sources[: k + 1], score_weight, eps)
+
+
+def _fold_scores(current: tuple[torch.Tensor, ...] | None, *pairs: tuple[Linear, RMSNorm]) -> tuple[torch.Tensor, ...]:
+    """Each (proj, norm) pair's folded score vector, refreshed in place when `current` holds them."""
+    folded = [fold_score_weight(proj.weight.reshape(-1), norm.weight) for proj, norm in pairs]
+    return tuple(keep_address(old, new) for old, new in zip(current or (None,) * len(folded), folded))
 
 
 class KimiModel(nn.Module):
@@ -98,11 +118,19 @@ class KimiModel(nn.Module):
         if config.attn_res_block_size:
             self.output_attn_res_proj = Linear(config.hidden_size, 1, dtype)
             self.output_attn_res_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+            self.output_attn_res_scores: tuple[torch.Tensor] | None = None  # see process_weights_after_loading
         # cache_idx of each layer: its index among the KDA layers or among the MLA layers
         self._cache_idx = [
             (config.kda_layers if config.is_kda_layer(i) else config.mla_layers).index(i)
             for i in range(config.num_hidden_layers)
         ]
+
+    def process_weights_after_loading(self) -> None:
+        """The output mix's score vector, folded once (`fold_score_weight`)."""
+        if self.config.attn_res_block_size:
+            self.output_attn_res_scores = _fold_scores(
+                self.output_attn_res_scores, (self.output_attn_res_proj, self.output_attn_res_norm)
+            )
 
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
         h = self.embed_tokens(batch.token_ids)
@@ -110,10 +138,15 @@ class KimiModel(nn.Module):
             for layer, idx in zip(self.layers, self._cache_idx):
                 h = layer(h, batch, cache, idx)
             return self.norm(h)
-        bank: list[torch.Tensor] = []
+        # rows: one snapshot per block start (layer_idx % block == 0), then the running prefix
+        snapshots = -(-self.config.num_hidden_layers // self.config.attn_res_block_size)
+        sources = h.new_empty(snapshots + 1, *h.shape)
+        sources[0].copy_(h)
+        k = 0
         for layer, idx in zip(self.layers, self._cache_idx):
-            h = layer.forward_attn_res(h, bank, batch, cache, idx)
-        return self.norm(_mix(h, bank, self.output_attn_res_proj, self.output_attn_res_norm))
+            k = layer.forward_attn_res(sources, k, batch, cache, idx)
+        (scores,) = self.output_attn_res_scores
+        return self.norm(_mix(sources, k, scores, self.output_attn_res_norm.eps))
 
 
 class KimiForCausalLM(nn.Module):
@@ -132,7 +165,7 @@ class KimiForCausalLM(nn.Module):
         of every step; call it again after any reload (`load_model` does). Derived tensors keep their
         addresses, so captured CUDA graphs see reloaded weights."""
         for module in self.modules():
-            if isinstance(module, Sharded):
+            if module is not self and hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
         self.weights_processed = True
 

@@ -73,7 +73,7 @@ class MLAAttention(Sharded):
         n = batch.num_decode
         q_latent = torch.einsum("nhd,hdl->nhl", q[..., : self.nope].float(), self.w_uk)
         o_latent, _ = mla_decode_paged(
-            q_latent, q[..., self.nope :].float(), kv_cache,
+            q_latent, q[..., self.nope :], kv_cache,  # in q's dtype: both kernels widen it to fp32 exactly
             batch.block_tables[:n], batch.seq_lens[:n], self.scale, self.kv_lora_rank,
         )
         return torch.einsum("nhl,hvl->nhv", o_latent.float(), self.w_uv)

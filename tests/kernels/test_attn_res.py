@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from k3serve.kernels.attn_res import attn_res_aggregate
+from k3serve.kernels.attn_res import attn_res_aggregate, fold_score_weight
 
 from _close import assert_close
 
@@ -17,7 +17,8 @@ EPS = 1e-5
 def test_single_source_is_identity() -> None:
     gen = torch.Generator().manual_seed(0)
     sources = torch.randn(1, 5, 40, generator=gen).bfloat16()
-    out = attn_res_aggregate(sources, torch.randn(40, generator=gen), torch.randn(40, generator=gen), EPS)
+    score_weight = fold_score_weight(torch.randn(40, generator=gen), torch.randn(40, generator=gen))
+    out = attn_res_aggregate(sources, score_weight, EPS)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, sources[0])
 
@@ -38,9 +39,11 @@ def test_against_loop(num_sources: int) -> None:
         m = max(scores)
         probs = [math.exp(s - m) for s in scores]
         ref[t] = sum(p / sum(probs) * sources[j, t] for j, p in enumerate(probs))
-    assert_close("attn_res", ref, attn_res_aggregate(sources, proj, norm, EPS), 1e-5, 1e-5)
+    assert_close("attn_res", ref, attn_res_aggregate(sources, fold_score_weight(proj, norm), EPS), 1e-5, 1e-5)
 
 
 def test_validation() -> None:
     with pytest.raises(ValueError, match="proj_weight"):
-        attn_res_aggregate(torch.zeros(2, 3, 8), torch.zeros(1, 8), torch.zeros(8), EPS)
+        fold_score_weight(torch.zeros(1, 8), torch.zeros(8))
+    with pytest.raises(ValueError, match="score_weight"):
+        attn_res_aggregate(torch.zeros(2, 3, 8), torch.zeros(8, dtype=torch.bfloat16), EPS)
