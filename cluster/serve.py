@@ -105,7 +105,9 @@ def _start_local(config: ServeConfig, engine_kwargs: dict) -> Deployment:
     from k3serve.prefill.worker import PrefillWorker
 
     prefill_kw, decode_kw = _worker_kwargs(config)
-    prefill_args = EngineArgs(**engine_kwargs, tensor_parallel_size=config.prefill_tp)
+    # A prefill engine stops every request at its first token: it never runs a decode step, so it
+    # captures no decode CUDA graphs (their capture time and memory pool would buy nothing).
+    prefill_args = EngineArgs(**{**engine_kwargs, "enforce_eager": True}, tensor_parallel_size=config.prefill_tp)
     decode_args = EngineArgs(**engine_kwargs, tensor_parallel_size=config.decode_tp)
     stops: list[Callable[[], None]] = []
     ctx = multiprocessing.get_context("spawn")
