@@ -7,6 +7,7 @@ x.dtype."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from .._backend import gpu_kernels, has_module
@@ -38,12 +39,14 @@ def _implementation(name: str, *tensors: Tensor | None):
     return naive
 
 
-def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
-    """x [..., D] / rms(x) * weight [D]; weight None means no scale (e.g. attention-residual scores)."""
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float, out_dtype: torch.dtype | None = None) -> Tensor:
+    """x [..., D] / rms(x) * weight [D]; weight None means no scale (e.g. attention-residual scores).
+    out_dtype (default x.dtype): an fp32 x normalized straight into a bf16 model's dtype, rounded once,
+    without a cast after."""
     _check_float("x", x)
     if weight is not None:
         _check_weight(x, weight)
-    return _implementation("rms_norm", x, weight).rms_norm(x, weight, eps)
+    return _implementation("rms_norm", x, weight).rms_norm(x, weight, eps, out_dtype)
 
 
 def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:

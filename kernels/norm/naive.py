@@ -14,8 +14,8 @@ def _rms_norm_fp32(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     return y if weight is None else y * weight.float()
 
 
-def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
-    return _rms_norm_fp32(x, weight, eps).to(x.dtype)
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float, out_dtype: torch.dtype | None = None) -> Tensor:
+    return _rms_norm_fp32(x, weight, eps).to(out_dtype or x.dtype)
 
 
 def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:

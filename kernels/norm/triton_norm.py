@@ -39,11 +39,12 @@ def _rows(t: Tensor) -> Tensor:
     return t.reshape(-1, t.shape[-1]) if t.stride(-1) == 1 else t.contiguous().reshape(-1, t.shape[-1])
 
 
-def _launch(x: Tensor, gate: Tensor | None, weight: Tensor | None, eps: float, mean: bool) -> Tensor:
+def _launch(x: Tensor, gate: Tensor | None, weight: Tensor | None, eps: float, mean: bool,
+            out_dtype: torch.dtype | None = None) -> Tensor:
     D = x.shape[-1]
     xr = _rows(x)
     gr = _rows(gate) if gate is not None else xr
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     n = xr.shape[0]
     if n == 0:
         return out
@@ -57,8 +58,8 @@ def _launch(x: Tensor, gate: Tensor | None, weight: Tensor | None, eps: float, m
     return out
 
 
-def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
-    return _launch(x, None, weight, eps, mean=True)
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float, out_dtype: torch.dtype | None = None) -> Tensor:
+    return _launch(x, None, weight, eps, mean=True, out_dtype=out_dtype)
 
 
 def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -134,7 +134,7 @@ class SparseMoE(Sharded):
             return self.tp.all_reduce(routed if shared is None else routed + shared).to(x.dtype)
         routed = self.tp.all_reduce(routed)  # sum the experts of every rank in latent space ...
         if cfg.latent_moe_use_norm:
-            routed = self.routed_expert_norm(routed)  # ... then normalize
+            routed = self.routed_expert_norm(routed, out_dtype=x.dtype)  # ... then normalize, into x's dtype
         out = self.routed_expert_up_proj(routed.to(x.dtype))
         if shared is not None:
             out = out + self.tp.all_reduce(shared).to(x.dtype)

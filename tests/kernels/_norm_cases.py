@@ -25,6 +25,10 @@ def check_norms_match_reference(norms: Norms, device: str, rows: int) -> None:
         assert_close(f"rms_norm {dtype} hidden", naive.rms_norm(hidden, w_hidden, EPS), rms_norm(hidden, w_hidden, EPS), tol, tol)
         assert_close(f"rms_norm {dtype} no weight", naive.rms_norm(hidden, None, EPS), rms_norm(hidden, None, EPS), tol, tol)
 
+        fp32_hidden = hidden.float() * 1.3  # as the latent MoE's summed experts, normalized into bf16
+        assert_close(f"rms_norm {dtype} fp32 in, bf16 out", naive.rms_norm(fp32_hidden, w_hidden, EPS).bfloat16(),
+                     rms_norm(fp32_hidden, w_hidden, EPS, torch.bfloat16), 8e-3, 8e-3)
+
         kv = torch.randn(rows, 576, device=device).to(dtype)[:, :512]  # strided rows, as MLA's kv_a_layernorm
         w_latent = torch.randn(512, device=device).to(dtype)
         out = rms_norm(kv, w_latent, EPS)

@@ -64,3 +64,11 @@ def test_shape_errors_name_the_expected_shape() -> None:
         gated_rms_norm(x, torch.randn(4, 16), torch.ones(32), EPS)
     with pytest.raises(ValueError, match="floating"):
         l2_normalize(torch.ones(4, 32, dtype=torch.int64))
+
+
+def test_rms_norm_out_dtype_rounds_once() -> None:
+    """An fp32 input normalized straight into bf16 equals normalizing in fp32 and casting after."""
+    x, w = torch.randn(4, 96) * 3, torch.randn(96).bfloat16()
+    out = rms_norm(x, w, EPS, out_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, rms_norm(x, w, EPS).bfloat16())
