@@ -10,6 +10,7 @@ from k3serve.kernels import mla
 from k3serve.kernels.mla import merge_attn_states, mla_decode_paged, naive
 
 from _close import assert_rel_rms
+from _mla_cases import paged_decode_case
 
 pytestmark = pytest.mark.gpu
 
@@ -19,21 +20,7 @@ TOL = 1e-2
 
 
 def _paged(seq_lens: list[int], H: int):
-    """bf16 cache 2x larger than needed, NaN everywhere but the written rows; shuffled blocks, -1 padding."""
-    blocks = [-(-n // BLOCK) for n in seq_lens]
-    num_blocks = 2 * sum(blocks) + 1
-    kv = torch.full((num_blocks, BLOCK, L + R), float("nan"), device="cuda", dtype=torch.bfloat16)
-    order = torch.randperm(num_blocks, device="cuda")
-    tables = torch.full((len(seq_lens), max(max(blocks), 1) + 1), -1, dtype=torch.int32, device="cuda")
-    start = 0
-    for n, (length, nb) in enumerate(zip(seq_lens, blocks)):
-        tables[n, :nb] = order[start : start + nb].int()
-        start += nb
-        pos = torch.arange(length, device="cuda")
-        kv[tables[n, pos // BLOCK].long(), pos % BLOCK] = torch.randn(length, L + R, device="cuda").bfloat16()
-    q_latent = torch.randn(len(seq_lens), H, L, device="cuda", dtype=torch.bfloat16)
-    q_pe = torch.randn(len(seq_lens), H, R, device="cuda", dtype=torch.bfloat16)
-    return q_latent, q_pe, kv, tables, torch.tensor(seq_lens, device="cuda")
+    return paged_decode_case(seq_lens, H, L, R, BLOCK, torch.bfloat16, "cuda")
 
 
 CASES = {

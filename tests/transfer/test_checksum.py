@@ -6,11 +6,7 @@ landing, for every TP ratio."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -28,6 +24,8 @@ from k3serve.transfer.checksum import (
 )
 from k3serve.transfer.layout import CacheLayout, HeadSlice
 from k3serve.transfer.tp_map import RequestSpan
+
+from _triton_interpret import needs_triton, run_in_interpreter
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -237,14 +235,10 @@ def _kernel_matches_matmul_path(seed: int) -> None:
         assert f"{lane1:08x}{lane2:08x}" == _oracle(checksum._words(piece), 2 * piece.offset)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its interpreter runs the kernel)")
+@needs_triton
 def test_cuda_kernel_gives_the_matmul_paths_lanes() -> None:
-    """The CUDA path's Triton kernel, under the interpreter on CPU, in a process of its own (triton
-    picks the interpreter when it is imported): see `_kernel_matches_matmul_path`."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(filter(None, sys.path))}
-    code = "import test_checksum; test_checksum._kernel_matches_matmul_path(5)"
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr[-4000:]
+    """The CUDA path's Triton kernel, under the interpreter on CPU: see `_kernel_matches_matmul_path`."""
+    run_in_interpreter(__file__, "_kernel_matches_matmul_path", 5)
 
 
 def test_request_pieces_are_checked_against_their_tensors() -> None:
