@@ -63,7 +63,8 @@ def _merge_matches_reference() -> None:
 
 def _cache_write_matches_reference() -> None:
     """Rows land bit-exactly at their slots (shuffled, across blocks), rows of slot -1 write nothing and
-    nothing else changes (the NaN poison stays bit-identical): K3's 576-wide rows and 1100-wide ones (two
+    nothing else changes (the NaN poison stays bit-identical, also in a guard block in front of the cache,
+    where a row of slot -1 written as block -1 would land): K3's 576-wide rows and 1100-wide ones (two
     column programs, the second masked), bf16 and fp32."""
     import torch
 
@@ -71,16 +72,16 @@ def _cache_write_matches_reference() -> None:
 
     for dtype in (torch.bfloat16, torch.float32):
         for width in (576, 1100):
-            kv = torch.full((6, BLOCK, width), float("nan"), dtype=dtype)
+            guarded = torch.full((1 + 6, BLOCK, width), float("nan"), dtype=dtype)
             slots = torch.randperm(6 * BLOCK)[:21]
             slots[[0, 7, 20]] = -1
             latent = torch.randn(21, width).to(dtype)
-            ref = kv.clone()
-            naive.write_kv_cache(ref, slots, latent)
-            triton_cache.write_kv_cache(kv, slots, latent)
-            assert torch.equal(kv.view(torch.uint8), ref.view(torch.uint8)), f"{dtype} width {width}"
-            triton_cache.write_kv_cache(kv, torch.full((4,), -1), latent[:4])
-            assert torch.equal(kv.view(torch.uint8), ref.view(torch.uint8)), f"{dtype} width {width}, all -1"
+            ref = guarded.clone()
+            naive.write_kv_cache(ref[1:], slots, latent)
+            triton_cache.write_kv_cache(guarded[1:], slots, latent)
+            assert torch.equal(guarded.view(torch.uint8), ref.view(torch.uint8)), f"{dtype} width {width}"
+            triton_cache.write_kv_cache(guarded[1:], torch.full((4,), -1), latent[:4])
+            assert torch.equal(guarded.view(torch.uint8), ref.view(torch.uint8)), f"{dtype} width {width}, all -1"
 
 
 def test_decode_matches_reference_under_interpreter() -> None:
