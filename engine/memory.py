@@ -34,14 +34,19 @@ def cache_sizes(config: ModelConfig, tp_size: int, dtype: torch.dtype) -> CacheS
 
 
 def weight_bytes(config: ModelConfig, tp_size: int, dtype: torch.dtype) -> int:
-    """Bytes of rank 0's weights, counted on the meta device (nothing is allocated)."""
+    """Bytes of rank 0's weights, counted on the meta device (nothing is allocated): the loaded tensors
+    plus what `process_weights_after_loading` derives from them (e.g. K3's fp32 router weights, ~1.4 GiB
+    a rank), each storage once (a derived tensor may be a view of its source)."""
     from k3serve.model.model import KimiForCausalLM
     from k3serve.model.parallel import TensorParallel
 
     with torch.device("meta"):
         model = KimiForCausalLM(config, TensorParallel(0, tp_size), dtype)
-    tensors = list(model.parameters()) + list(model.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors)
+        model.process_weights_after_loading()
+    derived = [v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                for t in [*model.parameters(), *model.buffers(), *derived]}
+    return sum(storages.values())
 
 
 @dataclass(frozen=True)
