@@ -4,6 +4,7 @@ of an 8K-token prompt and the KDA state (recurrent + conv) of every Kimi-K3 laye
 processes (one per GPU; inside one process UCX has no CUDA-IPC path and runs at ~0.5 GB/s).
 
     python benchmarks/gpu_handoff.py [--backend nixl] [--tokens 8192] [--reps 50] [--out gpu_handoff.json]
+    python benchmarks/gpu_handoff.py --backend mooncake --backend-opt protocol=tcp --reps 10 --warmup 2
     python benchmarks/gpu_handoff.py --smoke      # CPU: two processes, DRAM, 256 tokens (checks the script)
 
 The decode side (a spawned process on cuda:1) allocates and registers a real decode-rank cache; the
@@ -237,7 +238,8 @@ def main() -> None:
         result["differed_before"] = len(mismatched_regions(sent, before))
 
         seconds = [write_and_wait(backend, peer, ops) for _ in range(args.warmup + args.reps)]
-        rows = [summary(f"{args.backend} write, TPMapping ops", nbytes, len(ops), seconds[args.warmup:])]
+        label = " ".join([args.backend, *(f"{k}={v}" for k, v in opts.items())])  # e.g. "mooncake protocol=tcp"
+        rows = [summary(f"{label} write, TPMapping ops", nbytes, len(ops), seconds[args.warmup:])]
         result["first_writes_ms"] = [s * 1e3 for s in seconds[: args.warmup]]
 
         conn.send(("checksums", dst_blocks, dst_slot, args.tokens))
