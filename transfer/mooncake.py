@@ -28,6 +28,7 @@ which the engine does for every backend anyway.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,7 @@ INSTALL_HINT = (
 )
 
 # transfer_check_status return codes
+PROTOCOLS = ("tcp", "rdma", "nvlink", "nvlink_intra")  # those this backend passes to Mooncake
 _MC_DONE, _MC_PENDING, _MC_FAILED, _MC_TIMEOUT = 1, 0, -1, -2
 
 
@@ -74,7 +76,10 @@ class MooncakeBackend(TransferBackend):
         hostname:    address peers use to reach this engine (default 127.0.0.1: one machine);
                      across hosts this node's IP (`backends.host_options`; the Ray launcher
                      passes each worker's node IP, cluster/node_address.py).
-        protocol:    "tcp" (default; CPU hosts), "rdma" or "nvlink" (GPU hosts, passed through).
+        protocol:    "tcp" (default; CPU hosts), "rdma", "nvlink" (multi-node NVLink fabric) or
+                     "nvlink_intra" (GPUs of one host: Mooncake's IntraNodeNvlinkTransport, which it
+                     selects by the process-wide MC_INTRANODE_NVLINK=1 that this option sets). Any other
+                     name is refused here: Mooncake logs an unknown protocol and carries on over TCP.
         device_name: RDMA NIC filter, e.g. "mlx5_0,mlx5_1" ("" = auto-discover).
         timeout_s:   poll() reports FAILED for a handle still pending after timeout_s plus its
                      bytes at floor_gib_s (a backstop; Mooncake's own timeout is
@@ -95,6 +100,10 @@ class MooncakeBackend(TransferBackend):
         floor_gib_s: float = 0.05,
         coalesce: bool = True,
     ) -> None:
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"Mooncake protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
+        if protocol == "nvlink_intra":
+            os.environ["MC_INTRANODE_NVLINK"] = "1"
         engine_cls = _import_engine()
         self.hostname = hostname
         self.protocol = protocol
