@@ -49,7 +49,7 @@ from typing import NamedTuple
 
 import torch
 
-from k3serve.kernels._backend import has_module
+from k3serve.kernels._backend import gpu_kernels, has_module
 from k3serve.model.batch import ModelCache
 from k3serve.transfer.layout import CacheLayout, HeadSlice
 from k3serve.transfer.metrics import BoundTransferMetrics
@@ -200,7 +200,7 @@ def _piece(
 def _checksum_pieces(pieces: list[Piece]) -> dict[str, str]:
     """Sum every piece's lanes into its region's (see the module docstring for the scheme): the Triton
     kernel of `checksum_triton` on CUDA (one launch, one host sync), the float64 matmul elsewhere."""
-    if pieces and pieces[0].source.is_cuda and has_module("triton"):
+    if pieces and gpu_kernels(*(piece.source for piece in pieces)) and has_module("triton"):
         from k3serve.transfer.checksum_triton import piece_lanes
 
         last_backend["checksum"] = "triton"
@@ -309,7 +309,7 @@ def _tables(device: torch.device) -> _Tables:
     """The position weights, built once per device."""
     with _TABLES_LOCK:
         tables = _TABLES.get(device)
-        if tables is None:
+        if tables is None or len(tables.row_start) < _BATCH_WORDS // _ROW:  # sized by the batch in use
             powers = [pow(_R, j, _P2) for j in range(_ROW)]
             columns = [[1] * _ROW, [j + 1 for j in range(_ROW)], [p & 0xFFFF for p in powers], [p >> 16 for p in powers]]
             weights = torch.tensor(columns, dtype=torch.float64)

@@ -18,12 +18,11 @@ position q0 of the tile's first word < 2^31, BLOCK = 2^10 words a step):
     per step: sum v * R^i over i < BLOCK <= 2^10 * 2^47 = 2^57, mod p2, then * R^(step start) < 2^62
     R^q0 = R^(c0) * R^(c1 * 2^11) * R^(c2 * 2^22) from three 2048-entry tables (q0 = c2 c1 c0 in
     11-bit digits), each product of two residues < 2^62.
-Every tile's lanes are < 2^31 and a piece has < 2^31 / TILE tiles, so the int64 sums never overflow.
+Every tile's lanes are < 2^31 and a piece has fewer tiles than words (< 2^31), so the int64 sums never overflow.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Sequence
 
@@ -31,12 +30,19 @@ import torch
 import triton
 import triton.language as tl
 
+from k3serve.kernels._backend import device_of
 from k3serve.transfer.checksum import _P1, _P2, _R, _SHIFT, Piece
 
 TILE = 1 << 14  # words one program sums
 BLOCK = 1 << 10  # words one step of a program loads
 _DIGIT = 11  # R^q0 from three tables of 2^11 powers
 _COLUMNS = 8  # int64 per piece in the table (see `piece_lanes`)
+
+
+def _check_bounds() -> None:
+    """The exact-integer bounds of the module docstring hold only for these sizes (tests shrink them)."""
+    if not (TILE <= 1 << 14 and TILE % BLOCK == 0 and BLOCK < 1 << _DIGIT):
+        raise ValueError(f"TILE {TILE} / BLOCK {BLOCK} break the kernel's int32/int64 bounds")
 
 
 @triton.jit(do_not_specialize=["num_pieces"])  # one compiled kernel for any piece count (of one SEARCH_STEPS)
@@ -109,6 +115,7 @@ def piece_lanes(pieces: Sequence[Piece]) -> list[tuple[int, int]]:
 
     Table row of a piece (int64): first tile, first word (from the anchor), words, view position,
     words a run, run stride, where its run ids start in the table, tiles a run; run ids follow the rows."""
+    _check_bounds()
     device = pieces[0].source.device
     if any(piece.source.device != device for piece in pieces):
         raise ValueError("all pieces of one checksum pass must live on one device")
@@ -133,12 +140,9 @@ def piece_lanes(pieces: Sequence[Piece]) -> list[tuple[int, int]]:
     lanes = [(0, 0)] * len(pieces)
     if not tiles:
         return lanes
-    table = torch.tensor(rows + run_ids, dtype=torch.int64)
-    if device.type == "cuda":
-        table = table.pin_memory().to(device, non_blocking=True)
+    table = torch.tensor(rows + run_ids, dtype=torch.int64, device=device)  # a few KB; the result syncs anyway
     sums = torch.zeros(len(summed), 2, dtype=torch.int64, device=device)
-    # CPU tensors: the Triton interpreter (tests), nothing to enter
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+    with device_of(anchor):  # CPU tensors: the Triton interpreter (tests)
         _piece_lanes_kernel[(tiles,)](
             anchor, table, powers, sums, len(summed),
             SEARCH_STEPS=max(1, len(summed).bit_length()), TILE=TILE, BLOCK=BLOCK, DIGIT=_DIGIT,
