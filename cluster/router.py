@@ -90,15 +90,14 @@ class DisaggregatedRouter:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; max_model_len={self.max_model_len}")
         rid, params = request.request_id, request.sampling_params
         decode, reservation, deltas = await self._admit(rid, prompt_ids, params)
-        finished = False
+        decode_done = False  # decode ended the request itself; otherwise its reservation is ours to free
         try:
             address = self._decode_addresses[decode.name]
             result = await self._prefill(rid, prompt_ids, params, HandoffTarget(address, reservation))
             if self.metrics is not None:
                 self.metrics.observe_prefill_time(result.prefill_seconds)
                 self.metrics.observe_handoff_time(result.transfer_seconds)
-            if result.finished:  # ended at its first token: nothing was handed off
-                finished = True
+            if result.finished:  # ended at its first token: nothing was handed off, the reservation goes
                 yield result.delta
                 return
             first_logprobs = result.first_logprobs
@@ -108,11 +107,11 @@ class DisaggregatedRouter:
                     delta = dataclasses.replace(delta, logprobs=first_logprobs)  # decode's first delta: that token
                 first_logprobs = None
                 yield delta
-                finished = delta.finished
+                decode_done = delta.finished
         finally:
             self._decoding[decode.name] -= 1
             deltas.close()
-            if not finished:
+            if not decode_done:
                 await _quietly(decode.abort_request(rid))
 
     # ---- routing --------------------------------------------------------------------------------

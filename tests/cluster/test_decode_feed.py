@@ -162,3 +162,10 @@ async def test_a_client_that_leaves_mid_stream_frees_the_decode_pool(router) -> 
         await stream.__anext__()
     await stream.aclose()
     await _wait_decode_idle(router.decode[0].worker)
+
+
+async def test_a_request_that_ends_at_its_first_token_frees_its_decode_reservation_at_once(router) -> None:
+    """max_tokens=1 ends on the prefill replica: nothing is handed off, so the router releases the
+    reservation it made on decode (it used to wait for the lease to expire)."""
+    assert len(await _tokens(router, "one-token", PROMPTS[1], SamplingParams(max_tokens=1))) == 1
+    await _wait_decode_idle(router.decode[0].worker, deadline_s=2.0)
