@@ -43,7 +43,8 @@ def weight_bytes(config: ModelConfig, tp_size: int, dtype: torch.dtype) -> int:
     with torch.device("meta"):
         model = KimiForCausalLM(config, TensorParallel(0, tp_size), dtype)
         model.process_weights_after_loading()
-    derived = [v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
+    derived = [t for m in model.modules() for v in vars(m).values()
+               for t in (v if isinstance(v, (tuple, list)) else (v,)) if isinstance(t, torch.Tensor)]
     storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
                 for t in [*model.parameters(), *model.buffers(), *derived]}
     return sum(storages.values())

@@ -69,7 +69,9 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 
 
 def load_weights(model: KimiForCausalLM, model_dir: str | Path) -> None:
-    """Fill every parameter of `model` (this rank's shard) from the checkpoint in `model_dir`."""
+    """Fill every parameter of `model` (this rank's shard) from the checkpoint in `model_dir`. The forms
+    derived from the old weights are stale from here on: `process_weights_after_loading` must run again."""
+    model.weights_processed = False
     targets = checkpoint_targets(model)
     prefix = model.config.weight_prefix
     tp = model.tp

@@ -16,7 +16,8 @@ from k3serve.model.loader import load_model
 def _held_bytes(model: torch.nn.Module) -> int:
     """Bytes of every distinct storage a real model's modules reference."""
     tensors = [*model.parameters(), *model.buffers()]
-    tensors += [v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
+    tensors += [t for m in model.modules() for v in vars(m).values()
+                for t in (v if isinstance(v, (tuple, list)) else (v,)) if isinstance(t, torch.Tensor)]
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
@@ -31,3 +32,5 @@ def test_bf16_plan_includes_the_fp32_copies_derived_at_load(tiny_checkpoint: Pat
     model = load_model(tiny_checkpoint, dtype=torch.bfloat16)
     loaded = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     assert weight_bytes(config, 1, torch.bfloat16) > loaded
+    scores = model.model.layers[0].attn_res_scores  # derived too, kept as a tuple of tensors
+    assert scores and weight_bytes(config, 1, torch.bfloat16) - loaded >= sum(t.nbytes for t in scores)

@@ -23,6 +23,13 @@ def test_unprocessed_weights_are_refused(tiny_checkpoint: Path) -> None:
         forward(model, allocate(model), [Chunk([1, 2], 0, blocks_for(2), 0)])
 
 
+def test_reloaded_weights_are_refused_until_processed_again(tiny_checkpoint: Path) -> None:
+    model = load_model(tiny_checkpoint)
+    load_weights(model, tiny_checkpoint)  # the derived forms are stale now
+    with pytest.raises(RuntimeError, match="process_weights_after_loading"):
+        forward(model, allocate(model), [Chunk([1, 2], 0, blocks_for(2), 0)])
+
+
 def test_reprocessing_refreshes_derived_weights_in_place(tiny_checkpoint: Path) -> None:
     model = load_model(tiny_checkpoint, dtype=torch.bfloat16)  # bf16: the fp32 forms are copies
     layers = model.model.layers
