@@ -40,11 +40,10 @@ import_rc=$?
 cat "$OUT/env.txt"
 [ "$import_rc" = 0 ] || { echo "mooncake does not import (see above): no benchmark run"; exit 1; }
 
-handoff() {  # PROTOCOL LIMIT_S [VAR=VALUE ...]: one benchmark run, its table and Mooncake's warnings/errors
+handoff() {  # PROTOCOL LIMIT_S: one benchmark run, its table and Mooncake's warnings/errors
   local protocol=$1 limit=$2 start
-  shift 2
   start=$(date +%s)
-  env "$@" timeout -k 10 "$limit" python3 benchmarks/gpu_handoff.py --backend mooncake --backend-opt "protocol=$protocol" \
+  timeout -k 10 "$limit" python3 benchmarks/gpu_handoff.py --backend mooncake --backend-opt "protocol=$protocol" \
     --reps "$REPS" --warmup "$WARMUP" --out "$OUT/mooncake_$protocol.json" > "$OUT/mooncake_$protocol.log" 2>&1
   echo "== mooncake protocol=$protocol rc=$? in $(( $(date +%s) - start )) s"
   # Mooncake falls back to TCP (logging an error) for a protocol this build lacks: show which transport ran.
@@ -52,4 +51,4 @@ handoff() {  # PROTOCOL LIMIT_S [VAR=VALUE ...]: one benchmark run, its table an
   grep -v '^I[0-9]\{4\} ' "$OUT/mooncake_$protocol.log" | tail -20
 }
 handoff tcp "$TCP_S"
-handoff nvlink_intra "$INTRA_S" MC_INTRANODE_NVLINK=1
+handoff nvlink_intra "$INTRA_S"

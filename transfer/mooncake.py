@@ -45,8 +45,10 @@ INSTALL_HINT = (
     "libibverbs.so.1 (`apt-get install -y libibverbs1`)"
 )
 
-# transfer_check_status return codes
 PROTOCOLS = ("tcp", "rdma", "nvlink", "nvlink_intra")  # those this backend passes to Mooncake
+_INTRANODE_ENV = "MC_INTRANODE_NVLINK"  # process-wide: Mooncake then uses intra-node NVLink for every engine
+
+# transfer_check_status return codes
 _MC_DONE, _MC_PENDING, _MC_FAILED, _MC_TIMEOUT = 1, 0, -1, -2
 
 
@@ -103,7 +105,10 @@ class MooncakeBackend(TransferBackend):
         if protocol not in PROTOCOLS:
             raise ValueError(f"Mooncake protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
         if protocol == "nvlink_intra":
-            os.environ["MC_INTRANODE_NVLINK"] = "1"
+            os.environ[_INTRANODE_ENV] = "1"
+        elif os.environ.get(_INTRANODE_ENV):
+            raise ValueError(f"Mooncake protocol {protocol!r} in a process where {_INTRANODE_ENV} is set: Mooncake "
+                             "would use intra-node NVLink instead; one protocol per process")
         engine_cls = _import_engine()
         self.hostname = hostname
         self.protocol = protocol

@@ -28,3 +28,22 @@ def test_make_backend(name: str) -> None:
         assert isinstance(b, TransferBackend) and b.name == name
     finally:
         b.close()
+
+
+def test_unknown_mooncake_protocol_is_refused_instead_of_falling_back_to_tcp() -> None:
+    """Mooncake itself logs an unknown protocol and runs TCP anyway (seen with its CUDA and CPU builds);
+    refused before Mooncake is imported, so this holds on any host."""
+    from k3serve.transfer.mooncake import MooncakeBackend
+
+    with pytest.raises(ValueError, match="nvlink_intra"):
+        MooncakeBackend(protocol="nvlnk")
+
+
+def test_mooncake_protocol_cannot_mix_with_intranode_nvlink(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MC_INTRANODE_NVLINK switches every engine of the process to intra-node NVLink: a TCP engine there
+    would silently not be one."""
+    from k3serve.transfer.mooncake import MooncakeBackend
+
+    monkeypatch.setenv("MC_INTRANODE_NVLINK", "1")
+    with pytest.raises(ValueError, match="MC_INTRANODE_NVLINK"):
+        MooncakeBackend(protocol="tcp")
