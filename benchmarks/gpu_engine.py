@@ -359,12 +359,11 @@ def profile_row(row: dict, model: KimiForCausalLM, cache: ModelCache, graphs: De
                 dev: torch.device) -> dict:
     """Kernels of the graph step (the eager step when the profiler cannot see inside the replays)."""
     n, ctx = row["batch"], row["ctx"]
+    prof = profile_step(graph_step_fn(model, graphs, n, ctx), dev)
     if not graphs.captured:
         source = "padded step run eagerly (nothing captured on a CPU: --smoke checks the code only)"
-        prof = profile_step(graph_step_fn(model, graphs, n, ctx), dev)
     else:
         source = "graph replays"
-        prof = profile_step(graph_step_fn(model, graphs, n, ctx), dev)
         if prof.get("kernels_per_step", 0) < 10:  # a decode step is hundreds of kernels: the replay was not seen
             source = (f"eager step: the profiler saw {prof.get('kernels_per_step', 0):.0f} kernels per graph step, "
                       "not the kernels inside the replay")

@@ -62,9 +62,9 @@ class ServeConfig(BaseModel):
             raise ValueError("prefill_tp or decode_tp > 1 runs ranks in separate processes: use transfer mooncake or nixl")
         if self.advertise_host is not None:
             check_host_ip(self.advertise_host, "advertise_host")
-            if self.mode == "disaggregated" and self.launcher == "local":
-                raise ValueError("advertise_host is for --launcher ray: the local launcher's workers share one "
-                                 "machine and talk over 127.0.0.1")
+            if self.mode == "colocated" or self.launcher == "local":
+                raise ValueError("advertise_host is for disaggregated serving with --launcher ray: colocated and "
+                                 "local-launcher workers share one machine and talk over 127.0.0.1")
         return self
 
     @classmethod

@@ -105,8 +105,9 @@ class FeedLink:
                     if queue is not None:
                         queue.put_nowait(item)
             error: BaseException = ReplicaDiedError(f"decode replica {name} ended its feed")
-        except asyncio.CancelledError:
-            return  # fail() or close(): already handled
+        except asyncio.CancelledError:  # fail() or close() (then a no-op), or a cancel from outside
+            self.fail(ReplicaDiedError(f"feed from decode replica {name} was cancelled"))
+            raise
         except ReplicaDiedError as e:
             error = e
         except Exception as e:  # any other way the feed breaks: its requests must not hang

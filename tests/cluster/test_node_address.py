@@ -79,10 +79,12 @@ def test_what_a_peer_cannot_dial_is_refused(bad: str, monkeypatch: pytest.Monkey
         ServeConfig(advertise_host=bad)
 
 
-def test_config_accepts_an_ip_for_ray_and_refuses_it_for_the_local_launcher() -> None:
+def test_config_accepts_an_ip_for_ray_and_refuses_it_for_one_machine_layouts() -> None:
     assert ServeConfig(advertise_host="192.0.2.2").advertise_host == "192.0.2.2"
     with pytest.raises(pydantic.ValidationError, match="launcher"):
         ServeConfig(advertise_host="192.0.2.2", launcher="local", transfer="local")
+    with pytest.raises(pydantic.ValidationError, match="colocated"):
+        ServeConfig(advertise_host="192.0.2.2", mode="colocated")
 
 
 def test_mooncake_is_told_the_address_the_others_need_none() -> None:
