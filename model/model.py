@@ -64,14 +64,14 @@ class DecoderLayer(nn.Module):
         return self.tp.all_reduce(self.mlp(x))
 
     def _attn(self, x: torch.Tensor, batch: ForwardBatch, cache: ModelCache, cache_idx: int) -> torch.Tensor:
-        x = self.input_layernorm(x)
+        """Attention of x, already normalized by input_layernorm."""
         if self.is_kda:
             return self.self_attn(x, batch, cache.kda_recurrent[cache_idx], cache.kda_conv[cache_idx])
         return self.self_attn(x, batch, cache.mla_kv[cache_idx])
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, cache: ModelCache, cache_idx: int) -> torch.Tensor:
         """Plain pre-norm residual block."""
-        h = h + self._attn(h, batch, cache, cache_idx)
+        h = h + self._attn(self.input_layernorm(h), batch, cache, cache_idx)
         return h + self._mlp(self.post_attention_layernorm(h))
 
     def forward_attn_res(self, sources: torch.Tensor, k: int, batch: ForwardBatch, cache: ModelCache,
@@ -80,23 +80,22 @@ class DecoderLayer(nn.Module):
         (block sum), updated in place; a restart freezes row k and starts the new prefix in row k + 1.
         Returns the prefix row. The rows are what the mixes read, so no mix stacks the bank again."""
         attn_scores, mlp_scores = self.attn_res_scores
-        x = _mix(sources, k, attn_scores, self.self_attention_res_norm.eps)
+        x = _mix_norm(sources, k, attn_scores, self.self_attention_res_norm.eps, self.input_layernorm)
         a = self._attn(x, batch, cache, cache_idx)
         if self.layer_idx % self.res_block == 0:
             k += 1
             sources[k].copy_(a)
         else:
             sources[k].add_(a)
-        x = _mix(sources, k, mlp_scores, self.mlp_res_norm.eps)
-        sources[k].add_(self._mlp(self.post_attention_layernorm(x)))
+        x = _mix_norm(sources, k, mlp_scores, self.mlp_res_norm.eps, self.post_attention_layernorm)
+        sources[k].add_(self._mlp(x))
         return k
 
 
-def _mix(sources: torch.Tensor, k: int, score_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The layer's input: the prefix (row k) alone before the first snapshot, else the mix of rows 0..k."""
-    if k == 0:
-        return sources[0]
-    return attn_res_aggregate(sources[: k + 1], score_weight, eps)
+def _mix_norm(sources: torch.Tensor, k: int, score_weight: torch.Tensor, eps: float, norm: RMSNorm) -> torch.Tensor:
+    """norm(the mix of rows 0..k) (row 0 alone before the first snapshot): every mix feeds a norm, so
+    the two run as one kernel."""
+    return attn_res_aggregate(sources[: k + 1], score_weight, eps, norm.weight, norm.eps)
 
 
 def _fold_scores(current: tuple[torch.Tensor, ...] | None, *pairs: tuple[Linear, RMSNorm]) -> tuple[torch.Tensor, ...]:
@@ -146,7 +145,7 @@ class KimiModel(nn.Module):
         for layer, idx in zip(self.layers, self._cache_idx):
             k = layer.forward_attn_res(sources, k, batch, cache, idx)
         (scores,) = self.output_attn_res_scores
-        return self.norm(_mix(sources, k, scores, self.output_attn_res_norm.eps))
+        return _mix_norm(sources, k, scores, self.output_attn_res_norm.eps, self.norm)
 
 
 class KimiForCausalLM(nn.Module):

@@ -1,12 +1,19 @@
 """K3 attention residuals: each aggregation point mixes the frozen block snapshots ("bank") and the
-current block's partial sum ("prefix") with a per-token softmax (K3_MODEL.md §1f)."""
+current block's partial sum ("prefix") with a per-token softmax (K3_MODEL.md §1f).
+
+`attn_res_aggregate` checks shapes here, then runs `triton_attn_res.py` (one launch, the following
+RMSNorm included) when every tensor is on CUDA, else the fp32 reference in `naive.py`;
+`last_backend["attn_res_aggregate"]` records which."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from .._backend import gpu_kernels, has_module
 from . import naive
+
+last_backend: dict[str, str] = {}  # "attn_res_aggregate" -> "triton" | "naive"
 
 __all__ = ["attn_res_aggregate", "fold_score_weight"]
 
@@ -22,14 +29,27 @@ def fold_score_weight(proj_weight: Tensor, norm_weight: Tensor) -> Tensor:
     return norm_weight.float() * proj_weight.float()
 
 
-def attn_res_aggregate(sources: Tensor, score_weight: Tensor, eps: float) -> Tensor:
+def attn_res_aggregate(sources: Tensor, score_weight: Tensor, eps: float,
+                       norm_weight: Tensor | None = None, norm_eps: float = 0.0) -> Tensor:
     """sources [S, T, D] (bank snapshots, then the prefix) -> [T, D] in sources.dtype.
 
-    score_j = (V_j / rms(V_j)) · score_weight, softmax over S in fp32, out = Σ_j p_j V_j; score_weight is
-    `fold_score_weight(proj_weight, norm_weight)` [D] fp32."""
+    score_j = (V_j / rms(V_j)) · score_weight, softmax over S in fp32, mix = Σ_j p_j V_j; score_weight is
+    `fold_score_weight(proj_weight, norm_weight)` [D] fp32. With norm_weight [D], returns
+    rms_norm(mix, norm_weight, norm_eps) instead: every mix of the model feeds such a norm, and fused
+    it costs no launch of its own."""
     if sources.dim() != 3 or sources.shape[0] < 1:
         raise ValueError(f"sources must be [S >= 1, T, D], got {tuple(sources.shape)}")
+    if not sources.is_floating_point():
+        raise ValueError(f"sources must be floating, got {sources.dtype}")
     hidden = sources.shape[2]
     if score_weight.shape != (hidden,) or score_weight.dtype != torch.float32:
         raise ValueError(f"score_weight must be fp32 [D={hidden}], got {score_weight.dtype} {tuple(score_weight.shape)}")
-    return naive.attn_res_aggregate(sources, score_weight, eps)
+    if norm_weight is not None and norm_weight.shape != (hidden,):
+        raise ValueError(f"norm_weight must be [D={hidden}], got {tuple(norm_weight.shape)}")
+    if gpu_kernels(sources, score_weight, norm_weight) and has_module("triton"):
+        from . import triton_attn_res
+
+        last_backend["attn_res_aggregate"] = "triton"
+        return triton_attn_res.attn_res_aggregate(sources, score_weight, eps, norm_weight, norm_eps)
+    last_backend["attn_res_aggregate"] = "naive"
+    return naive.attn_res_aggregate(sources, score_weight, eps, norm_weight, norm_eps)

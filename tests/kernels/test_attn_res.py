@@ -1,4 +1,5 @@
-"""Attention-residual aggregation: identity for one source, and a hand-written per-token loop."""
+"""Attention-residual aggregation: identity for one source, a hand-written per-token loop, and the fused
+RMSNorm as the composition it replaces."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from k3serve.kernels.attn_res import attn_res_aggregate, fold_score_weight
+from k3serve.kernels.norm import rms_norm
 
 from _close import assert_close
 
@@ -47,3 +49,17 @@ def test_validation() -> None:
         fold_score_weight(torch.zeros(1, 8), torch.zeros(8))
     with pytest.raises(ValueError, match="score_weight"):
         attn_res_aggregate(torch.zeros(2, 3, 8), torch.zeros(8, dtype=torch.bfloat16), EPS)
+    with pytest.raises(ValueError, match="norm_weight"):
+        attn_res_aggregate(torch.zeros(2, 3, 8), torch.zeros(8), EPS, torch.ones(7), 1e-6)
+
+
+def test_norm_weight_normalizes_the_rounded_mix() -> None:
+    """The fused form is the two calls it replaces: rms_norm of the mix as rounded to sources.dtype."""
+    gen = torch.Generator().manual_seed(7)
+    sources = (torch.randn(3, 4, 40, generator=gen) * 3).bfloat16()
+    score_weight, norm_weight = torch.randn(40, generator=gen), (1 + torch.randn(40, generator=gen)).bfloat16()
+    mix = attn_res_aggregate(sources, score_weight, EPS)
+    expected = rms_norm(mix, norm_weight, 1e-6)
+    assert torch.equal(attn_res_aggregate(sources, score_weight, EPS, norm_weight, 1e-6), expected)
+    assert torch.equal(attn_res_aggregate(sources[:1], score_weight, EPS, norm_weight, 1e-6),
+                       rms_norm(sources[0], norm_weight, 1e-6))
