@@ -155,16 +155,20 @@ def merge_attn_states(outputs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def mla_decode_paged(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                     scale: float, max_seq_len: int, num_splits: int | None = None, waves: int = 2,
-                     num_warps: int | None = None, num_stages: int = 2) -> tuple[Tensor, Tensor]:
+                     scale: float, max_seq_len: int, num_splits: int | None = None, waves: int | None = None,
+                     num_warps: int = 4, num_stages: int | None = None) -> tuple[Tensor, Tensor]:
     """q_latent [N, H, L], q_pe [N, H, R] -> (o_latent [N, H, L], lse [N, H] fp32). max_seq_len sizes the grid;
     num_splits None picks enough splits for about `waves` waves of programs. waves, num_warps and num_stages
-    are the tuning knobs the benchmark sweeps."""
+    are the knobs `benchmarks/gpu_mla.py --sweep` times; the defaults are its winners on an H200 (2026-11-30):
+    one wave once 64+ (sequence, head group) pairs fill the GPU by themselves, else two (long splits beat a
+    second partial wave there); three pages in flight for 16-head groups, two for 32 (register pressure)."""
     N, H, L = q_latent.shape
     R, PAGE = q_pe.shape[-1], kv_cache.shape[1]
     BLOCK_H = 16 if H <= 16 else 32
     head_groups = triton.cdiv(H, BLOCK_H)
     max_pages = max(triton.cdiv(max_seq_len, PAGE), 1)
+    waves = waves or (1 if N * head_groups >= 64 else 2)
+    num_stages = num_stages or (3 if BLOCK_H == 16 else 2)
     if num_splits is None:
         want = triton.cdiv(waves * _num_sm(q_latent.device), N * head_groups)
         num_splits = max(1, min(want, triton.cdiv(max_pages, 2)))  # at least two pages per split
@@ -190,7 +194,7 @@ def mla_decode_paged(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, block_tab
             kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
             *so, lse.stride(0), lse.stride(1),
             L=L, R=R, PAGE=PAGE, BLOCK_H=BLOCK_H, DIRECT=direct,
-            num_warps=num_warps or (4 if BLOCK_H == 16 else 8), num_stages=num_stages,
+            num_warps=num_warps, num_stages=num_stages,
         )
         if not direct:
             _merge(o_part, lse_part, (o_part.stride(2), o_part.stride(0), o_part.stride(1)),
