@@ -2,8 +2,9 @@
 
 Layouts follow fla: q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] fp32 log decay; beta [B, T, H]
 (already sigmoid-ed); states [N, H, K, V] fp32 ([K, V], not FlashKDA's V-first). Varlen packs N
-sequences into B = 1 with cu_seqlens [N+1]. The public functions validate, then run fla on CUDA
-(`fla_ops.py`: bf16/fp16 inputs, fla-core installed) or else `naive.py`; `last_backend[name]` records which."""
+sequences into B = 1 with cu_seqlens [N+1]. The public functions validate, then run on CUDA fla's chunked
+prefill (`fla_ops.py`: bf16/fp16 inputs, fla-core installed) and our Triton decode step (`triton_decode.py`),
+or else `naive.py`; `last_backend[name]` records which."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from .._backend import gpu_kernels, has_module
 from . import naive
 from .chunk_plan import plan_chunks
 
-last_backend: dict[str, str] = {}  # "chunk_kda" / "kda_decode" -> "fla" | "naive": what ran last
+last_backend: dict[str, str] = {}  # "chunk_kda" -> "fla" | "naive", "kda_decode" -> "triton" | "naive"
 
 __all__ = ["kda_gate", "chunk_kda", "recurrent_kda", "kda_decode"]
 
@@ -193,12 +194,12 @@ def kda_decode(
         if ((state_indices < 0) | (state_indices >= S)).any() or owned.unique().numel() != owned.numel():
             raise ValueError(f"state_indices must be distinct slots in [0, {S}) (pad_slot {pad_slot} may repeat), "
                              f"got {state_indices.tolist()}")
-    if gpu_kernels(q, k, v, g, beta, state_pool) and has_module("fla"):
-        from . import fla_ops
+    if gpu_kernels(q, k, v, g, beta, state_pool) and has_module("triton"):
+        from . import triton_decode
 
-        if fla_ops.supports_decode(q, v, state_pool):
-            last_backend["kda_decode"] = "fla"
-            return fla_ops.kda_decode(q, k, v, g, beta, state_pool, state_indices.to(q.device), scale,
-                                      use_qk_l2norm_in_kernel)
+        if triton_decode.supports(q, k, v, g, state_pool):
+            last_backend["kda_decode"] = "triton"
+            return triton_decode.kda_decode(q, k, v, g, beta, state_pool, state_indices.to(q.device), scale,
+                                            use_qk_l2norm_in_kernel)
     last_backend["kda_decode"] = "naive"
     return naive.kda_decode(q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm_in_kernel)

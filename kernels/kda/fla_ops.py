@@ -1,6 +1,6 @@
-"""KDA on the GPU through fla (fla-core 0.6.0): chunked prefill with in-pass checkpoints, and pooled
-decode. Inputs arrive validated from `kernels.kda`, with a `ChunkPlan` (chunk_plan.py) holding every
-index on the device already; layouts are fla's ([K, V] states).
+"""KDA prefill on the GPU through fla (fla-core 0.6.0): chunked, with in-pass checkpoints (decode is our own
+Triton step, triton_decode.py). Inputs arrive validated from `kernels.kda`, with a `ChunkPlan`
+(chunk_plan.py) holding every index on the device already; layouts are fla's ([K, V] states).
 
 Prefill re-assembles fla's inference forward (fla/ops/kda/chunk_fwd.py) from its stages, because a
 mid-chunk checkpoint needs what fla's own call frees (the keys, the in-chunk gate cumsum, v_new):
@@ -13,8 +13,7 @@ mid-chunk checkpoint needs what fla's own call frees (the keys, the in-chunk gat
 With or without checkpoints the same kernels run with the same dtypes (one autotune), and nothing
 reads a device value back: a checkpointed prefill costs one extra small launch. Chunk states in
 bf16 are what fla's products see anyway; the checkpoint's decay and in-chunk sum run in fp32
-(tests/kernels/test_kda_gpu.py bounds a resumed prefill's error by the unsplit one's). Decode calls
-fla's fused_recurrent_kda_fwd on the slot pool in place.
+(tests/kernels/test_kda_gpu.py bounds a resumed prefill's error by the unsplit one's).
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from fla.modules.norm.l2norm import l2norm_fwd
 from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_kernel_h_blockdim64
 from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
 from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
-from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 from fla.ops.utils import chunk_local_cumsum
 from fla.ops.utils.constant import RCP_LN2
 from torch import Tensor
@@ -45,11 +43,6 @@ def _head_dims_ok(K: int, V: int) -> bool:
 
 def supports_chunk(q: Tensor, v: Tensor, chunk_size: int) -> bool:
     return q.dtype in DTYPES and chunk_size in (32, 64) and _head_dims_ok(q.shape[-1], v.shape[-1])
-
-
-def supports_decode(q: Tensor, v: Tensor, state_pool: Tensor) -> bool:
-    H, K, V = state_pool.shape[1:]
-    return q.dtype in DTYPES and _head_dims_ok(K, V) and state_pool.stride()[1:] == (K * V, V, 1)
 
 
 @torch.no_grad()
@@ -91,17 +84,3 @@ def chunk_kda(
             checkpoint_states(h.flatten(0, 1), k.flatten(0, 1), gc.flatten(0, 1), v_new.flatten(0, 1),
                               plan.checkpoints, checkpoints, BT)
     return o.to(q.dtype), final_state, checkpoints
-
-
-@torch.no_grad()
-def kda_decode(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor, state_indices: Tensor,
-               scale: float | None, use_qk_l2norm_in_kernel: bool) -> Tensor:
-    """One token per sequence as B = N rows of T = 1; the pool is read and written in place."""
-    with device_of(q):
-        o, _ = fused_recurrent_kda_fwd(
-            q=q.unsqueeze(1).contiguous(), k=k.unsqueeze(1).contiguous(), v=v.unsqueeze(1).contiguous(),
-            g=g.unsqueeze(1).contiguous(), beta=beta.unsqueeze(1).contiguous(), initial_state=state_pool,
-            scale=scale, inplace_final_state=True, ssm_state_indices=state_indices,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        )
-    return o.squeeze(1)

@@ -159,7 +159,7 @@ def test_bf16_cuda_runs_gpu_kernels(
         kernels = _generate(checkpoint, prompts, "cuda", "bfloat16")
     backends = {**kda.last_backend, **mla.last_backend, **moe.last_backend}
     assert counter.calls == {name: 0 for name in counter.calls}, f"reference ops ran: {counter.calls}"
-    assert backends.get("chunk_kda") == "fla" and backends.get("kda_decode") == "fla", backends
+    assert backends.get("chunk_kda") == "fla" and backends.get("kda_decode") == "triton", backends
     assert backends.get("mla_decode_paged") == "triton" and backends.get("fused_experts") == "triton", backends
 
     with _backend.reference_kernels():

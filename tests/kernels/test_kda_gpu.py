@@ -1,5 +1,5 @@
-"""KDA on the GPU (fla): chunked prefill with in-pass checkpoints and pooled decode against the fp32 torch
-reference, at the benchmarked shapes (8K tokens; 12 heads = one K3 rank at TP8, 32, 96 = K3 whole;
+"""KDA on the GPU (fla's chunked prefill with in-pass checkpoints, our Triton pooled decode) against the fp32
+torch reference, at the benchmarked shapes (8K tokens; 12 heads = one K3 rank at TP8, 32, 96 = K3 whole;
 decode batch 1-64). Checkpoints come from fla's bf16 chunk-start states plus an fp32 in-chunk update:
 a prefill resumed from one must be as close to the unsplit fp32 reference as the unsplit kernel is."""
 
@@ -116,16 +116,18 @@ def test_chunk_batch_rows_no_state() -> None:
 @pytest.mark.parametrize("N", [1, 4, 16, 64], ids=lambda n: f"N{n}")
 @pytest.mark.parametrize("H", [12, 32], ids=lambda h: f"H{h}")
 def test_decode_pool_in_place(H: int, N: int) -> None:
-    """A pool 3x the batch, unused slots poisoned: used slots advance exactly like the reference, the
-    rest stay bit-identical."""
+    """Our Triton step on a pool 3x the batch, unused slots poisoned, q/k/v strided views of one projection
+    (as the layer passes them): used slots advance exactly like the reference, the rest stay bit-identical."""
     num_slots = 3 * N + 1
     pool = torch.full((num_slots, H, K, V), POISON, device="cuda")
     slots = torch.randperm(num_slots, device="cuda")[:N]
     pool[slots] = torch.randn(N, H, K, V, device="cuda")
-    q, k, v, g, beta = (t[0] for t in _inputs(N, H))
+    _, _, _, g, beta = (t[0] for t in _inputs(N, H))
+    proj = torch.randn(N, H * (2 * K + V), device="cuda", dtype=torch.bfloat16)
+    q, k, v = (t.reshape(N, H, -1) for t in proj.split([H * K, H * K, H * V], dim=-1))
     ref_pool = pool.clone()
     o = kda_decode(q, k, v, g, beta, pool, slots, use_qk_l2norm_in_kernel=True)
-    assert kda.last_backend["kda_decode"] == "fla"
+    assert kda.last_backend["kda_decode"] == "triton"
     ref_o = naive.kda_decode(q, k, v, g, beta, ref_pool, slots, None, True)
     assert_rel_rms("o", ref_o, o, TOL)
     assert_rel_rms("state", ref_pool[slots], pool[slots], 1e-5)
