@@ -2,8 +2,9 @@
 
 Expert parallelism: a rank holds E local experts with global ids [expert_start, expert_start + E);
 `fused_experts` adds only their contributions, so the full result is the sum over ranks.
-On CUDA, bf16 activations with MXFP4 banks and a SiTU/SwiGLU activation run the Triton w4a16 kernels
-(`triton_moe.py`); everything else runs `naive.py`. `last_backend[name]` records which.
+On CUDA, routing runs one Triton launch (`triton_router.py`), and bf16 activations with MXFP4 banks and a
+SiTU/SwiGLU activation run the Triton w4a16 kernels (`triton_moe.py`); everything else runs `naive.py`.
+`last_backend[name]` records which.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from k3serve.kernels.mxfp4 import MXFP4Tensor
 from .._backend import gpu_kernels, has_module
 from . import naive
 
-last_backend: dict[str, str] = {}  # "fused_experts" -> "triton" | "naive"
+last_backend: dict[str, str] = {}  # "select_experts" / "fused_experts" -> "triton" | "naive"
 
 __all__ = ["ExpertWeights", "select_experts", "situ_glu", "silu_glu", "fused_experts"]
 
@@ -43,7 +44,9 @@ def select_experts(
     """router_logits [T, E] -> (topk_weights fp32 [T, k], topk_ids int64 [T, k]).
 
     Selection uses sigmoid(logits) + correction_bias; weights are sigmoid scores of the chosen experts
-    (no bias), optionally renormalized to sum 1 (+1e-20), then times scaling_factor."""
+    (no bias), optionally renormalized to sum 1 (+1e-20), then times scaling_factor. The ids come in
+    descending biased score, equal scores by ascending id. On CUDA one Triton launch (`triton_router.py`,
+    E <= 1024, top_k <= 32)."""
     if router_logits.dim() != 2:
         raise ValueError(f"router_logits must be [T, E], got {tuple(router_logits.shape)}")
     num_experts = router_logits.shape[1]
@@ -51,6 +54,13 @@ def select_experts(
         raise ValueError(f"correction_bias must be [E={num_experts}], got {tuple(correction_bias.shape)}")
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k={top_k} must lie in [1, E={num_experts}]")
+    if gpu_kernels(router_logits, correction_bias) and has_module("triton"):
+        from . import triton_router
+
+        if triton_router.supports(router_logits, top_k):
+            last_backend["select_experts"] = "triton"
+            return triton_router.select_experts(router_logits, correction_bias, top_k, renormalize, scaling_factor)
+    last_backend["select_experts"] = "naive"
     return naive.select_experts(router_logits, correction_bias, top_k, renormalize, scaling_factor)
 
 

@@ -18,10 +18,12 @@ if TYPE_CHECKING:
 def select_experts(
     router_logits: Tensor, correction_bias: Tensor | None, top_k: int, renormalize: bool, scaling_factor: float
 ) -> tuple[Tensor, Tensor]:
-    """DeepSeek-V3 noaux_tc routing: the bias steers selection only; weights are the unbiased sigmoid scores."""
+    """DeepSeek-V3 noaux_tc routing: the bias steers selection only; weights are the unbiased sigmoid scores.
+    The ids come in descending biased score, equal scores by ascending expert id (a stable sort: the order
+    of torch.topk among ties is unspecified, and the GPU kernel must be checkable against this)."""
     scores = torch.sigmoid(router_logits.float())  # [T, E]
     choice = scores if correction_bias is None else scores + correction_bias.float()
-    topk_ids = torch.topk(choice, top_k, dim=-1).indices  # [T, k] int64
+    topk_ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]  # [T, k] int64
     topk_weights = scores.gather(-1, topk_ids)  # [T, k]
     if renormalize:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
