@@ -4,8 +4,10 @@ vLLM v1's full decode graphs). Eager decode is host-bound (docs/BENCHMARKS.md, "
 
 A decode-only step (every sequence one new token after a cached context, no KDA checkpoint) is padded up
 to the smallest bucket that holds it. `StaticDecodeInputs` (model/batch.py) keeps its inputs at fixed
-addresses and makes the padding rows harmless (no cache read, MLA writes skipped, KDA step on the cache's
-pad slot). Capture runs each bucket once eagerly first (Triton compiles, the MoE autotunes for that
+addresses, uploads a step's inputs in one asynchronous copy of what changed (the per-row values; of the
+block tables only the entries the device does not hold yet) and makes the padding rows harmless (no cache
+read, MLA writes skipped, KDA step on the cache's pad slot). The memory plan counts the pad slot and sets
+the graphs' memory aside (`engine/memory.py`, `graph_reserve_bytes`). Capture runs each bucket once eagerly first (Triton compiles, the MoE autotunes for that
 bucket's row count: autotuning benchmarks, which synchronizes, so it cannot happen while recording),
 then records it, largest bucket first, every graph in one memory pool (only one replays at a time).
 CUDA's sync debug mode is "error" while recording: a host sync inside the step raises at capture.

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from k3serve.engine.config import EngineArgs
 from k3serve.model.config import ModelConfig
 
 
@@ -53,8 +54,10 @@ def weight_bytes(config: ModelConfig, tp_size: int, dtype: torch.dtype) -> int:
 @dataclass(frozen=True)
 class PoolPlan:
     num_blocks: int
-    num_slots: int
+    num_slots: int  # KDA slots the state pool hands out
     block_size: int
+    pad_slot: bool = False  # one more KDA slot in the cache, for CUDA-graph padding rows (no request owns it)
+    graph_bytes: int = 0  # set aside for the captured decode graphs (`graph_reserve_bytes`)
 
     @property
     def num_tokens(self) -> int:
@@ -62,31 +65,106 @@ class PoolPlan:
 
 
 def plan_pools(
-    sizes: CacheSizes, cache_bytes: int, block_size: int, num_slots: int, max_model_len: int
+    sizes: CacheSizes, cache_bytes: int, block_size: int, num_slots: int, max_model_len: int,
+    pad_slot: bool = False, graph_bytes: int = 0,
 ) -> PoolPlan:
-    """Give `num_slots` KDA slots their bytes, the rest of `cache_bytes` to MLA blocks."""
-    slot_bytes = num_slots * sizes.kda_bytes_per_slot
+    """Give `num_slots` KDA slots (plus the pad slot) and `graph_bytes` their bytes, the rest of `cache_bytes`
+    to MLA blocks."""
+    slot_bytes = (num_slots + pad_slot) * sizes.kda_bytes_per_slot
     block_bytes = block_size * sizes.mla_bytes_per_token
-    num_blocks = (cache_bytes - slot_bytes) // block_bytes if block_bytes else 0
+    num_blocks = (cache_bytes - slot_bytes - graph_bytes) // block_bytes if block_bytes else 0
     needed = math.ceil(max_model_len / block_size)
     if num_blocks < needed:
+        graphs = f" and {graph_bytes / 2**20:.1f} MiB for CUDA graphs" if graph_bytes else ""
         raise ValueError(
             f"a cache budget of {cache_bytes / 2**20:.1f} MiB holds {max(num_blocks, 0)} blocks of {block_size} tokens "
-            f"after {num_slots} KDA slots ({slot_bytes / 2**20:.1f} MiB); one request of max_model_len={max_model_len} "
-            f"needs {needed} blocks. Raise the cache budget or lower max_model_len / max_num_seqs."
+            f"after {num_slots + pad_slot} KDA slots ({slot_bytes / 2**20:.1f} MiB){graphs}; one request of "
+            f"max_model_len={max_model_len} needs {needed} blocks. Raise the cache budget or lower max_model_len / "
+            "max_num_seqs."
         )
-    return PoolPlan(num_blocks=int(num_blocks), num_slots=num_slots, block_size=block_size)
+    return PoolPlan(num_blocks=int(num_blocks), num_slots=num_slots, block_size=block_size, pad_slot=pad_slot,
+                    graph_bytes=graph_bytes)
 
 
-def describe_plan(
-    config: ModelConfig, tp_size: int, dtype: torch.dtype, device_bytes: int, utilization: float, max_num_seqs: int
-) -> list[tuple[str, str]]:
-    """Rows of `k3serve plan`: what one rank holds and how much context fits beside the weights."""
+def plan_engine_pools(config: ModelConfig, args: EngineArgs, cache_bytes: int) -> PoolPlan:
+    """The pools of an engine run with `args`, in the `cache_bytes` left beside its weights. With CUDA graphs
+    (`graphs_enabled(args)`: not under `enforce_eager`, not at TP > 1, ...) the cache holds the pad slot too
+    and the graphs' memory is set aside first."""
+    from k3serve.engine.cuda_graphs import graphs_enabled
+
+    sizes = cache_sizes(config, args.tensor_parallel_size, args.torch_dtype)
+    graphs = graphs_enabled(args)
+    return plan_pools(sizes, cache_bytes, args.block_size, args.kda_slots, args.max_model_len, pad_slot=graphs,
+                      graph_bytes=graph_reserve_bytes(config, args) if graphs else 0)
+
+
+GRAPH_POOL_SLACK_BYTES = 64 * 2**20
+
+
+def graph_reserve_bytes(config: ModelConfig, args: EngineArgs) -> int:
+    """Device memory of the captured decode graphs: their fixed-address inputs and output (exact) and an
+    estimate of their private memory pool.
+
+    The pool holds what the recorded step allocates. Blocks freed during a capture are reused later in the
+    same capture, and every bucket records into one pool (only one replays at a time), so the largest
+    bucket's activation workspace sizes it: `decode_activation_bytes` per row (an upper bound: everything a
+    layer makes counted live at once) times the rows, plus `GRAPH_POOL_SLACK_BYTES` for what does not grow
+    with the rows: the MLA decode's split-K partials (the kernel sizes its splits to ~2 waves of programs:
+    2 x 132 SMs x 16 heads x 512 x 4 B = 8.3 MiB on an H200) and the caching allocator's rounding (2 MiB
+    segments for small blocks, 20 MiB for mid-sized ones). vLLM measures its graphs' pool instead, by
+    capturing before it sizes the KV cache; capture here needs the cache, so the plan estimates and
+    `benchmarks/gpu_engine.py` reports the estimate beside the pool a capture really reserved."""
+    from k3serve.model.batch import StaticDecodeInputs
+
+    rows = args.graph_batch_sizes[-1]
+    itemsize = torch.empty((), dtype=args.torch_dtype).element_size()
+    inputs = StaticDecodeInputs(rows, math.ceil(args.max_model_len / args.block_size), args.block_size, 0, "meta")
+    output = rows * config.hidden_size * itemsize
+    activations = rows * decode_activation_bytes(config, args.tensor_parallel_size, args.torch_dtype)
+    return inputs.device_bytes + output + activations + GRAPH_POOL_SLACK_BYTES
+
+
+def decode_activation_bytes(config: ModelConfig, tp_size: int, dtype: torch.dtype) -> int:
+    """Bytes one decode row's step allocates, bounded from above: the residual stream (the attention-residual
+    bank) held through the step, plus everything the widest layer part makes counted live at once, fp32
+    where the layer computes in fp32."""
+    b = torch.empty((), dtype=dtype).element_size()
+    hidden = config.hidden_size
+    bank = -(-config.num_hidden_layers // config.attn_res_block_size) + 1 if config.attn_res_block_size else 1
+    stream = (bank + 3) * hidden * b  # the bank, a layer's input, its mixer's and its MLP's outputs
+    p = config.kda.num_heads // tp_size * config.kda.head_dim
+    kda = p * (10 * b + 4) + hidden * b  # projections, conv, q/k/v, gate (fp32), outputs, o_proj
+    h, latent = config.num_attention_heads // tp_size, config.kv_lora_rank
+    q_width = h * config.qk_head_dim
+    mla = ((config.q_lora_rank or 0) + 2 * q_width + 2 * config.mla_kv_dim + h * config.v_head_dim) * b \
+        + h * latent * (4 + b) + 2 * h * config.v_head_dim * 4 + hidden * b  # q, latent, absorbed q, o, gate
+    dense = 3 * config.intermediate_size // tp_size * b + hidden * b
+    moe = 0
+    if config.num_experts:
+        width = config.routed_expert_hidden_size or hidden
+        shared = config.moe_intermediate_size * config.num_shared_experts // tp_size
+        top_k = config.num_experts_per_token
+        moe = (config.num_experts * 4 + top_k * 16  # router logits fp32, top-k weights and ids
+               + width * (2 * b + 4) + top_k * config.moe_intermediate_size * b  # expert input, h, fp32 sum, norm
+               + 3 * shared * b + hidden * (2 * b + 4))  # shared experts, up-projection, fp32 shared sum
+    return stream + max(kda, mla, dense, moe)
+
+
+def describe_plan(config: ModelConfig, args: EngineArgs, device_bytes: int) -> list[tuple[str, str]]:
+    """Rows of `k3serve plan`: what one rank of an engine run with `args` holds and how much context fits
+    beside the weights (KDA slots for `max_num_seqs` requests; the pad slot and the graphs' memory when
+    `args` capture CUDA graphs)."""
+    from k3serve.engine.cuda_graphs import graphs_enabled
+
+    tp_size, utilization, max_num_seqs = args.tensor_parallel_size, args.gpu_memory_utilization, args.max_num_seqs
     config.check_tp(tp_size)
-    sizes = cache_sizes(config, tp_size, dtype)
+    sizes = cache_sizes(config, tp_size, args.torch_dtype)
     budget = int(device_bytes * utilization) - sizes.weight_bytes
-    slots_bytes = max_num_seqs * sizes.kda_bytes_per_slot
-    kv_bytes = budget - slots_bytes
+    graphs = graphs_enabled(args)
+    graph_bytes = graph_reserve_bytes(config, args) if graphs else 0
+    slots = max_num_seqs + graphs
+    slots_bytes = slots * sizes.kda_bytes_per_slot
+    kv_bytes = budget - slots_bytes - graph_bytes
     gib = 2**30
     rows = [
         ("tensor-parallel ranks", str(tp_size)),
@@ -94,10 +172,14 @@ def describe_plan(
         ("weights per rank (MXFP4 experts packed)", f"{sizes.weight_bytes / gib:.2f} GiB"),
         ("MLA latent KV per token (all MLA layers)", f"{sizes.mla_bytes_per_token / 1024:.1f} KiB"),
         ("KDA state per request (this rank's heads)", f"{sizes.kda_bytes_per_slot / 2**20:.1f} MiB"),
-        (f"KDA slots for max_num_seqs={max_num_seqs}", f"{slots_bytes / gib:.2f} GiB"),
+        (f"KDA slots for max_num_seqs={max_num_seqs}" + (" + the CUDA-graph pad slot" if graphs else ""),
+         f"{slots} slots, {slots_bytes / gib:.2f} GiB"),
+        ("CUDA graphs (decode, up to batch "
+         f"{args.graph_batch_sizes[-1]}: inputs, output, pool estimate)" if graphs else "CUDA graphs",
+         f"{graph_bytes / gib:.2f} GiB" if graphs else "off (enforce_eager, TP > 1 or not bf16): eager decode"),
     ]
     if kv_bytes <= 0:
-        rows.append(("fits", f"NO: weights + KDA slots exceed the budget by {-kv_bytes / gib:.2f} GiB"))
+        rows.append(("fits", f"NO: weights + KDA slots + graphs exceed the budget by {-kv_bytes / gib:.2f} GiB"))
         return rows
     tokens = kv_bytes // sizes.mla_bytes_per_token
     rows += [

@@ -16,9 +16,11 @@ addresses, the batch padded to a bucket size with rows that write nowhere a requ
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from k3serve.kernels.kda import ChunkPlan, plan_chunks
 
 
 @dataclass
@@ -71,9 +73,11 @@ class ModelCache:
         for pool in self.kda_recurrent + self.kda_conv:
             pool[dst].copy_(pool[src])
 
-    def zero_slot(self, slot: int) -> None:
-        for pool in self.kda_recurrent + self.kda_conv:
-            pool[slot].zero_()
+    def zero_slots(self, slots: list[int]) -> None:
+        """Zero whole KDA states (every layer, recurrent + conv) of `slots`: one multi-tensor op over
+        all of them (a few fused launches on CUDA), not one per layer or per slot."""
+        if slots:
+            torch._foreach_zero_([pool[slot] for pool in self.kda_recurrent + self.kda_conv for slot in slots])
 
 
 @dataclass
@@ -90,8 +94,27 @@ class ForwardBatch:
     checkpoint_slot_ids: torch.Tensor | None  # [N] int64, slot receiving that checkpoint, -1 none
     num_decode: int  # leading sequences with exactly one new token
     cu_seqlens_list: list[int]  # host copy of cu_seqlens, for python-side splitting
-    fresh_slot_ids: torch.Tensor | None = None  # [F] int64, slots of sequences with num_computed 0 (None: none)
     pad_slot: int | None = None  # slot of padding rows (may repeat in slot_ids; their outputs are ignored)
+    # Host (CPU) copies of the index tensors, for the prefill work that reads indices on the host (the
+    # short conv's per-sequence loop, the KDA chunk plan, the conv window at a checkpoint): reading the
+    # device tensors there would sync once per layer. `build` sets them; a decode-only batch needs none.
+    cu_seqlens_host: torch.Tensor | None = None  # [N+1] int64
+    slot_ids_host: torch.Tensor | None = None  # [N] int64
+    checkpoint_offsets_host: torch.Tensor | None = None  # [N] int64
+    checkpoint_slot_ids_host: torch.Tensor | None = None  # [N] int64
+    checkpoint_rows: torch.Tensor | None = None  # [W] int64 on the device: the sequences with an offset >= 0
+    _kda_plan: ChunkPlan | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        decode_only = self.num_decode == self.num_seqs and self.checkpoint_offsets is None
+        if not decode_only and (self.cu_seqlens_host is None or self.slot_ids_host is None):
+            raise ValueError("a batch with prefill rows or checkpoints needs the host copies of its indices "
+                             "(ForwardBatch.build makes them)")
+        if (self.checkpoint_offsets is not None) != (self.checkpoint_offsets_host is not None
+                                                    and self.checkpoint_slot_ids_host is not None
+                                                    and self.checkpoint_rows is not None):
+            raise ValueError("checkpoint_offsets come with their host copies and checkpoint_rows "
+                             "(ForwardBatch.build makes them)")
 
     @property
     def num_seqs(self) -> int:
@@ -106,6 +129,26 @@ class ForwardBatch:
         """[N] row of each sequence's last new token (where its next-token logits come from)."""
         return self.cu_seqlens[1:] - 1
 
+    @property
+    def conv_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cu_seqlens, slot ids) for the short conv: on the device when every row is one token (its
+        vectorized form, which CUDA graphs capture), else the host copies (its per-sequence loop
+        reads them on the host, so a prefill costs no device read-back)."""
+        if self.num_decode == self.num_seqs:
+            return self.cu_seqlens, self.slot_ids
+        return self.cu_seqlens_host, self.slot_ids_host
+
+    def kda_chunk_plan(self, chunk_size: int) -> ChunkPlan:
+        """The chunk plan of this batch's chunked KDA, on the batch's device: it depends on the batch
+        alone, so the first KDA layer builds it (from host lists, one asynchronous copy) and every
+        later layer of the forward reuses it."""
+        if self._kda_plan is None or self._kda_plan.chunk_size != chunk_size:
+            cu = self.cu_seqlens_list
+            offsets = None if self.checkpoint_offsets_host is None else self.checkpoint_offsets_host.tolist()
+            self._kda_plan = plan_chunks([b - a for a, b in zip(cu[:-1], cu[1:])], True, offsets, chunk_size,
+                                         self.cu_seqlens.device)
+        return self._kda_plan
+
     @classmethod
     def build(
         cls,
@@ -118,7 +161,10 @@ class ForwardBatch:
         checkpoint_slot_ids: list[int] | None = None,
         device: torch.device | str = "cpu",
     ) -> "ForwardBatch":
-        """Pack per-sequence lists into one batch. Single-token sequences must come first."""
+        """Pack per-sequence lists into one batch. Single-token sequences must come first.
+
+        The KDA slot of a sequence starting at num_computed 0 must hold zeros: the caller zeroes it
+        (the runner does, for every fresh sequence of a step at once)."""
         n = len(token_ids)
         if not (len(num_computed) == len(block_tables) == len(slot_ids) == n):
             raise ValueError("token_ids, num_computed, block_tables and slot_ids must have one entry per sequence")
@@ -140,7 +186,6 @@ class ForwardBatch:
                     raise ValueError(f"block table of {len(table)} blocks cannot hold position {pos}")
                 positions.append(pos)
                 slot_mapping.append(table[pos // block_size] * block_size + pos % block_size)
-        fresh = [slot for slot, start in zip(slot_ids, num_computed) if start == 0]
         max_blocks = max((len(t) for t in block_tables), default=0)
         tables = torch.full((n, max(max_blocks, 1)), -1, dtype=torch.int32)
         for i, table in enumerate(block_tables):
@@ -149,6 +194,13 @@ class ForwardBatch:
         def tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
+        host = {"cu_seqlens_host": torch.tensor(cu), "slot_ids_host": torch.tensor(slot_ids, dtype=torch.int64)}
+        if checkpoint_offsets is not None:
+            if checkpoint_slot_ids is None or len(checkpoint_offsets) != n or len(checkpoint_slot_ids) != n:
+                raise ValueError("checkpoint_offsets and checkpoint_slot_ids need one entry per sequence")
+            host["checkpoint_offsets_host"] = torch.tensor(checkpoint_offsets, dtype=torch.int64)
+            host["checkpoint_slot_ids_host"] = torch.tensor(checkpoint_slot_ids, dtype=torch.int64)
+            host["checkpoint_rows"] = tensor([i for i, off in enumerate(checkpoint_offsets) if off >= 0])
         return cls(
             token_ids=tensor([t for seq in token_ids for t in seq]),
             positions=tensor(positions),
@@ -162,7 +214,7 @@ class ForwardBatch:
             checkpoint_slot_ids=None if checkpoint_slot_ids is None else tensor(checkpoint_slot_ids),
             num_decode=num_decode,
             cu_seqlens_list=cu,
-            fresh_slot_ids=tensor(fresh) if fresh else None,
+            **host,
         )
 
 
@@ -170,25 +222,54 @@ class StaticDecodeInputs:
     """A decode-only batch at fixed addresses, for up to `max_seqs` rows: what a captured CUDA graph reads.
 
     Every real row is one new token continuing a cached context (num_computed > 0, no checkpoint).
-    `load` writes a step's rows (one host-to-device copy for the per-row values, one for the block
-    tables) and pads the batch to `num_rows` with rows that read no cache (seq_len 0), write no MLA row
+    `load` pads the batch to `num_rows` with rows that read no cache (seq_len 0), write no MLA row
     (slot_mapping -1) and run their KDA step on the cache's `pad_slot`, a slot no request owns: their
     outputs are garbage to be ignored, and no request's blocks or slots are touched by them.
 
     Block tables are [max_seqs, max_blocks] with max_blocks = ceil(max_model_len / block_size): the MLA
     decode kernel sizes its grid from that width, not from the batch's longest context, so every shape
     depends on `num_rows` alone. Entries past a row's used blocks are stale (never read).
+
+    A step uploads only what changed, in ONE host-to-device copy (vLLM v1 keeps a host mirror of its block
+    table too): the per-row values, which change every step, and the block-table entries the device does
+    not hold yet. `_on_device[i]` mirrors the leading entries of device row i; a row that continues the
+    same sequence costs nothing, or one entry when its context opens a block, and any other table (a
+    sequence joined, left, was swapped in or preempted and re-admitted) rewrites its row. The host side is
+    one buffer (pinned on CUDA, so the copy is asynchronous) laid out as the device buffer:
+
+        | ... free ... | changed flat indices [k] | their block ids [k] | rows [max_seqs, 5] |
+
+    and the copy spans the changed entries and the first `num_rows` rows; the block ids are then scattered
+    into the table on the device. The rows part of the device buffer is what the graph reads.
     """
+
+    _FIELDS = 5  # token_id, num_computed, seq_len, slot_mapping, slot_id
 
     def __init__(self, max_seqs: int, max_blocks: int, block_size: int, pad_slot: int,
                  device: torch.device | str) -> None:
         self.max_seqs, self.max_blocks, self.block_size, self.pad_slot = max_seqs, max_blocks, block_size, pad_slot
         self.device = torch.device(device)
-        self._pad_row = (0, 0, 0, -1, pad_slot)  # token_id, num_computed, seq_len, slot_mapping, slot_id
-        self._rows = torch.tensor([self._pad_row] * max_seqs, dtype=torch.int64, device=self.device)
+        self._pad_row = (0, 0, 0, -1, pad_slot)
+        self._rows_at = 2 * max_seqs * max_blocks  # room for every row rewritten in one step
+        size = self._rows_at + max_seqs * self._FIELDS
+        pinned = self.device.type == "cuda"
+        self._host = torch.zeros(size, dtype=torch.int64, pin_memory=pinned)
+        self._host_view = self._host.numpy()
+        self._device_buffer = torch.zeros(size, dtype=torch.int64, device=self.device)
+        self._rows = self._device_buffer[self._rows_at:].view(max_seqs, self._FIELDS)
+        self._rows.copy_(torch.tensor([self._pad_row] * max_seqs, dtype=torch.int64))
         self.block_tables = torch.full((max_seqs, max_blocks), -1, dtype=torch.int32, device=self.device)
-        self._tables_staging = torch.empty(max_seqs * max_blocks, dtype=torch.int32, device=self.device)
+        self._on_device: list[list[int]] = [[] for _ in range(max_seqs)]
         self._cu_seqlens = torch.arange(max_seqs + 1, dtype=torch.int64, device=self.device)
+        # The pinned buffer is rewritten each step: the previous copy out of it must have finished first.
+        self._uploaded = torch.cuda.Event() if pinned else None
+        self.table_entries_uploaded = 0  # by the last `load`: the block-table part of its copy
+
+    @property
+    def device_bytes(self) -> int:
+        """What these inputs hold on their device (the memory plan counts it; built on "meta" it allocates
+        nothing there)."""
+        return sum(t.nbytes for t in (self._device_buffer, self.block_tables, self._cu_seqlens))
 
     def load(self, token_ids: list[int], num_computed: list[int], block_tables: list[list[int]],
              slot_ids: list[int], num_rows: int) -> None:
@@ -198,22 +279,40 @@ class StaticDecodeInputs:
             raise ValueError("token_ids, num_computed, block_tables and slot_ids must have one entry per sequence")
         if not n <= num_rows <= self.max_seqs:
             raise ValueError(f"{n} sequences padded to {num_rows} rows: need n <= num_rows <= {self.max_seqs}")
-        rows, bs = [], self.block_size
-        for token, start, table, slot in zip(token_ids, num_computed, block_tables, slot_ids):
+        rows: list[int] = []
+        indices: list[int] = []
+        block_ids: list[int] = []
+        bs = self.block_size
+        for i, (token, start, table, slot) in enumerate(zip(token_ids, num_computed, block_tables, slot_ids)):
             if start < 1 or start // bs >= len(table) or len(table) > self.max_blocks:
                 raise ValueError(f"a static decode row continues a cached context within {self.max_blocks} blocks; "
                                  f"got num_computed={start} with a table of {len(table)} blocks")
-            rows.append((token, start, start + 1, table[start // bs] * bs + start % bs, slot))
-        rows += [self._pad_row] * (num_rows - n)
-        pinned = self.device.type == "cuda"  # pinned host memory: the copies are asynchronous, no host sync
-        self._rows[:num_rows].copy_(torch.tensor(rows, dtype=torch.int64, pin_memory=pinned), non_blocking=True)
-        if n == 0:
-            return
-        width = max(len(t) for t in block_tables)
-        tables = torch.tensor([t + [-1] * (width - len(t)) for t in block_tables], dtype=torch.int32, pin_memory=pinned)
-        staged = self._tables_staging[: n * width].view(n, width)
-        staged.copy_(tables, non_blocking=True)
-        self.block_tables[:n, :width].copy_(staged)
+            rows += (token, start, start + 1, table[start // bs] * bs + start % bs, slot)
+            held = self._on_device[i]
+            if table == held:
+                continue
+            if len(table) == len(held) + 1 and table[:-1] == held:  # the same sequence opened a block
+                first = len(held)
+                held.append(table[-1])
+            else:
+                first = 0
+                self._on_device[i] = list(table)  # a copy: the caller's list may grow in place
+            indices += range(i * self.max_blocks + first, i * self.max_blocks + len(table))
+            block_ids += table[first:]
+        rows += self._pad_row * (num_rows - n)
+
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # done already unless the caller queued steps without reading results
+        k, start = len(indices), self._rows_at - 2 * len(indices)
+        end = self._rows_at + num_rows * self._FIELDS
+        self._host_view[start:end] = indices + block_ids + rows
+        self._device_buffer[start:end].copy_(self._host[start:end], non_blocking=True)
+        if k:
+            uploaded = self._device_buffer[start:self._rows_at]
+            self.block_tables.view(-1).index_copy_(0, uploaded[:k], uploaded[k:].to(torch.int32))
+        if self._uploaded is not None:
+            self._uploaded.record()
+        self.table_entries_uploaded = k
 
     def batch(self, num_rows: int) -> ForwardBatch:
         """The first `num_rows` rows as a decode batch; device work only (it runs inside the graph)."""

@@ -1,5 +1,6 @@
 """The memory plan counts exactly the weight bytes a loaded engine holds: the loaded tensors and what is
-derived from them at load time (fp32 router and MLA absorption weights in a bf16 model), each storage once."""
+derived from them at load time (fp32 router and MLA absorption weights in a bf16 model), each storage once;
+and, where the engine captures CUDA graphs, the pad KDA slot and the graphs' memory."""
 
 from __future__ import annotations
 
@@ -8,9 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from k3serve.engine.memory import weight_bytes
+from k3serve.engine.config import EngineArgs
+from k3serve.engine.cuda_graphs import graphs_enabled
+from k3serve.engine.memory import (GRAPH_POOL_SLACK_BYTES, PoolPlan, cache_sizes, decode_activation_bytes,
+                                   describe_plan, graph_reserve_bytes, plan_engine_pools, weight_bytes)
+from k3serve.model.batch import ModelCache, StaticDecodeInputs
 from k3serve.model.config import ModelConfig
 from k3serve.model.loader import load_model
+from k3serve.model.presets import preset_config
 
 
 def _held_bytes(model: torch.nn.Module) -> int:
@@ -34,3 +40,57 @@ def test_bf16_plan_includes_the_fp32_copies_derived_at_load(tiny_checkpoint: Pat
     assert weight_bytes(config, 1, torch.bfloat16) > loaded
     scores = model.model.layers[0].attn_res_scores  # derived too, kept as a tuple of tensors
     assert scores and weight_bytes(config, 1, torch.bfloat16) - loaded >= sum(t.nbytes for t in scores)
+
+
+GRAPHS = dict(device="cuda", block_size=8, max_model_len=64, max_num_seqs=4, num_kda_slots=6)
+
+
+def _cache_bytes(cache: ModelCache) -> int:
+    return sum(t.nbytes for t in cache.mla_kv + cache.kda_recurrent + cache.kda_conv)
+
+
+def test_the_plan_holds_the_pad_slot_and_the_graphs_only_when_graphs_are_captured() -> None:
+    """Budget = exactly what the eager engine's pools take: the eager plan fills it to the byte; with graphs
+    on, the cache `ModelCache.allocate` really makes (pad slot included) plus the graphs' reserve still fit,
+    with less than one block left over (a pad slot the plan forgot would overflow: a slot outweighs a block)."""
+    config = preset_config("k3-tiny")
+    eager_args, graph_args = EngineArgs(**GRAPHS, enforce_eager=True), EngineArgs(**GRAPHS)
+    assert graphs_enabled(graph_args) and not graphs_enabled(eager_args)
+    sizes = cache_sizes(config, 1, torch.bfloat16)
+    block_bytes = GRAPHS["block_size"] * sizes.mla_bytes_per_token
+    assert sizes.kda_bytes_per_slot > block_bytes
+    budget = 6 * sizes.kda_bytes_per_slot + 40_000 * block_bytes
+
+    plans = {}
+    for name, args in [("eager", eager_args), ("graphs", graph_args)]:
+        plan = plans[name] = plan_engine_pools(config, args, budget)
+        cache = ModelCache.allocate(config, plan.num_blocks, plan.num_slots, plan.block_size, 1, torch.bfloat16,
+                                    reserve_pad_slot=plan.pad_slot)
+        assert cache.kda_recurrent[0].shape[0] == 6 + plan.pad_slot
+        left = budget - _cache_bytes(cache) - plan.graph_bytes
+        assert 0 <= left < block_bytes, (name, left)
+    assert plans["eager"] == PoolPlan(num_blocks=40_000, num_slots=6, block_size=8)
+    assert plans["graphs"].pad_slot and plans["graphs"].num_slots == 6
+    assert plans["graphs"].graph_bytes == graph_reserve_bytes(config, graph_args) > GRAPH_POOL_SLACK_BYTES
+
+
+def test_graph_reserve_counts_the_static_inputs_and_grows_with_the_largest_bucket() -> None:
+    config = preset_config("k3-tiny")
+    small, large = EngineArgs(**GRAPHS), EngineArgs(**{**GRAPHS, "max_num_seqs": 64, "num_kda_slots": None})
+    inputs = StaticDecodeInputs(64, 8, 8, 0, "meta")  # 64 rows, 64 / 8 blocks
+    assert inputs.device_bytes == (2 * 64 * 8 + 64 * 5 + 65) * 8 + 64 * 8 * 4
+    per_row = decode_activation_bytes(config, 1, torch.bfloat16) + config.hidden_size * 2  # + the output row
+    assert graph_reserve_bytes(config, large) - graph_reserve_bytes(config, small) == (
+        inputs.device_bytes - StaticDecodeInputs(4, 8, 8, 0, "meta").device_bytes + 60 * per_row)
+
+
+def test_k3serve_plan_lists_the_pad_slot_and_graphs_at_tp1_and_neither_eager_or_at_tp8() -> None:
+    config = preset_config("k3-tiny")
+
+    def rows(**kw) -> dict[str, str]:
+        return dict(describe_plan(config, EngineArgs(device="cuda", max_num_seqs=8, **kw), 2**30))
+
+    graphs, eager, tp2 = rows(), rows(enforce_eager=True), rows(tensor_parallel_size=2)
+    assert graphs["KDA slots for max_num_seqs=8 + the CUDA-graph pad slot"].startswith("9 slots")
+    for plan in (eager, tp2):
+        assert plan["KDA slots for max_num_seqs=8"].startswith("8 slots") and plan["CUDA graphs"].startswith("off")
