@@ -25,7 +25,8 @@ def kda_gate(f: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float | Non
 
     lower_bound None: -exp(A_log[h]) * softplus(f + dt_bias) (Kimi Linear, g in (-inf, 0)).
     Otherwise lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias)) (K3 safe gate, g in (lower_bound, 0),
-    which bounds the in-chunk decay range). A_log [H] is per head; dt_bias is [H*K] or [H, K]."""
+    which bounds the in-chunk decay range). A_log [H] is per head; dt_bias is [H*K] or [H, K].
+    On CUDA one Triton launch (`triton_gate.py`)."""
     if f.dim() < 2 or not f.is_floating_point():
         raise ValueError(f"f must be a floating [..., H, K] tensor, got {f.dtype} {tuple(f.shape)}")
     H, K = f.shape[-2:]
@@ -35,6 +36,12 @@ def kda_gate(f: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float | Non
         raise ValueError(f"dt_bias must be [H*K={H * K}] or [H={H}, K={K}], got {tuple(dt_bias.shape)}")
     if lower_bound is not None and not -5.0 <= lower_bound < 0.0:
         raise ValueError(f"lower_bound must be in [-5, 0), got {lower_bound}")
+    if gpu_kernels(f, A_log, dt_bias) and has_module("triton"):
+        from . import triton_gate
+
+        last_backend["kda_gate"] = "triton"
+        return triton_gate.kda_gate(f, A_log, dt_bias, lower_bound)
+    last_backend["kda_gate"] = "naive"
     return naive.kda_gate(f, A_log, dt_bias, lower_bound)
 
 
