@@ -33,7 +33,7 @@ def _attn_res_kernel(src, score_w, norm_w, out, S, D, stride_s, stride_t, eps, n
     row = src + tok * stride_t
     acc = tl.load(row + offs, mask=ok, other=0.0).to(tl.float32)  # source 0 starts the online softmax
     best = _row_score(acc, w, D, eps)
-    denom = 1.0
+    denom = tl.full([], 1.0, tl.float32)
     for _ in range(1, S):
         row += stride_s
         v = tl.load(row + offs, mask=ok, other=0.0).to(tl.float32)
