@@ -59,6 +59,8 @@ class Prefill:
 
     def _forward(self, ids: list[int], computed: int, cut: int | None) -> torch.Tensor:
         ckpt = {} if cut is None else {"checkpoint_offsets": [cut], "checkpoint_slot_ids": [1]}
+        if computed == 0:  # a fresh sequence starts from zero state, as the runner sees to
+            self.cache.zero_slots([0])
         batch = ForwardBatch.build([ids], [computed], [self.blocks], [0], BLOCK, device=self.dev, **ckpt)
         hidden = self.model(batch, self.cache)
         return self.model.compute_logits(hidden[-1:])

@@ -60,9 +60,9 @@ class ModelRunner:
             self.group.lead(("step", output, want_chunk_logits))
         # Single-token chunks first: the decode paths get one contiguous slice of the batch.
         seqs = sorted(output.seqs, key=lambda s: s.num_scheduled_tokens != 1)
+        # The one zeroing of fresh slots (the model reads whatever a slot holds), all of them at once.
+        self.cache.zero_slots([seq.slot_id for seq in seqs if seq.zero_state])
         for seq in seqs:
-            if seq.zero_state:
-                self.cache.zero_slot(seq.slot_id)
             if seq.copy_state_from_slot != NO_SLOT:
                 self.cache.copy_slot(seq.copy_state_from_slot, seq.slot_id)
         if self.graphs is not None and self.graphs.fits(seqs):

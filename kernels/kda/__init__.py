@@ -13,11 +13,12 @@ from torch import Tensor
 
 from .._backend import gpu_kernels, has_module
 from . import naive
-from .chunk_plan import plan_chunks
+from .chunk_plan import ChunkPlan, check_checkpoint_offsets, plan_chunks
 
+CHUNK_SIZE = 64  # chunked prefill's default chunk: fla's, and the one the model's batches plan for
 last_backend: dict[str, str] = {}  # "chunk_kda" -> "fla" | "naive", "kda_decode" -> "triton" | "naive"
 
-__all__ = ["kda_gate", "chunk_kda", "recurrent_kda", "kda_decode"]
+__all__ = ["CHUNK_SIZE", "ChunkPlan", "kda_gate", "chunk_kda", "plan_chunks", "recurrent_kda", "kda_decode"]
 
 
 def kda_gate(f: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float | None = None) -> Tensor:
@@ -72,36 +73,74 @@ def _check_state(name: str, state: Tensor, rows: str, H: int, K: int, V: int) ->
 
 
 def _check_sequences(q: Tensor, v: Tensor, initial_state: Tensor | None, cu_seqlens: Tensor | None,
-                     checkpoint_offsets: Tensor | None) -> tuple[list[int], list[int] | None]:
-    """Validate on host copies; returns (tokens of each sequence, checkpoint offsets or None). A device
-    tensor is read back here (one sync); a host tensor costs none."""
+                     checkpoint_offsets: Tensor | None, plan: ChunkPlan | None = None
+                     ) -> tuple[list[int], list[int] | None]:
+    """Validate; returns (tokens of each sequence, checkpoint offsets or None) as host lists.
+
+    Without a plan the values are checked on host copies: a device tensor is read back here (one sync),
+    a host tensor costs none. With a plan (validated when it was built) only shapes are checked, and
+    the tensors' values are compared with it where they are on the host; device ones are trusted."""
     B, T, H, K = q.shape
-    if cu_seqlens is None:
-        lens = [T] * B
-    else:
+    if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"varlen (cu_seqlens) needs B == 1, got B={B}")
         if cu_seqlens.dtype != torch.int64 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
             raise ValueError(
                 f"cu_seqlens must be int64 [N+1], N >= 1, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
             )
-        cu = cu_seqlens.tolist()
-        lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
-        if cu[0] != 0 or cu[-1] != T or min(lens) < 1:
-            raise ValueError(f"cu_seqlens must rise strictly from 0 to T={T}, got {cu}")
+    if plan is not None:
+        lens, offsets = _plan_sequences(q, cu_seqlens, checkpoint_offsets, plan)
+    else:
+        lens, offsets = _read_sequences(q, cu_seqlens, checkpoint_offsets)
     N = len(lens)
     if initial_state is not None:
         _check_state("initial_state", initial_state, f"N={N}", H, K, v.shape[-1])
         if initial_state.shape[0] != N:
             raise ValueError(f"initial_state must have N={N} rows (one per sequence), got {initial_state.shape[0]}")
-    if checkpoint_offsets is None:
-        return lens, None
-    if checkpoint_offsets.dtype != torch.int64 or checkpoint_offsets.shape != (N,):
-        raise ValueError(f"checkpoint_offsets must be int64 [N={N}], got "
-                         f"{checkpoint_offsets.dtype} {tuple(checkpoint_offsets.shape)}")
-    offsets = checkpoint_offsets.tolist()
-    if not all(p == -1 or 1 <= p <= n for p, n in zip(offsets, lens)):
-        raise ValueError(f"checkpoint_offsets must be -1 or in [1, len_n], got {offsets} for lengths {lens}")
+    if checkpoint_offsets is not None:
+        if checkpoint_offsets.dtype != torch.int64 or checkpoint_offsets.shape != (N,):
+            raise ValueError(f"checkpoint_offsets must be int64 [N={N}], got "
+                             f"{checkpoint_offsets.dtype} {tuple(checkpoint_offsets.shape)}")
+        if plan is None:
+            check_checkpoint_offsets(offsets, lens)
+    return lens, offsets
+
+
+def _read_sequences(q: Tensor, cu_seqlens: Tensor | None, checkpoint_offsets: Tensor | None
+                    ) -> tuple[list[int], list[int] | None]:
+    """Host copies of the sequence tensors (a device tensor costs a sync); lengths checked."""
+    B, T = q.shape[:2]
+    if cu_seqlens is None:
+        lens = [T] * B
+    else:
+        cu = cu_seqlens.tolist()
+        lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+        if cu[0] != 0 or cu[-1] != T or min(lens) < 1:
+            raise ValueError(f"cu_seqlens must rise strictly from 0 to T={T}, got {cu}")
+    return lens, None if checkpoint_offsets is None else checkpoint_offsets.tolist()
+
+
+def _plan_sequences(q: Tensor, cu_seqlens: Tensor | None, checkpoint_offsets: Tensor | None,
+                    plan: ChunkPlan) -> tuple[list[int], list[int] | None]:
+    """The plan's host lists, once it is known to describe this call."""
+    B, T = q.shape[:2]
+    lens, offsets = list(plan.seq_lens), None if plan.checkpoint_offsets is None else list(plan.checkpoint_offsets)
+    if plan.device != q.device:
+        raise ValueError(f"the chunk plan lives on {plan.device}, the inputs on {q.device}")
+    if plan.varlen != (cu_seqlens is not None) or (checkpoint_offsets is None) != (offsets is None):
+        raise ValueError("the chunk plan must be built for the same varlen / checkpoint form as the call "
+                         f"(plan: varlen {plan.varlen}, checkpoints {offsets is not None}; call: varlen "
+                         f"{cu_seqlens is not None}, checkpoints {checkpoint_offsets is not None})")
+    if sum(lens) != B * T or (cu_seqlens is None and lens != [T] * B):
+        raise ValueError(f"the chunk plan's sequence lengths {lens} do not pack q's B={B} x T={T} tokens")
+    if cu_seqlens is not None:
+        cu = None if cu_seqlens.is_cuda else cu_seqlens.tolist()
+        if cu_seqlens.numel() != len(lens) + 1 or (cu is not None and (
+                cu[0] != 0 or [b - a for a, b in zip(cu[:-1], cu[1:])] != lens)):
+            raise ValueError(f"cu_seqlens {cu if cu is not None else tuple(cu_seqlens.shape)} do not match the "
+                             f"chunk plan's lengths {lens}")
+    if checkpoint_offsets is not None and not checkpoint_offsets.is_cuda and checkpoint_offsets.tolist() != offsets:
+        raise ValueError(f"checkpoint_offsets {checkpoint_offsets.tolist()} differ from the chunk plan's {offsets}")
     return lens, offsets
 
 
@@ -139,8 +178,9 @@ def chunk_kda(
     cu_seqlens: Tensor | None = None,
     checkpoint_offsets: Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = False,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
     gate_lower_bound: float | None = None,
+    plan: ChunkPlan | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Chunked (WY) KDA for prefill; same arguments and results as `recurrent_kda`.
 
@@ -150,12 +190,18 @@ def chunk_kda(
     cu_seqlens and checkpoint_offsets may live on the host or on q's device: host tensors cost the GPU
     path no sync (they are validated where they are and sent in one non-blocking copy); device ones
     are read back once for validation, which drains the GPU queue.
+    plan: `plan_chunks` over the same sequences on q's device, validated when built. A batch shares
+    one plan across all its KDA layers (the engine's `ForwardBatch.kda_chunk_plan`), so a layer neither
+    rebuilds it nor reads anything back; the tensors are then checked against it only where they
+    are on the host (device ones are trusted, as in `kda_decode`).
     gate_lower_bound: the caller guarantees g >= gate_lower_bound (K3 safe gate, in [-5, 0)); lets fla
     use its bounded-gate tensor-core path. The result does not depend on it beyond rounding."""
     _check_token_inputs(q, k, v, g, beta, "B, T")
-    lens, offsets = _check_sequences(q, v, initial_state, cu_seqlens, checkpoint_offsets)
+    lens, offsets = _check_sequences(q, v, initial_state, cu_seqlens, checkpoint_offsets, plan)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if plan is not None and plan.chunk_size != chunk_size:
+        raise ValueError(f"the chunk plan is for chunk_size {plan.chunk_size}, the call asks for {chunk_size}")
     if gate_lower_bound is not None and not -5.0 <= gate_lower_bound < 0.0:
         raise ValueError(f"gate_lower_bound must be in [-5, 0), got {gate_lower_bound}")
     if gpu_kernels(q, k, v, g, beta, initial_state) and has_module("fla"):
@@ -163,7 +209,8 @@ def chunk_kda(
 
         if fla_ops.supports_chunk(q, v, chunk_size):
             last_backend["chunk_kda"] = "fla"
-            plan = plan_chunks(lens, cu_seqlens is not None, offsets, chunk_size, q.device)
+            if plan is None:
+                plan = plan_chunks(lens, cu_seqlens is not None, offsets, chunk_size, q.device)
             return fla_ops.chunk_kda(q, k, v, g, beta, scale, initial_state, plan, use_qk_l2norm_in_kernel,
                                      chunk_size, safe_gate=gate_lower_bound is not None)
     last_backend["chunk_kda"] = "naive"

@@ -4,7 +4,9 @@ fla derives its chunk indices from `cu_seqlens` on the device (`prepare_chunk_in
 `repeat_interleave`, which reads a sum back), and mid-chunk checkpoints need host offsets: either
 way a `.tolist()` or an implicit read-back drains the GPU queue in the middle of a prefill, and
 every launch after it is exposed. The caller already knows the sequence lengths and checkpoint
-offsets on the host (it validated them there), so everything is computed here from plain lists:
+offsets on the host, so everything is validated and computed here from plain lists. The plan depends
+on the batch only: the engine builds it once per step (`ForwardBatch.kda_chunk_plan`) and every KDA
+layer passes the same plan to `chunk_kda` (as vLLM's GDN metadata builder does once per batch):
 
     packed int64, one pinned host buffer -> one async copy:
     | cu_seqlens [N+1] | chunk_indices [NT, 2] | chunk_offsets [N+1] | checkpoints [W, 4] |
@@ -25,18 +27,45 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class ChunkPlan:
-    num_seqs: int  # N
+    """Everything a chunked KDA call needs to know about its sequences: the host lists it was built
+    from (validated, so a call given a plan checks shapes only) and their device index tensors."""
+
+    seq_lens: tuple[int, ...]  # [N] tokens of each sequence (host)
+    checkpoint_offsets: tuple[int, ...] | None  # [N] -1 or 1..len of each sequence (host); None: none asked
+    chunk_size: int
+    device: torch.device  # where the index tensors live
     num_chunks: int  # NT over all sequences (= rows of the flattened chunk states)
     cu_seqlens: Tensor | None  # [N+1] int64 on the device; None for equal-length rows (no varlen)
     chunk_indices: Tensor | None  # [NT, 2] int64 (sequence, chunk within it); varlen only
     chunk_offsets: Tensor | None  # [N+1] int64 first chunk row of each sequence; varlen only
     checkpoints: Tensor | None  # [W, 4] int64 (output row n, first token row of chunk j, m, chunk row); None: none asked
 
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens is not None
+
+
+def check_checkpoint_offsets(offsets: list[int] | tuple[int, ...], seq_lens: list[int] | tuple[int, ...]) -> None:
+    """Each offset is -1 (none) or 1..len of its sequence, one per sequence."""
+    if len(offsets) != len(seq_lens) or not all(p == -1 or 1 <= p <= n for p, n in zip(offsets, seq_lens)):
+        raise ValueError(f"checkpoint_offsets must be -1 or in [1, len_n], got {list(offsets)} "
+                         f"for lengths {list(seq_lens)}")
+
 
 def plan_chunks(seq_lens: list[int], varlen: bool, checkpoint_offsets: list[int] | None, chunk_size: int,
                 device: torch.device) -> ChunkPlan:
     """seq_lens: tokens of each sequence (for equal-length rows, B copies of T); checkpoint_offsets:
-    per sequence, -1 or 1..len (validated by the caller)."""
+    per sequence, -1 or 1..len. Both are validated here, on the host."""
+    if not seq_lens or min(seq_lens) < 1:
+        raise ValueError(f"a chunk plan needs N >= 1 sequences of >= 1 token, got lengths {seq_lens}")
+    if checkpoint_offsets is not None:
+        check_checkpoint_offsets(checkpoint_offsets, seq_lens)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     chunks = [-(-n // chunk_size) for n in seq_lens]
     token_starts, chunk_starts = _prefix_sums(seq_lens), _prefix_sums(chunks)
     parts: list[list[int]] = []
@@ -51,10 +80,14 @@ def plan_chunks(seq_lens: list[int], varlen: bool, checkpoint_offsets: list[int]
             rows += [n, token_starts[n] + j * chunk_size, p - j * chunk_size, chunk_starts[n] + j]
     parts.append(rows)
     sizes = [len(part) for part in parts]
+    device = torch.device(device)
     packed = _to_device([x for part in parts for x in part], device).split(sizes)
     cu, indices, offsets = (packed[0], packed[1].view(-1, 2), packed[2]) if varlen else (None, None, None)
     return ChunkPlan(
-        num_seqs=len(seq_lens),
+        seq_lens=tuple(seq_lens),
+        checkpoint_offsets=None if checkpoint_offsets is None else tuple(checkpoint_offsets),
+        chunk_size=chunk_size,
+        device=device,
         num_chunks=chunk_starts[-1],
         cu_seqlens=cu,
         chunk_indices=indices,

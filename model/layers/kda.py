@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from k3serve.kernels.conv import causal_conv1d
-from k3serve.kernels.kda import chunk_kda, kda_decode, kda_gate
+from k3serve.kernels.kda import CHUNK_SIZE, chunk_kda, kda_decode, kda_gate
 from k3serve.kernels.norm import gated_rms_norm
 from k3serve.model.batch import ForwardBatch
 from k3serve.model.config import ModelConfig
@@ -77,14 +77,10 @@ class KimiDeltaAttention(Sharded):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, recurrent: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
         T, H, d = x.shape[0], self.num_heads, self.head_dim
-        if batch.fresh_slot_ids is not None:  # a new sequence starts from zero state, whatever the slot held
-            recurrent[batch.fresh_slot_ids] = 0
-            conv[batch.fresh_slot_ids] = 0
-
         qkv_in = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3P]
         if batch.checkpoint_offsets is not None:
             self._checkpoint_conv(qkv_in, batch, conv)
-        qkv = causal_conv1d(qkv_in, self.conv_weight, conv, batch.cu_seqlens, batch.slot_ids, activation="silu",
+        qkv = causal_conv1d(qkv_in, self.conv_weight, conv, *batch.conv_indices, activation="silu",
                             pad_slot=batch.pad_slot)
         q, k, v = (t.reshape(T, H, d) for t in qkv.split(H * d, dim=-1))
         beta = torch.sigmoid(self.b_proj(x).float())  # [T, H]
@@ -102,32 +98,34 @@ class KimiDeltaAttention(Sharded):
 
     def _chunked(self, q, k, v, g, beta, batch: ForwardBatch, recurrent: torch.Tensor) -> torch.Tensor:
         """One varlen chunked pass over every sequence; the state at the checkpoint offset comes
-        out of the same pass (no second forward, no split of the chunk)."""
+        out of the same pass (no second forward, no split of the chunk). Host indices and the batch's
+        one chunk plan: nothing here reads a device value back."""
         o, final, checkpoints = chunk_kda(
             q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
-            initial_state=recurrent[batch.slot_ids],
-            cu_seqlens=batch.cu_seqlens,
-            checkpoint_offsets=batch.checkpoint_offsets,
+            initial_state=recurrent.index_select(0, batch.slot_ids),
+            cu_seqlens=batch.cu_seqlens_host,
+            checkpoint_offsets=batch.checkpoint_offsets_host,
             use_qk_l2norm_in_kernel=True,
             gate_lower_bound=self.lower_bound,  # K3 bounded gate: g >= lower_bound by construction
+            plan=batch.kda_chunk_plan(CHUNK_SIZE),
         )
-        recurrent[batch.slot_ids] = final
+        recurrent.index_copy_(0, batch.slot_ids, final)
         if checkpoints is not None:
-            wanted = batch.checkpoint_offsets >= 0
-            recurrent[batch.checkpoint_slot_ids[wanted]] = checkpoints[wanted]
+            rows = batch.checkpoint_rows
+            recurrent.index_copy_(0, batch.checkpoint_slot_ids.index_select(0, rows), checkpoints.index_select(0, rows))
         return o.squeeze(0)
 
     @staticmethod
     def _checkpoint_conv(qkv_in: torch.Tensor, batch: ForwardBatch, conv: torch.Tensor) -> None:
         """Conv window at a checkpoint = the W-1 pre-conv inputs just before the offset, taken from
-        the chunk itself and, for offsets < W-1, the tail of the window the sequence came in with."""
+        the chunk itself and, for offsets < W-1, the tail of the window the sequence came in with.
+        Offsets and slots are read from the batch's host copies (no device read-back)."""
         width = conv.shape[-1]
-        offsets = batch.checkpoint_offsets.tolist()
-        targets = batch.checkpoint_slot_ids.tolist()
-        for n, (off, dst) in enumerate(zip(offsets, targets)):
+        offsets, targets = batch.checkpoint_offsets_host.tolist(), batch.checkpoint_slot_ids_host.tolist()
+        for n, (off, dst, slot) in enumerate(zip(offsets, targets, batch.slot_ids_host.tolist())):
             if off < 0:
                 continue
-            start = batch.cu_seqlens_list[n]
-            old = conv[batch.slot_ids[n]].transpose(0, 1)  # [W-1, 3P], oldest first
-            window = torch.cat([old, qkv_in[start : start + off].to(conv.dtype)])[-width:]
+            end = batch.cu_seqlens_list[n] + off
+            recent = qkv_in[max(end - width, batch.cu_seqlens_list[n]) : end].to(conv.dtype)  # [<= W-1, 3P]
+            window = torch.cat([conv[slot].transpose(0, 1), recent])[-width:]  # oldest first
             conv[dst] = window.transpose(0, 1)

@@ -67,7 +67,7 @@ def test_static_inputs_pad_rows_and_reject_non_decode_rows() -> None:
     assert batch.slot_mapping.tolist() == [2 * BLOCK + 0, 7 * BLOCK + 3, -1, -1]  # and write no MLA row
     assert batch.slot_ids.tolist() == [4, 1, 9, 9] and batch.pad_slot == 9  # their KDA step runs on the pad slot
     assert batch.block_tables[:2, :2].tolist() == [[5, 2], [7, -1]]
-    assert batch.num_decode == batch.num_seqs == 4 and batch.fresh_slot_ids is None
+    assert batch.num_decode == batch.num_seqs == 4 and batch.checkpoint_offsets is None
     with pytest.raises(ValueError, match="continues a cached context"):
         inputs.load([1], [0], [[5]], [4], num_rows=1)  # a fresh sequence: not a decode row
     with pytest.raises(ValueError, match="continues a cached context"):

@@ -1,11 +1,14 @@
 """The host-built index plan of a chunked KDA call (kernels/kda/chunk_plan.py): fla's chunk indices
 and offsets, and one checkpoint row (sequence, first token row of the chunk, tokens of it before the
-offset, chunk row in the states) per sequence that asks for one."""
+offset, chunk row in the states) per sequence that asks for one. The plan validates its host lists,
+and `chunk_kda` given a plan uses it instead of reading the sequence tensors, once it fits the call."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from k3serve.kernels.kda import chunk_kda
 from k3serve.kernels.kda.chunk_plan import plan_chunks
 
 CPU = torch.device("cpu")
@@ -40,3 +43,41 @@ def test_equal_length_rows_need_no_indices() -> None:
     assert plan.cu_seqlens is None and plan.chunk_indices is None and plan.chunk_offsets is None
     assert plan.num_chunks == 4
     assert plan.checkpoints.tolist() == [[0, 64, 36, 1], [1, 100, 33, 2]]
+
+
+def test_plan_validates_its_host_lists() -> None:
+    with pytest.raises(ValueError, match="sequences of >= 1 token"):
+        plan_chunks([5, 0], True, None, 64, CPU)
+    with pytest.raises(ValueError, match=r"checkpoint_offsets must be -1 or in \[1, len_n\]"):
+        plan_chunks([5, 4], True, [5, 0], 64, CPU)
+    with pytest.raises(ValueError, match=r"checkpoint_offsets must be -1 or in \[1, len_n\]"):
+        plan_chunks([5, 4], True, [5], 64, CPU)
+
+
+def _kda_inputs(T: int, H: int = 2, K: int = 16):
+    q, k, v = (torch.randn(1, T, H, K) for _ in range(3))
+    return q, k, v, -torch.rand(1, T, H, K), torch.rand(1, T, H)
+
+
+def test_chunk_kda_with_a_plan_equals_without_and_refuses_one_that_does_not_fit() -> None:
+    """A plan stands in for reading the sequence tensors back; it must describe the same call."""
+    lens, offsets = [10, 3, 20], [4, -1, 20]
+    inputs = _kda_inputs(sum(lens))
+    cu, ckpt = torch.tensor([0, 10, 13, 33]), torch.tensor(offsets)
+    h0 = torch.randn(3, 2, 16, 16)
+    plan = plan_chunks(lens, True, offsets, 64, CPU)
+    want = chunk_kda(*inputs, initial_state=h0, cu_seqlens=cu, checkpoint_offsets=ckpt)
+    got = chunk_kda(*inputs, initial_state=h0, cu_seqlens=cu, checkpoint_offsets=ckpt, plan=plan)
+    assert all(torch.equal(w, g) for w, g in zip(want, got))
+
+    wrong = {
+        "do not match the chunk plan's lengths": dict(plan=plan_chunks([11, 2, 20], True, offsets, 64, CPU)),
+        "differ from the chunk plan's": dict(plan=plan_chunks(lens, True, [5, -1, 20], 64, CPU)),
+        "same varlen / checkpoint form": dict(plan=plan_chunks(lens, True, None, 64, CPU)),
+        "do not pack q's": dict(plan=plan_chunks([10, 3], True, [4, -1], 64, CPU)),
+        "chunk_size 32": dict(plan=plan_chunks(lens, True, offsets, 32, CPU)),
+        "lives on meta": dict(plan=plan_chunks(lens, True, offsets, 64, torch.device("meta"))),
+    }
+    for message, kwargs in wrong.items():
+        with pytest.raises(ValueError, match=message):
+            chunk_kda(*inputs, initial_state=h0, cu_seqlens=cu, checkpoint_offsets=ckpt, **kwargs)

@@ -43,7 +43,9 @@ def forward(
     checkpoint_offsets: list[int] | None = None,
     checkpoint_slot_ids: list[int] | None = None,
 ) -> list[Tensor]:
-    """One forward pass over `chunks` packed in one batch; the logits of every new token, per chunk."""
+    """One forward pass over `chunks` packed in one batch; the logits of every new token, per chunk.
+    A chunk starting a sequence gets its KDA slot zeroed first, as the runner does."""
+    cache.zero_slots([c.slot_id for c in chunks if c.num_computed == 0])
     batch = ForwardBatch.build(
         [c.token_ids for c in chunks],
         [c.num_computed for c in chunks],

@@ -193,8 +193,7 @@ def test_pinned_state_is_never_reallocated_while_a_slow_transfer_is_pending(engi
                 engine.slots.allocate()
             for b in others:  # the new owner scribbles over its blocks, then frees them
                 prefill_cache.mla_kv[0][b].zero_()
-            for s in other_slots:
-                prefill_cache.zero_slot(s)
+            prefill_cache.zero_slots(other_slots)
             engine.blocks.free(others)
             for s in other_slots:
                 engine.slots.free(s)
