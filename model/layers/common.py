@@ -7,6 +7,8 @@ live next to the layer that relies on them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -38,7 +40,7 @@ class Sharded(nn.Module):
 def keep_address(current: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
     """A derived weight refreshed in place on reload, so CUDA graphs captured over `current` read the new
     values; `value` itself when there is nothing to refresh (first load, or `value` already is `current`)."""
-    if current is None or current.shape != value.shape or current.dtype != value.dtype:
+    if current is None or (current.shape, current.dtype, current.device) != (value.shape, value.dtype, value.device):
         return value
     if current.data_ptr() != value.data_ptr():
         current.copy_(value)
@@ -54,6 +56,42 @@ class Linear(Sharded):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight)
+
+
+def stack_rows(current: torch.Tensor | None, linears: Sequence[Linear]) -> torch.Tensor:
+    """The weights of projections that read the same input, stacked [sum of outs, in] so that one GEMM
+    computes them all (vLLM's merged column-parallel linear): a small GEMM costs a launch whatever its size.
+
+    Each linear's weight becomes a view of its rows, so the stack is no second copy, and the loader, which
+    copies each published tensor (this rank's shard) into its per-name parameter, fills the stack in place.
+    Owners stack at construction (`current` None), before any weight is loaded, so loading never holds two
+    copies; `process_weights_after_loading` calls it again with the stack, returned as is while the weights
+    are still its views, else (a parameter was replaced, e.g. moved by `Module.to`) refilled in place."""
+    weights = [linear.weight for linear in linears]
+    if current is not None and _rows_of(current, weights):
+        return current
+    stacked = keep_address(current, torch.cat([w.detach() for w in weights]))
+    start = 0
+    for w in weights:
+        w.data = stacked[start : start + w.shape[0]]
+        start += w.shape[0]
+    return stacked
+
+
+def _rows_of(stacked: torch.Tensor, weights: list[torch.Tensor]) -> bool:
+    """Whether `weights` are, in order, views of consecutive row blocks of `stacked` that cover it."""
+    start = 0
+    for w in weights:
+        rows = stacked[start : start + w.shape[0]]
+        if w.device != rows.device or w.data_ptr() != rows.data_ptr() or w.shape != rows.shape:
+            return False
+        start += w.shape[0]
+    return start == stacked.shape[0]
+
+
+def project(x: torch.Tensor, stacked: torch.Tensor, sizes: Sequence[int]) -> tuple[torch.Tensor, ...]:
+    """The outputs of the projections stacked in `stacked` (`stack_rows`), as column slices of one GEMM."""
+    return torch.nn.functional.linear(x.to(stacked.dtype), stacked).split(list(sizes), dim=-1)
 
 
 class RMSNorm(Sharded):

@@ -15,7 +15,7 @@ from k3serve.kernels.kda import CHUNK_SIZE, chunk_kda, kda_decode, kda_gate
 from k3serve.kernels.norm import gated_rms_norm
 from k3serve.model.batch import ForwardBatch
 from k3serve.model.config import ModelConfig
-from k3serve.model.layers.common import Linear, Sharded, keep_address
+from k3serve.model.layers.common import Linear, Sharded, keep_address, project, stack_rows
 from k3serve.model.parallel import TensorParallel
 
 
@@ -58,12 +58,21 @@ class KimiDeltaAttention(Sharded):
         self.o_proj = Linear(p, hidden, dtype, tp_dim=1)
         self._num_heads_total = kda.num_heads
         self.conv_weight: torch.Tensor | None = None  # [3P, W]: see process_weights_after_loading
+        # one GEMM for every projection of x: q, k, v (the conv input, in one slice), f_a, b, the gate
+        self.x_proj_weight = stack_rows(None, self._projections_of_x())  # [3P + d + H + gate, hidden]
+        self._x_proj_sizes = [3 * p, d, self.num_heads, p if kda.use_full_rank_gate else d]
+
+    def _projections_of_x(self) -> list[Linear]:
+        gate = self.g_proj if hasattr(self, "g_proj") else self.g_a_proj
+        return [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, gate]
 
     def process_weights_after_loading(self) -> None:
         """The q, k and v conv weights packed as the one [3P_local, W] fp32 block the conv kernel takes
-        (it runs the three as one conv); a copy of 3*P_local*W floats (72 KiB per K3 layer at TP8)."""
+        (it runs the three as one conv); a copy of 3*P_local*W floats (72 KiB per K3 layer at TP8). The
+        projections of x stay stacked (`stack_rows`), or are stacked again if their parameters moved."""
         packed = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
         self.conv_weight = keep_address(self.conv_weight, packed)
+        self.x_proj_weight = stack_rows(self.x_proj_weight, self._projections_of_x())
 
     def prepare_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A_log is per head. Kimi Linear ships [1, 1, H, 1]; K3 ships 128 entries for 96 heads,
@@ -77,14 +86,14 @@ class KimiDeltaAttention(Sharded):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, recurrent: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
         T, H, d = x.shape[0], self.num_heads, self.head_dim
-        qkv_in = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3P]
+        qkv_in, f_a, b, gate_in = project(x, self.x_proj_weight, self._x_proj_sizes)  # qkv_in [T, 3P]
         if batch.checkpoint_offsets is not None:
             self._checkpoint_conv(qkv_in, batch, conv)
         qkv = causal_conv1d(qkv_in, self.conv_weight, conv, *batch.conv_indices, activation="silu",
                             pad_slot=batch.pad_slot)
         q, k, v = (t.reshape(T, H, d) for t in qkv.split(H * d, dim=-1))
-        beta = torch.sigmoid(self.b_proj(x).float())  # [T, H]
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).reshape(T, H, d), self.A_log, self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(b.float())  # [T, H]
+        g = kda_gate(self.f_b_proj(f_a).reshape(T, H, d), self.A_log, self.dt_bias, self.lower_bound)
 
         if batch.num_decode == batch.num_seqs and batch.checkpoint_offsets is None:  # chunked form emits checkpoints
             o = kda_decode(q, k, v, g, beta, recurrent, batch.slot_ids, use_qk_l2norm_in_kernel=True,
@@ -92,7 +101,7 @@ class KimiDeltaAttention(Sharded):
         else:
             o = self._chunked(q, k, v, g, beta, batch, recurrent)
 
-        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+        gate = gate_in if hasattr(self, "g_proj") else self.g_b_proj(gate_in)
         y = gated_rms_norm(o, gate.reshape(T, H, d), self.o_norm.weight, self.eps).to(x.dtype)
         return self.tp.all_reduce(self.o_proj(y.reshape(T, H * d)))
 

@@ -14,7 +14,7 @@ import torch
 from k3serve.kernels.mla import gather_kv_cache, mla_decode_paged, mla_prefill_attention, write_kv_cache
 from k3serve.model.batch import ForwardBatch
 from k3serve.model.config import ModelConfig
-from k3serve.model.layers.common import Linear, RMSNorm, Sharded, keep_address
+from k3serve.model.layers.common import Linear, RMSNorm, Sharded, keep_address, project, stack_rows
 from k3serve.model.parallel import TensorParallel
 
 
@@ -41,20 +41,29 @@ class MLAAttention(Sharded):
         self.o_proj = Linear(H * self.v_dim, hidden, dtype, tp_dim=1)
         self.w_uk: torch.Tensor | None = None  # fp32 [H, nope, L]: see process_weights_after_loading
         self.w_uv: torch.Tensor | None = None  # fp32 [H, v, L]
+        self.x_proj_weight = stack_rows(None, self._projections_of_x())  # q (or q_a), kv_a, g: one GEMM of x
+        self._x_proj_sizes = [proj.weight.shape[0] for proj in self._projections_of_x()]
+
+    def _projections_of_x(self) -> list[Linear]:
+        q = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
+        return [q, self.kv_a_proj_with_mqa] + ([self.g_proj] if hasattr(self, "g_proj") else [])
 
     def process_weights_after_loading(self) -> None:
         """kv_b_proj split per head into W_UK [H, nope, L] and W_UV [H, v, L] in fp32, the form the
         absorbed decode multiplies by. Costs an fp32 copy of this rank's kv_b_proj when the model is
-        bf16 (K3 at TP8: 8 heads x 256 x 512 x 4 B = 4 MiB per MLA layer); none when it is fp32."""
+        bf16 (K3 at TP8: 8 heads x 256 x 512 x 4 B = 4 MiB per MLA layer); none when it is fp32. The
+        projections of x stay stacked (`stack_rows`), or are stacked again if their parameters moved."""
         w = self.kv_b_proj.weight.reshape(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
         self.w_uk = keep_address(self.w_uk, w[:, : self.nope].float())
         self.w_uv = keep_address(self.w_uv, w[:, self.nope :].float())
+        self.x_proj_weight = stack_rows(self.x_proj_weight, self._projections_of_x())
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         T, H = x.shape[0], self.num_heads
-        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q, kv, *gate = project(x, self.x_proj_weight, self._x_proj_sizes)
+        if not hasattr(self, "q_proj"):
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.reshape(T, H, self.nope + self.rope)
-        kv = self.kv_a_proj_with_mqa(x)
         latent = torch.cat([self.kv_a_layernorm(kv[:, : self.kv_lora_rank]), kv[:, self.kv_lora_rank :]], dim=-1)
         write_kv_cache(kv_cache, batch.slot_mapping, latent.to(kv_cache.dtype))
 
@@ -65,8 +74,8 @@ class MLAAttention(Sharded):
         if split < T:
             parts.append(self._prefill(q[split:], batch, kv_cache))
         o = torch.cat(parts) if len(parts) > 1 else parts[0]  # [T, H, v_dim]
-        if hasattr(self, "g_proj"):
-            o = o * torch.sigmoid(self.g_proj(x).float()).reshape(T, H, self.v_dim)  # gate on the layer input
+        if gate:
+            o = o * torch.sigmoid(gate[0].float()).reshape(T, H, self.v_dim)  # gate on the layer input
         return self.tp.all_reduce(self.o_proj(o.reshape(T, H * self.v_dim).to(x.dtype)))
 
     def _decode(self, q: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:

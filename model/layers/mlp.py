@@ -16,7 +16,7 @@ import torch
 from k3serve.kernels.moe import ExpertWeights, fused_experts, select_experts, silu_glu, situ_glu
 from k3serve.kernels.mxfp4 import MXFP4Tensor
 from k3serve.model.config import ModelConfig
-from k3serve.model.layers.common import Linear, RMSNorm, Sharded, keep_address
+from k3serve.model.layers.common import Linear, RMSNorm, Sharded, keep_address, project, stack_rows
 from k3serve.model.parallel import TensorParallel
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -29,18 +29,34 @@ def glu_activation(config: ModelConfig) -> Activation:
 
 
 class DenseMLP(Sharded):
-    """down(act(gate(x), up(x))); returns this rank's partial sum (caller all-reduces)."""
+    """down(act(gate(x), up(x))); returns this rank's partial sum (caller all-reduces).
 
-    def __init__(self, hidden: int, intermediate: int, act: Activation, tp: TensorParallel, dtype: torch.dtype):
+    gate and up run as one GEMM over their stacked weights, unless `stack_gate_up` is False: then the
+    owner stacks them with its own projections of the same input (SparseMoE's shared experts) and calls
+    `output` with their results."""
+
+    def __init__(self, hidden: int, intermediate: int, act: Activation, tp: TensorParallel, dtype: torch.dtype,
+                 stack_gate_up: bool = True):
         super().__init__()
         _, local = tp.shard(intermediate, "MLP intermediate size")
         self.act = act
         self.gate_proj = Linear(hidden, local, dtype, tp_dim=0)
         self.up_proj = Linear(hidden, local, dtype, tp_dim=0)
         self.down_proj = Linear(local, hidden, dtype, tp_dim=1)
+        self.stack_gate_up = stack_gate_up
+        self.gate_up_weight = stack_rows(None, [self.gate_proj, self.up_proj]) if stack_gate_up else None
+
+    def process_weights_after_loading(self) -> None:
+        """gate_proj and up_proj stay stacked (`stack_rows`), or are stacked again if their parameters moved."""
+        if self.stack_gate_up:
+            self.gate_up_weight = stack_rows(self.gate_up_weight, [self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)).to(x.dtype))
+        return self.output(*project(x, self.gate_up_weight, [self.gate_proj.weight.shape[0]] * 2))
+
+    def output(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """down(act(gate, up)) from the gate and up projections of the input."""
+        return self.down_proj(self.act(gate, up))
 
 
 class RoutedExperts(Sharded):
@@ -117,7 +133,22 @@ class SparseMoE(Sharded):
         )
         if config.num_shared_experts:
             shared = config.moe_intermediate_size * config.num_shared_experts
-            self.shared_experts = DenseMLP(hidden, shared, self.act, tp, dtype)
+            self.shared_experts = DenseMLP(hidden, shared, self.act, tp, dtype, stack_gate_up=False)
+        # the latent down-projection and the shared experts' gate and up all read x: one GEMM
+        self._x_proj_sizes = [proj.weight.shape[0] for proj in self._projections_of_x()]
+        self.x_proj_weight = stack_rows(None, self._projections_of_x()) if self._x_proj_sizes else None
+
+    def _projections_of_x(self) -> list[Linear]:
+        """Those of routed_expert_down_proj, shared gate_proj, shared up_proj that the layer has (the
+        router is not among them: it reads x in fp32)."""
+        down = [self.routed_expert_down_proj] if hasattr(self, "routed_expert_down_proj") else []
+        shared = [self.shared_experts.gate_proj, self.shared_experts.up_proj] if hasattr(self, "shared_experts") else []
+        return down + shared
+
+    def process_weights_after_loading(self) -> None:
+        """The projections of x stay stacked (`stack_rows`), or are stacked again if their parameters moved."""
+        if self._x_proj_sizes:
+            self.x_proj_weight = stack_rows(self.x_proj_weight, self._projections_of_x())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.config
@@ -127,15 +158,20 @@ class SparseMoE(Sharded):
             cfg.moe_renormalize, cfg.routed_scaling_factor,
         )
         is_latent = cfg.routed_expert_hidden_size is not None
-        expert_in = self.routed_expert_down_proj(x) if is_latent else x
+        projected = list(project(x, self.x_proj_weight, self._x_proj_sizes)) if self._x_proj_sizes else []
+        expert_in = projected.pop(0) if is_latent else x
         routed = fused_experts(expert_in, self.experts.weights(), weights, ids, self.act, self.experts.expert_start)
-        shared = self.shared_experts(x).float() if cfg.num_shared_experts else None
-        if not is_latent:  # one all-reduce for routed + shared partial sums
+        shared = self.shared_experts.output(*projected) if projected else None
+        if not is_latent:  # one all-reduce for routed + shared partial sums (fp32: routed's dtype)
             return self.tp.all_reduce(routed if shared is None else routed + shared).to(x.dtype)
         routed = self.tp.all_reduce(routed)  # sum the experts of every rank in latent space ...
         if cfg.latent_moe_use_norm:
             routed = self.routed_expert_norm(routed, out_dtype=x.dtype)  # ... then normalize, into x's dtype
         out = self.routed_expert_up_proj(routed.to(x.dtype))
         if shared is not None:
-            out = out + self.tp.all_reduce(shared).to(x.dtype)
+            out = out + self._sum_over_ranks(shared).to(x.dtype)
         return out
+
+    def _sum_over_ranks(self, partial: torch.Tensor) -> torch.Tensor:
+        """All ranks' partial sums added in fp32 (rounded once, after); one rank's own as it is (no casts)."""
+        return self.tp.all_reduce(partial.float()) if self.tp.world_size > 1 else partial
