@@ -25,9 +25,13 @@ synchronized, wall clock, median; the caches hold --ctx random tokens per sequen
 state), the step appends the next one. Graphs: `DecodeGraphs` captured for every batch size (no padding),
 block tables as wide as --max-model-len (as in the engine), step = `DecodeGraphs.run` (inputs into the static
 buffers + replay) + `compute_logits`; capture time (warm-up + record, all sizes) reported.
-Floor = bytes one step must read (every weight except the routed experts, plus the MXFP4 bytes of the
-local experts the router actually picked in this step, the MLA latent cache, the KDA state read and
-written) / device copy bandwidth measured in the same run.
+Floor = bytes one step must read (the weights the step reads, as stored: the memory plan's storages,
+`engine.memory.held_tensors`, that one step with the reference ops takes as inputs, so the fp32 router and
+the fp32 MLA absorption weights count and the bf16 forms they replace do not; of the routed experts only
+the MXFP4 bytes of the local experts the router actually picked in this step, of the embedding only the
+batch's rows; the MLA latent cache, the KDA state read and written) / device copy bandwidth measured in the
+same run. Graph memory: reserved bytes across building and capturing the graphs (cached blocks returned
+first) beside what the memory plan sets aside for them (`engine.memory.graph_reserve_bytes`).
 
 Order under --budget-s (wall seconds from start; what would start later is skipped and listed): eager and
 graphs at every batch; the reference at --reference-batches; --profile; the reference at the other batches.
@@ -52,12 +56,16 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _kernel_profile import print_profile, profile_step  # noqa: E402
 from k3serve.engine.cuda_graphs import DecodeGraphs  # noqa: E402
+from k3serve.engine.config import EngineArgs  # noqa: E402
+from k3serve.engine.memory import graph_reserve_bytes, held_tensors, storage_bytes  # noqa: E402
 from k3serve.engine.scheduler_output import ScheduledSeq  # noqa: E402
 from k3serve.kernels import _backend, kda, mla, moe  # noqa: E402
 from k3serve.kernels.mxfp4 import quantize_mxfp4  # noqa: E402
@@ -217,13 +225,41 @@ def copy_bandwidth(dev: torch.device, smoke: bool) -> float:
     return 4 * n / statistics.median(times)
 
 
-def step_bytes(model: KimiForCausalLM, cache: ModelCache, n: int, ctx: int, experts_hit: list[int]) -> dict:
-    """Bytes one decode step must move: weights (routed experts: only those hit), MLA cache, KDA state."""
-    cfg = model.config
-    expert_bufs = {id(b) for m in model.modules() if isinstance(m, RoutedExperts) for b in m.buffers()}
+class _StorageReads(TorchDispatchMode):
+    """Records which of `storages` (storage id -> bytes) the ops run under it take as inputs."""
+
+    def __init__(self, storages: dict[int, int]) -> None:
+        super().__init__()
+        self.storages = storages
+        self.read: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in tree_leaves((args, kwargs or {})):
+            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in self.storages:
+                self.read.add(t.untyped_storage()._cdata)
+        return func(*args, **(kwargs or {}))
+
+
+def weights_read(model: KimiForCausalLM, step) -> dict[int, int]:
+    """Storage id -> bytes of every weight one step reads: the model's storages as the memory plan counts
+    them (`engine.memory.held_tensors`, derived forms such as the fp32 router included), kept where an op of
+    the step takes them. The step runs with the torch reference ops forced, so that every kernel is an op
+    the recorder sees (Triton launches are not); the layers hand both forms the same tensors."""
+    recorder = _StorageReads(storage_bytes(held_tensors(model)))
+    with _backend.reference_kernels(), recorder:
+        step()
+    return {k: recorder.storages[k] for k in recorder.read}
+
+
+def step_bytes(model: KimiForCausalLM, cache: ModelCache, n: int, ctx: int, experts_hit: list[int],
+               read: dict[int, int]) -> dict:
+    """Bytes one decode step must move: the weights it reads (`weights_read`; routed experts: only those hit,
+    the embedding: only the batch's rows), MLA cache, KDA state."""
+    expert_bufs = {b.untyped_storage()._cdata for m in model.modules() if isinstance(m, RoutedExperts)
+                   for b in m.buffers()}
     embed = model.model.embed_tokens.weight
-    dense = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())
-                if id(t) not in expert_bufs and t is not embed)
+    skipped = expert_bufs | {embed.untyped_storage()._cdata}
+    dense = sum(nbytes for k, nbytes in read.items() if k not in skipped)
     dense += n * embed.shape[1] * embed.element_size()
     per_expert = 0
     for m in model.modules():
@@ -309,12 +345,22 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def graph_memory(dev: torch.device) -> int:
+    """Device memory the caching allocator holds once its unused cached blocks are returned: the difference
+    across capturing is what the graphs keep (inputs, output, their private pool)."""
+    if dev.type != "cuda":
+        return 0
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved(dev)
+
+
 def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def time_ours_and_graphs(cfg_name: str, model: KimiForCausalLM, cache: ModelCache, graphs: DecodeGraphs, n: int,
-                         ctx: int, dev: torch.device, bw: float, smoke: bool) -> dict:
+                         ctx: int, dev: torch.device, bw: float, smoke: bool, read: dict[int, int]) -> dict:
     """A row without its reference: ours eager, ours as a graph replay (when captured), bytes and floor."""
     step = decode_step_fn(model, cache, n, ctx)
     t0 = time.perf_counter()
@@ -330,7 +376,7 @@ def time_ours_and_graphs(cfg_name: str, model: KimiForCausalLM, cache: ModelCach
             raise RuntimeError(f"{cfg_name} N{n}: the graph step replayed {graphs.num_replays - before} of 33 times")
     else:  # on a CPU nothing is captured: the padded body runs once, as a code check
         graph_step_fn(model, graphs, n, ctx)()
-    moved = step_bytes(model, cache, n, ctx, hits)
+    moved = step_bytes(model, cache, n, ctx, hits, read)
     floor_ms = 1e3 * moved["total"] / bw
     return {"config": cfg_name, "layers": model.config.num_hidden_layers, "batch": n, "ctx": ctx,
             "ours_ms": ours_ms, "graphs_ms": graphs_ms, "reference_ms": None, "reference_steps": 0, "speedup": None,
@@ -387,22 +433,32 @@ def run_config(cfg_name: str, args: argparse.Namespace, dev: torch.device, bw: f
     t0 = time.perf_counter()
     model = build_model(hf, tp_size, dev, dtype)
     cache = make_cache(model, tp_size, max(args.batches), args.ctx, dev, dtype)
+    read = weights_read(model, decode_step_fn(model, cache, args.batches[0], args.ctx))
     info = {"layers": model.config.num_hidden_layers, "built_s": time.perf_counter() - t0,
-            "weight_bytes": tensor_bytes(list(model.parameters()) + list(model.buffers())),
+            "weight_bytes": sum(storage_bytes(held_tensors(model)).values()), "weight_bytes_read": sum(read.values()),
             "cache_bytes": tensor_bytes(cache.mla_kv + cache.kda_conv + cache.kda_recurrent)}
     result["configs"][cfg_name] = info
     print(f"{cfg_name}: {info['layers']} layers built in {info['built_s']:.1f} s, weights "
-          f"{info['weight_bytes'] / 1e9:.1f} GB, caches {info['cache_bytes'] / 1e9:.1f} GB", flush=True)
-    t0 = time.perf_counter()
-    graphs = DecodeGraphs(model, cache, args.batches, -(-max(args.max_model_len, args.ctx + 1) // BLOCK))
+          f"{info['weight_bytes'] / 1e9:.2f} GB ({info['weight_bytes_read'] / 1e9:.2f} GB read by a step, routed "
+          f"experts all counted), caches {info['cache_bytes'] / 1e9:.1f} GB", flush=True)
+    max_blocks = -(-max(args.max_model_len, args.ctx + 1) // BLOCK)
+    t0, reserved = time.perf_counter(), graph_memory(dev)
+    graphs = DecodeGraphs(model, cache, args.batches, max_blocks)
     if dev.type == "cuda":
         graphs.capture()
         info["graphs_capture_s"] = time.perf_counter() - t0
-        print(f"{cfg_name}: graphs for {graphs.captured} captured in {info['graphs_capture_s']:.1f} s", flush=True)
+        info["graphs_bytes"] = graph_memory(dev) - reserved
+        plan_args = EngineArgs(device="cuda", tensor_parallel_size=tp_size, block_size=BLOCK,
+                               max_model_len=max_blocks * BLOCK, max_num_seqs=max(args.batches),
+                               cuda_graph_batch_sizes=tuple(args.batches))
+        info["graphs_bytes_planned"] = graph_reserve_bytes(model.config, plan_args)
+        print(f"{cfg_name}: graphs for {graphs.captured} captured in {info['graphs_capture_s']:.1f} s, holding "
+              f"{info['graphs_bytes'] / 2**20:.1f} MiB (the memory plan sets aside "
+              f"{info['graphs_bytes_planned'] / 2**20:.1f} MiB)", flush=True)
     rows: dict[int, dict] = {}
     for n in args.batches:
         if budget.allows(f"{cfg_name} N{n} eager + graphs"):
-            rows[n] = time_ours_and_graphs(cfg_name, model, cache, graphs, n, args.ctx, dev, bw, args.smoke)
+            rows[n] = time_ours_and_graphs(cfg_name, model, cache, graphs, n, args.ctx, dev, bw, args.smoke, read)
             result["rows"].append(rows[n])
             save()
             r = rows[n]

@@ -44,11 +44,20 @@ def weight_bytes(config: ModelConfig, tp_size: int, dtype: torch.dtype) -> int:
     with torch.device("meta"):
         model = KimiForCausalLM(config, TensorParallel(0, tp_size), dtype)
         model.process_weights_after_loading()
+    return sum(storage_bytes(held_tensors(model)).values())
+
+
+def held_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every tensor a model holds: parameters, buffers and the forms derived at load, kept in module
+    attributes alone or in tuples / lists (views of one another included)."""
     derived = [t for m in model.modules() for v in vars(m).values()
                for t in (v if isinstance(v, (tuple, list)) else (v,)) if isinstance(t, torch.Tensor)]
-    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
-                for t in [*model.parameters(), *model.buffers(), *derived]}
-    return sum(storages.values())
+    return [*model.parameters(), *model.buffers(), *derived]
+
+
+def storage_bytes(tensors: list[torch.Tensor]) -> dict[int, int]:
+    """Storage id -> bytes, each storage once however many tensors view it (works on "meta" too)."""
+    return {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
 
 
 @dataclass(frozen=True)
