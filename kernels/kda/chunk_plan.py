@@ -80,14 +80,14 @@ def plan_chunks(seq_lens: list[int], varlen: bool, checkpoint_offsets: list[int]
             rows += [n, token_starts[n] + j * chunk_size, p - j * chunk_size, chunk_starts[n] + j]
     parts.append(rows)
     sizes = [len(part) for part in parts]
-    device = torch.device(device)
-    packed = _to_device([x for part in parts for x in part], device).split(sizes)
+    flat = _to_device([x for part in parts for x in part], torch.device(device))
+    packed = flat.split(sizes)
     cu, indices, offsets = (packed[0], packed[1].view(-1, 2), packed[2]) if varlen else (None, None, None)
     return ChunkPlan(
         seq_lens=tuple(seq_lens),
         checkpoint_offsets=None if checkpoint_offsets is None else tuple(checkpoint_offsets),
         chunk_size=chunk_size,
-        device=device,
+        device=flat.device,  # with its index ("cuda" -> "cuda:0"), as the inputs' device reads
         num_chunks=chunk_starts[-1],
         cu_seqlens=cu,
         chunk_indices=indices,

@@ -103,6 +103,27 @@ def test_prefill_with_host_indices_never_syncs() -> None:
     assert torch.equal(checkpoints[2], torch.zeros_like(checkpoints[2]))
 
 
+def test_prefill_with_device_indices_and_a_plan_never_syncs() -> None:
+    """Device cu_seqlens and offsets (as a model layer holds them) with the batch's chunk plan: the
+    tensors are trusted, the plan's host lists used, nothing is read back; the results are the same."""
+    lens, offsets = [3001, 64, 1000, 4127], [1500, 64, -1, 4127]
+    q, k, v, g, beta = _inputs(sum(lens), 12)
+    h0 = torch.randn(len(lens), 12, K, V, device="cuda")
+    args = dict(initial_state=h0, cu_seqlens=torch.tensor([0, *lens], device="cuda").cumsum(0),
+                checkpoint_offsets=torch.tensor(offsets, device="cuda"), use_qk_l2norm_in_kernel=True)
+    want = chunk_kda(q, k, v, g, beta, gate_lower_bound=-5.0, **args)  # compiles; reads the tensors back
+    plan = kda.plan_chunks(lens, True, offsets, kda.CHUNK_SIZE, q.device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = chunk_kda(q, k, v, g, beta, gate_lower_bound=-5.0, plan=plan, **args)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert kda.last_backend["chunk_kda"] == "fla"
+    for name, w, o in zip(("o", "final_state", "checkpoints"), want, got):
+        assert_rel_rms(name, w, o, 1e-5)  # the same kernels (a different autotuned config at most)
+
+
 def test_chunk_batch_rows_no_state() -> None:
     """B = 2 rows without cu_seqlens, zero initial state, explicit scale, no checkpoints."""
     q, k, v, g, beta = _inputs(1000, 12, B=2)
