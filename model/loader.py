@@ -24,4 +24,6 @@ def load_model(
         model = KimiForCausalLM(config, tp, dtype)
     load_weights(model, model_dir)
     model.process_weights_after_loading()
+    if torch.device(device).type == "cuda":  # return the blocks the stacked projections replaced at build time,
+        torch.cuda.empty_cache()  # which the caching allocator would otherwise keep out of the KV pool's reach
     return model.eval()

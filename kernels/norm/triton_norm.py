@@ -16,12 +16,14 @@ from .._backend import device_of
 
 
 @triton.jit
-def _norm_kernel(x, gate, weight, out, D, eps, stride_x, stride_g, stride_o,
+def _norm_kernel(x, gate, weight, out, B, D, eps, stride_xa, stride_xb, stride_ga, stride_gb,
                  MEAN: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_D: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(0).to(tl.int64)  # row = a * B + b of the [A, B, D] views
+    a = row // B
+    b = row - a * B
     offs = tl.arange(0, BLOCK_D)
     ok = offs < D
-    xf = tl.load(x + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+    xf = tl.load(x + a * stride_xa + b * stride_xb + offs, mask=ok, other=0.0).to(tl.float32)
     sq = tl.sum(xf * xf, axis=0)
     if MEAN:
         sq = sq / D
@@ -29,29 +31,37 @@ def _norm_kernel(x, gate, weight, out, D, eps, stride_x, stride_g, stride_o,
     if HAS_WEIGHT:
         y = y * tl.load(weight + offs, mask=ok, other=0.0).to(tl.float32)
     if HAS_GATE:
-        g = tl.load(gate + row * stride_g + offs, mask=ok, other=0.0).to(tl.float32)
+        g = tl.load(gate + a * stride_ga + b * stride_gb + offs, mask=ok, other=0.0).to(tl.float32)
         y = y * (1.0 / (1.0 + tl.exp(-g)))
-    tl.store(out + row * stride_o + offs, y.to(out.dtype.element_ty), mask=ok)
+    tl.store(out + row * D + offs, y.to(out.dtype.element_ty), mask=ok)
 
 
 def _rows(t: Tensor) -> Tensor:
-    """t [..., D] as [N, D] rows with a unit inner stride (a copy only when t is not already so)."""
-    return t.reshape(-1, t.shape[-1]) if t.stride(-1) == 1 else t.contiguous().reshape(-1, t.shape[-1])
+    """t [..., D] as [A, B, D] with a unit inner stride: the last two leading dims kept apart, so the column
+    slices of a fused projection ([T, H, D] views of [T, W] rows) need no copy; a copy only when the dims
+    before them do not merge or the inner stride is not 1."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    shape = (t.shape[:-2].numel(), t.shape[-2] if t.dim() > 1 else 1, t.shape[-1])
+    try:
+        return t.view(shape)
+    except RuntimeError:
+        return t.contiguous().view(shape)
 
 
 def _launch(x: Tensor, gate: Tensor | None, weight: Tensor | None, eps: float, mean: bool,
             out_dtype: torch.dtype | None = None) -> Tensor:
     D = x.shape[-1]
     xr = _rows(x)
-    gr = _rows(gate) if gate is not None else xr
+    gr = _rows(gate) if gate is not None else xr  # gate.shape == x.shape (checked): the same [A, B, D]
     out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
-    n = xr.shape[0]
+    n = xr.shape[0] * xr.shape[1]
     if n == 0:
         return out
     w = weight.contiguous() if weight is not None else xr
     with device_of(x):
         _norm_kernel[(n,)](
-            xr, gr, w, out, D, eps, xr.stride(0), gr.stride(0), D,
+            xr, gr, w, out, xr.shape[1], D, eps, xr.stride(0), xr.stride(1), gr.stride(0), gr.stride(1),
             MEAN=mean, HAS_WEIGHT=weight is not None, HAS_GATE=gate is not None,
             BLOCK_D=triton.next_power_of_2(D), num_warps=8 if D >= 4096 else 4,
         )

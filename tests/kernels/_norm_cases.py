@@ -41,4 +41,8 @@ def check_norms_match_reference(norms: Norms, device: str, rows: int) -> None:
         assert_close(f"gated_rms_norm {dtype}", naive.gated_rms_norm(o, gate, w_head, EPS),
                      gated_rms_norm(o, gate, w_head, EPS), tol, tol)
         assert_close(f"l2_normalize {dtype}", naive.l2_normalize(o, EPS), l2_normalize(o, EPS), tol, tol)
+        fused = (torch.randn(rows, 3 * 12 * 128, device=device) * 4).to(dtype)  # a fused projection's output:
+        gate_view = fused[:, 12 * 128 : 24 * 128].reshape(rows, 12, 128)  # the gate is a [T, H, D] column slice
+        assert_close(f"gated_rms_norm {dtype} gate slice", naive.gated_rms_norm(o, gate_view, w_head, EPS),
+                     gated_rms_norm(o, gate_view, w_head, EPS), tol, tol)
         assert rms_norm(hidden[:0], w_hidden, EPS).shape == (0, 7168)
