@@ -16,9 +16,9 @@ import torch
 
 from k3serve.engine.block_pool import BlockPool
 from k3serve.engine.budget import default_token_budget
-from k3serve.engine.config import DEFAULT_CPU_CACHE_BYTES, EngineArgs
+from k3serve.engine.config import EngineArgs
 from k3serve.engine.detokenizer import IncrementalDetokenizer
-from k3serve.engine.memory import PoolPlan, plan_engine_pools, weight_bytes
+from k3serve.engine.memory import PoolPlan, plan_engine_pools
 from k3serve.engine.outputs import RequestDelta, TokenLogprobs
 from k3serve.engine.prefix_cache import PrefixCache
 from k3serve.engine.request import Request
@@ -123,17 +123,12 @@ class LLMEngine:
         self.num_preemptions = 0  # requests preempted so far (each recomputes its context)
 
     def _plan_pools(self) -> PoolPlan:
-        """On CUDA (no `cache_memory_bytes`): what `gpu_memory_utilization` leaves of the free memory, less this
-        engine's weights (planned before they load)."""
-        args = self.args
+        args, usable = self.args, None
         if args.device.startswith("cuda") and args.cache_memory_bytes is None:
             free, _ = torch.cuda.mem_get_info(torch.device(args.device))
             total = torch.cuda.get_device_properties(torch.device(args.device)).total_memory
-            weights = weight_bytes(self.config, args.tensor_parallel_size, args.torch_dtype)
-            cache_bytes = int(free - (1 - args.gpu_memory_utilization) * total) - weights
-        else:
-            cache_bytes = args.cache_memory_bytes or DEFAULT_CPU_CACHE_BYTES
-        return plan_engine_pools(self.config, args, cache_bytes)
+            usable = int(free - (1 - args.gpu_memory_utilization) * total)
+        return plan_engine_pools(self.config, args, usable)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(

@@ -1,4 +1,5 @@
-"""Per-rank memory accounting: weights, MLA latent KV per token, KDA state per request.
+"""Per-rank memory accounting: weights, MLA latent KV per token, KDA state per request, and with CUDA
+graphs the pad KDA slot and the graphs' memory.
 
 The same numbers size the engine's pools and answer `k3serve plan`, so an operator can check
 that a deployment of the published K3 fits before renting the hardware.
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from k3serve.engine.config import EngineArgs
+from k3serve.engine.config import DEFAULT_CPU_CACHE_BYTES, EngineArgs
 from k3serve.model.config import ModelConfig
 
 
@@ -66,7 +67,7 @@ class PoolPlan:
     num_slots: int  # KDA slots the state pool hands out
     block_size: int
     pad_slot: bool = False  # one more KDA slot in the cache, for CUDA-graph padding rows (no request owns it)
-    graph_bytes: int = 0  # set aside for the captured decode graphs (`graph_reserve_bytes`)
+    graph_bytes: int = 0  # set aside for the captured decode graphs out of a device budget (`graph_reserve_bytes`)
 
     @property
     def num_tokens(self) -> int:
@@ -95,16 +96,26 @@ def plan_pools(
                     graph_bytes=graph_bytes)
 
 
-def plan_engine_pools(config: ModelConfig, args: EngineArgs, cache_bytes: int) -> PoolPlan:
-    """The pools of an engine run with `args`, in the `cache_bytes` left beside its weights. With CUDA graphs
-    (`graphs_enabled(args)`: not under `enforce_eager`, not at TP > 1, ...) the cache holds the pad slot too
-    and the graphs' memory is set aside first."""
+def plan_engine_pools(config: ModelConfig, args: EngineArgs, usable_bytes: int | None = None) -> PoolPlan:
+    """The pools of an engine run with `args`: in `cache_memory_bytes` when given (MLA blocks and KDA slots);
+    else in `usable_bytes` (on CUDA: what `gpu_memory_utilization` leaves of the free memory) less this
+    engine's weights (planned before they load) and the captured graphs' memory; else the CPU default.
+    With CUDA graphs (`graphs_enabled(args)`: not under `enforce_eager`, not at TP > 1, ...) the cache holds
+    the pad slot too."""
     from k3serve.engine.cuda_graphs import graphs_enabled
 
     sizes = cache_sizes(config, args.tensor_parallel_size, args.torch_dtype)
     graphs = graphs_enabled(args)
+    graph_bytes = 0
+    if args.cache_memory_bytes is not None:
+        cache_bytes = args.cache_memory_bytes
+    elif usable_bytes is not None:
+        graph_bytes = graph_reserve_bytes(config, args) if graphs else 0
+        cache_bytes = usable_bytes - sizes.weight_bytes
+    else:
+        cache_bytes = DEFAULT_CPU_CACHE_BYTES
     return plan_pools(sizes, cache_bytes, args.block_size, args.kda_slots, args.max_model_len, pad_slot=graphs,
-                      graph_bytes=graph_reserve_bytes(config, args) if graphs else 0)
+                      graph_bytes=graph_bytes)
 
 
 GRAPH_POOL_SLACK_BYTES = 64 * 2**20

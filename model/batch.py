@@ -279,14 +279,15 @@ class StaticDecodeInputs:
             raise ValueError("token_ids, num_computed, block_tables and slot_ids must have one entry per sequence")
         if not n <= num_rows <= self.max_seqs:
             raise ValueError(f"{n} sequences padded to {num_rows} rows: need n <= num_rows <= {self.max_seqs}")
-        rows: list[int] = []
-        indices: list[int] = []
-        block_ids: list[int] = []
         bs = self.block_size
-        for i, (token, start, table, slot) in enumerate(zip(token_ids, num_computed, block_tables, slot_ids)):
+        for start, table in zip(num_computed, block_tables):  # all rows first: a refused step changes no mirror
             if start < 1 or start // bs >= len(table) or len(table) > self.max_blocks:
                 raise ValueError(f"a static decode row continues a cached context within {self.max_blocks} blocks; "
                                  f"got num_computed={start} with a table of {len(table)} blocks")
+        rows: list[int] = []
+        indices: list[int] = []
+        block_ids: list[int] = []
+        for i, (token, start, table, slot) in enumerate(zip(token_ids, num_computed, block_tables, slot_ids)):
             rows += (token, start, start + 1, table[start // bs] * bs + start % bs, slot)
             held = self._on_device[i]
             if table == held:
@@ -303,12 +304,12 @@ class StaticDecodeInputs:
 
         if self._uploaded is not None:
             self._uploaded.synchronize()  # done already unless the caller queued steps without reading results
-        k, start = len(indices), self._rows_at - 2 * len(indices)
-        end = self._rows_at + num_rows * self._FIELDS
-        self._host_view[start:end] = indices + block_ids + rows
-        self._device_buffer[start:end].copy_(self._host[start:end], non_blocking=True)
+        k = len(indices)
+        first_word, end_word = self._rows_at - 2 * k, self._rows_at + num_rows * self._FIELDS
+        self._host_view[first_word:end_word] = indices + block_ids + rows
+        self._device_buffer[first_word:end_word].copy_(self._host[first_word:end_word], non_blocking=True)
         if k:
-            uploaded = self._device_buffer[start:self._rows_at]
+            uploaded = self._device_buffer[first_word:self._rows_at]
             self.block_tables.view(-1).index_copy_(0, uploaded[:k], uploaded[k:].to(torch.int32))
         if self._uploaded is not None:
             self._uploaded.record()

@@ -49,29 +49,44 @@ def _cache_bytes(cache: ModelCache) -> int:
     return sum(t.nbytes for t in cache.mla_kv + cache.kda_recurrent + cache.kda_conv)
 
 
-def test_the_plan_holds_the_pad_slot_and_the_graphs_only_when_graphs_are_captured() -> None:
-    """Budget = exactly what the eager engine's pools take: the eager plan fills it to the byte; with graphs
-    on, the cache `ModelCache.allocate` really makes (pad slot included) plus the graphs' reserve still fit,
-    with less than one block left over (a pad slot the plan forgot would overflow: a slot outweighs a block)."""
+def _allocate(config: ModelConfig, plan: PoolPlan) -> ModelCache:
+    return ModelCache.allocate(config, plan.num_blocks, plan.num_slots, plan.block_size, 1, torch.bfloat16,
+                               reserve_pad_slot=plan.pad_slot)
+
+
+def test_the_cache_holds_the_pad_slot_only_when_graphs_are_captured() -> None:
+    """`cache_memory_bytes` = exactly what the eager engine's pools take: the eager plan fills it to the byte;
+    with graphs on, the cache `ModelCache.allocate` really makes, pad slot included, still fits with less
+    than one block left over (a pad slot the plan forgot would overflow: a slot outweighs a block)."""
     config = preset_config("k3-tiny")
-    eager_args, graph_args = EngineArgs(**GRAPHS, enforce_eager=True), EngineArgs(**GRAPHS)
-    assert graphs_enabled(graph_args) and not graphs_enabled(eager_args)
     sizes = cache_sizes(config, 1, torch.bfloat16)
     block_bytes = GRAPHS["block_size"] * sizes.mla_bytes_per_token
     assert sizes.kda_bytes_per_slot > block_bytes
-    budget = 6 * sizes.kda_bytes_per_slot + 40_000 * block_bytes
+    budget = 6 * sizes.kda_bytes_per_slot + 100 * block_bytes
+    eager_args = EngineArgs(**GRAPHS, cache_memory_bytes=budget, enforce_eager=True)
+    graph_args = EngineArgs(**GRAPHS, cache_memory_bytes=budget)
+    assert graphs_enabled(graph_args) and not graphs_enabled(eager_args)
 
-    plans = {}
-    for name, args in [("eager", eager_args), ("graphs", graph_args)]:
-        plan = plans[name] = plan_engine_pools(config, args, budget)
-        cache = ModelCache.allocate(config, plan.num_blocks, plan.num_slots, plan.block_size, 1, torch.bfloat16,
-                                    reserve_pad_slot=plan.pad_slot)
-        assert cache.kda_recurrent[0].shape[0] == 6 + plan.pad_slot
-        left = budget - _cache_bytes(cache) - plan.graph_bytes
-        assert 0 <= left < block_bytes, (name, left)
-    assert plans["eager"] == PoolPlan(num_blocks=40_000, num_slots=6, block_size=8)
-    assert plans["graphs"].pad_slot and plans["graphs"].num_slots == 6
-    assert plans["graphs"].graph_bytes == graph_reserve_bytes(config, graph_args) > GRAPH_POOL_SLACK_BYTES
+    eager, graphs = plan_engine_pools(config, eager_args), plan_engine_pools(config, graph_args)
+    assert eager == PoolPlan(num_blocks=100, num_slots=6, block_size=8)
+    assert graphs.pad_slot and graphs.num_slots == 6 and graphs.graph_bytes == 0  # not out of a cache budget
+    assert _cache_bytes(_allocate(config, eager)) == budget
+    cache = _allocate(config, graphs)
+    assert cache.pad_slot == 6 and 0 <= budget - _cache_bytes(cache) < block_bytes
+
+
+def test_a_device_budget_loses_the_weights_and_the_graphs_reserve_first() -> None:
+    config = preset_config("k3-tiny")
+    args = EngineArgs(**GRAPHS)
+    sizes = cache_sizes(config, 1, torch.bfloat16)
+    reserve = graph_reserve_bytes(config, args)
+    assert reserve > GRAPH_POOL_SLACK_BYTES
+    usable = sizes.weight_bytes + reserve + 7 * sizes.kda_bytes_per_slot + 100 * 8 * sizes.mla_bytes_per_token
+    plan = plan_engine_pools(config, args, usable)
+    assert plan == PoolPlan(num_blocks=100, num_slots=6, block_size=8, pad_slot=True, graph_bytes=reserve)
+    assert sizes.weight_bytes + reserve + _cache_bytes(_allocate(config, plan)) == usable
+    eager = plan_engine_pools(config, EngineArgs(**GRAPHS, enforce_eager=True), usable)
+    assert eager.graph_bytes == 0 and not eager.pad_slot and eager.num_blocks > plan.num_blocks
 
 
 def test_graph_reserve_counts_the_static_inputs_and_grows_with_the_largest_bucket() -> None:
