@@ -1,4 +1,5 @@
-"""The small fused ops of a decode step (attention-residual mix + its RMSNorm, MoE routing, KDA gate) at the
+"""The small fused ops of a decode step (attention-residual prefix update + mix + RMSNorm, MoE routing, KDA
+gate) at the
 K3 rank slice's shapes: device time per call of the Triton kernel and of the torch reference, each replayed
 from a CUDA graph (as a decode step replays them), with the kernel launches each graph holds.
 
@@ -48,10 +49,12 @@ def _ops(T: int) -> dict[str, Callable[[], object]]:
     dev = "cuda"
     sources = torch.randn(2, T, 7168, device=dev).bfloat16()
     score_w, norm_w = torch.randn(7168, device=dev) / 85, torch.ones(7168, device=dev).bfloat16()
+    layer_out = torch.randn(T, 7168, device=dev).bfloat16()
     logits, bias = torch.randn(T, 896, device=dev), torch.randn(896, device=dev) * 0.1
     f, a_log, dt_bias = torch.randn(T, 12, 128, device=dev).bfloat16(), torch.randn(12, device=dev), torch.randn(1536, device=dev)
     return {
-        "attn_res mix + rms_norm (S=2, D=7168)": lambda: attn_res_aggregate(sources, score_w, 1e-6, norm_w, 1e-5),
+        "attn_res add + mix + rms_norm (S=2, D=7168)":
+            lambda: attn_res_aggregate(sources, score_w, 1e-6, norm_w, 1e-5, layer_out),
         "select_experts (E=896, top 16)": lambda: select_experts(logits, bias, 16, True, 2.446),
         "kda_gate (12 heads x 128, bounded)": lambda: kda_gate(f, a_log, dt_bias, -5.0),
     }

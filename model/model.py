@@ -74,28 +74,29 @@ class DecoderLayer(nn.Module):
         h = h + self._attn(self.input_layernorm(h), batch, cache, cache_idx)
         return h + self._mlp(self.post_attention_layernorm(h))
 
-    def forward_attn_res(self, sources: torch.Tensor, k: int, batch: ForwardBatch, cache: ModelCache,
-                         cache_idx: int) -> int:
+    def forward_attn_res(self, sources: torch.Tensor, k: int, pending: torch.Tensor | None, batch: ForwardBatch,
+                         cache: ModelCache, cache_idx: int) -> tuple[int, torch.Tensor]:
         """Attention-residual block over `sources` [S, T, D]: rows < k are the bank, row k the prefix
         (block sum), updated in place; a restart freezes row k and starts the new prefix in row k + 1.
-        Returns the prefix row. The rows are what the mixes read, so no mix stacks the bank again."""
+        `pending` is the previous layer's output that row k still lacks. Returns the prefix row and this
+        layer's output still to add to it: each addition rides in the next mix's launch, and the rows
+        are what the mixes read, so no mix stacks the bank again."""
         attn_scores, mlp_scores = self.attn_res_scores
-        x = _mix_norm(sources, k, attn_scores, self.self_attention_res_norm.eps, self.input_layernorm)
+        x = _mix_norm(sources, k, attn_scores, self.self_attention_res_norm.eps, self.input_layernorm, pending)
         a = self._attn(x, batch, cache, cache_idx)
         if self.layer_idx % self.res_block == 0:
             k += 1
             sources[k].copy_(a)
-        else:
-            sources[k].add_(a)
-        x = _mix_norm(sources, k, mlp_scores, self.mlp_res_norm.eps, self.post_attention_layernorm)
-        sources[k].add_(self._mlp(x))
-        return k
+            a = None
+        x = _mix_norm(sources, k, mlp_scores, self.mlp_res_norm.eps, self.post_attention_layernorm, a)
+        return k, self._mlp(x)
 
 
-def _mix_norm(sources: torch.Tensor, k: int, score_weight: torch.Tensor, eps: float, norm: RMSNorm) -> torch.Tensor:
-    """norm(the mix of rows 0..k) (row 0 alone before the first snapshot): every mix feeds a norm, so
-    the two run as one kernel."""
-    return attn_res_aggregate(sources[: k + 1], score_weight, eps, norm.weight, norm.eps)
+def _mix_norm(sources: torch.Tensor, k: int, score_weight: torch.Tensor, eps: float, norm: RMSNorm,
+              pending: torch.Tensor | None) -> torch.Tensor:
+    """norm(the mix of rows 0..k) (row 0 alone before the first snapshot), after row k += pending: every
+    mix follows such an addition and feeds such a norm, so the three run as one kernel."""
+    return attn_res_aggregate(sources[: k + 1], score_weight, eps, norm.weight, norm.eps, pending)
 
 
 def _fold_scores(current: tuple[torch.Tensor, ...] | None, *pairs: tuple[Linear, RMSNorm]) -> tuple[torch.Tensor, ...]:
@@ -132,20 +133,21 @@ class KimiModel(nn.Module):
             )
 
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
-        h = self.embed_tokens(batch.token_ids)
         if not self.config.attn_res_block_size:
+            h = self.embed_tokens(batch.token_ids)
             for layer, idx in zip(self.layers, self._cache_idx):
                 h = layer(h, batch, cache, idx)
             return self.norm(h)
         # rows: one snapshot per block start (layer_idx % block == 0), then the running prefix
         snapshots = -(-self.config.num_hidden_layers // self.config.attn_res_block_size)
-        sources = h.new_empty(snapshots + 1, *h.shape)
-        sources[0].copy_(h)
-        k = 0
+        table = self.embed_tokens.weight
+        sources = table.new_empty(snapshots + 1, batch.token_ids.shape[0], table.shape[1])
+        torch.index_select(table, 0, batch.token_ids, out=sources[0])  # the embedding, gathered in place
+        k, pending = 0, None
         for layer, idx in zip(self.layers, self._cache_idx):
-            k = layer.forward_attn_res(sources, k, batch, cache, idx)
+            k, pending = layer.forward_attn_res(sources, k, pending, batch, cache, idx)
         (scores,) = self.output_attn_res_scores
-        return _mix_norm(sources, k, scores, self.output_attn_res_norm.eps, self.norm)
+        return _mix_norm(sources, k, scores, self.output_attn_res_norm.eps, self.norm, pending)
 
 
 class KimiForCausalLM(nn.Module):

@@ -1,8 +1,8 @@
 """K3 attention residuals: each aggregation point mixes the frozen block snapshots ("bank") and the
 current block's partial sum ("prefix") with a per-token softmax (K3_MODEL.md §1f).
 
-`attn_res_aggregate` checks shapes here, then runs `triton_attn_res.py` (one launch, the following
-RMSNorm included) when every tensor is on CUDA, else the fp32 reference in `naive.py`;
+`attn_res_aggregate` checks shapes here, then runs `triton_attn_res.py` (one launch, the prefix
+update before and the RMSNorm after included) when every tensor is on CUDA, else the fp32 reference in `naive.py`;
 `last_backend["attn_res_aggregate"]` records which."""
 
 from __future__ import annotations
@@ -29,14 +29,16 @@ def fold_score_weight(proj_weight: Tensor, norm_weight: Tensor) -> Tensor:
     return norm_weight.float() * proj_weight.float()
 
 
-def attn_res_aggregate(sources: Tensor, score_weight: Tensor, eps: float,
-                       norm_weight: Tensor | None = None, norm_eps: float = 0.0) -> Tensor:
+def attn_res_aggregate(sources: Tensor, score_weight: Tensor, eps: float, norm_weight: Tensor | None = None,
+                       norm_eps: float = 0.0, prefix_delta: Tensor | None = None) -> Tensor:
     """sources [S, T, D] (bank snapshots, then the prefix) -> [T, D] in sources.dtype.
 
     score_j = (V_j / rms(V_j)) · score_weight, softmax over S in fp32, mix = Σ_j p_j V_j; score_weight is
-    `fold_score_weight(proj_weight, norm_weight)` [D] fp32. With norm_weight [D], returns
-    rms_norm(mix, norm_weight, norm_eps) instead: every mix of the model feeds such a norm, and fused
-    it costs no launch of its own."""
+    `fold_score_weight(proj_weight, norm_weight)` [D] fp32. The model's residual updates and norms
+    ride along, each costing no launch of its own:
+    - prefix_delta [T, D]: first `sources[-1] += prefix_delta` in place (the layer output that the
+      running block sum still lacks), rounded to sources.dtype as that add would;
+    - norm_weight [D]: returns rms_norm(mix, norm_weight, norm_eps) instead of the mix."""
     if sources.dim() != 3 or sources.shape[0] < 1:
         raise ValueError(f"sources must be [S >= 1, T, D], got {tuple(sources.shape)}")
     if not sources.is_floating_point():
@@ -46,10 +48,12 @@ def attn_res_aggregate(sources: Tensor, score_weight: Tensor, eps: float,
         raise ValueError(f"score_weight must be fp32 [D={hidden}], got {score_weight.dtype} {tuple(score_weight.shape)}")
     if norm_weight is not None and norm_weight.shape != (hidden,):
         raise ValueError(f"norm_weight must be [D={hidden}], got {tuple(norm_weight.shape)}")
-    if gpu_kernels(sources, score_weight, norm_weight) and has_module("triton"):
+    if prefix_delta is not None and prefix_delta.shape != sources.shape[1:]:
+        raise ValueError(f"prefix_delta must be [T, D] = {tuple(sources.shape[1:])}, got {tuple(prefix_delta.shape)}")
+    if gpu_kernels(sources, score_weight, norm_weight, prefix_delta) and has_module("triton"):
         from . import triton_attn_res
 
         last_backend["attn_res_aggregate"] = "triton"
-        return triton_attn_res.attn_res_aggregate(sources, score_weight, eps, norm_weight, norm_eps)
+        return triton_attn_res.attn_res_aggregate(sources, score_weight, eps, norm_weight, norm_eps, prefix_delta)
     last_backend["attn_res_aggregate"] = "naive"
-    return naive.attn_res_aggregate(sources, score_weight, eps, norm_weight, norm_eps)
+    return naive.attn_res_aggregate(sources, score_weight, eps, norm_weight, norm_eps, prefix_delta)

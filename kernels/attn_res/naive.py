@@ -8,11 +8,14 @@ from torch import Tensor
 from ..norm import naive as norm_naive
 
 
-def attn_res_aggregate(sources: Tensor, score_weight: Tensor, eps: float,
-                       norm_weight: Tensor | None = None, norm_eps: float = 0.0) -> Tensor:
+def attn_res_aggregate(sources: Tensor, score_weight: Tensor, eps: float, norm_weight: Tensor | None = None,
+                       norm_eps: float = 0.0, prefix_delta: Tensor | None = None) -> Tensor:
     """Softmax over sources of a scalar score per token; score_weight [D] fp32 is RMSNorm's weight folded
-    into the projection (`fold_score_weight`). With norm_weight, the mix (rounded to sources.dtype) then
-    goes through `rms_norm(mix, norm_weight, norm_eps)`, the norm each of the model's mixes feeds."""
+    into the projection (`fold_score_weight`). prefix_delta is first added to the last source in place.
+    With norm_weight, the mix (rounded to sources.dtype) then goes through `rms_norm(mix, norm_weight,
+    norm_eps)`, the norm each of the model's mixes feeds."""
+    if prefix_delta is not None:
+        sources[-1].add_(prefix_delta)
     mix = sources[0] if sources.shape[0] == 1 else _mix(sources, score_weight, eps)  # one source: itself
     return mix if norm_weight is None else norm_naive.rms_norm(mix, norm_weight, norm_eps)
 

@@ -1,11 +1,11 @@
 """The attention-residual mix as one Triton launch (the torch reference takes ~10: cast, square, mean,
-rsqrt, scale, dot, softmax, weighted sum, cast back), optionally followed by the RMSNorm that every
-mix of the model feeds (`naive.py` documents the composition).
+rsqrt, scale, dot, softmax, weighted sum, cast back), optionally with the update of the prefix row that
+precedes it and the RMSNorm that follows it in the model (`naive.py` documents the composition).
 
 One program mixes one token: it reads each source row once, scoring it and folding it into an
 online softmax (running max, rescaled sum), so the sources are read once whatever S is. All math is
-fp32; the mix rounds to the output dtype once, and the fused norm reads that rounded mix, exactly as
-the two separate calls would."""
+fp32; values round to the sources' dtype where the separate calls would (the updated prefix, the mix),
+so the fused norm reads the rounded mix, exactly as the two calls would."""
 
 from __future__ import annotations
 
@@ -18,32 +18,37 @@ from .._backend import device_of
 
 
 @triton.jit
-def _row_score(v, w, D, eps):
-    """(v / rms(v)) · w for one fp32 row v (masked lanes zero)."""
-    return tl.sum(v * w, axis=0) / tl.sqrt(tl.sum(v * v, axis=0) / D + eps)
+def _fold(acc, denom, best, v, w, D, eps):
+    """The online softmax after one more source row v (fp32, masked lanes zero), scored (v / rms(v)) · w."""
+    score = tl.sum(v * w, axis=0) / tl.sqrt(tl.sum(v * v, axis=0) / D + eps)
+    new_best = tl.maximum(best, score)
+    rescale = tl.exp(best - new_best)  # 0 for the first row (best = -inf)
+    p = tl.exp(score - new_best)
+    return acc * rescale + p * v, denom * rescale + p, new_best
 
 
 @triton.jit
-def _attn_res_kernel(src, score_w, norm_w, out, S, D, stride_s, stride_t, eps, norm_eps,
-                     NORM: tl.constexpr, BLOCK_D: tl.constexpr):
+def _attn_res_kernel(src, delta, score_w, norm_w, out, S, D, stride_s, stride_t, stride_sd, stride_dt, stride_dd,
+                     eps, norm_eps, HAS_DELTA: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     ok = offs < D
+    src_offs = offs * stride_sd  # Triton specializes a unit stride
     w = tl.load(score_w + offs, mask=ok, other=0.0)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    denom = tl.full([], 0.0, tl.float32)
+    best = tl.full([], -float("inf"), tl.float32)
     row = src + tok * stride_t
-    acc = tl.load(row + offs, mask=ok, other=0.0).to(tl.float32)  # source 0 starts the online softmax
-    best = _row_score(acc, w, D, eps)
-    denom = tl.full([], 1.0, tl.float32)
-    for _ in range(1, S):
+    for _ in range(S - 1):  # the bank
+        v = tl.load(row + src_offs, mask=ok, other=0.0).to(tl.float32)
+        acc, denom, best = _fold(acc, denom, best, v, w, D, eps)
         row += stride_s
-        v = tl.load(row + offs, mask=ok, other=0.0).to(tl.float32)
-        score = _row_score(v, w, D, eps)
-        new_best = tl.maximum(best, score)
-        rescale = tl.exp(best - new_best)
-        p = tl.exp(score - new_best)
-        acc = acc * rescale + p * v
-        denom = denom * rescale + p
-        best = new_best
+    prefix = tl.load(row + src_offs, mask=ok, other=0.0)
+    if HAS_DELTA:  # prefix += delta, rounded and stored as the in-place add would
+        d = tl.load(delta + tok * stride_dt + offs * stride_dd, mask=ok, other=0.0)
+        prefix = (prefix.to(tl.float32) + d.to(tl.float32)).to(src.dtype.element_ty)
+        tl.store(row + src_offs, prefix, mask=ok)
+    acc, denom, best = _fold(acc, denom, best, prefix.to(tl.float32), w, D, eps)
     mix = (acc / denom).to(out.dtype.element_ty)
     if NORM:
         y = mix.to(tl.float32)
@@ -52,19 +57,20 @@ def _attn_res_kernel(src, score_w, norm_w, out, S, D, stride_s, stride_t, eps, n
     tl.store(out + tok * D + offs, mix, mask=ok)
 
 
-def attn_res_aggregate(sources: Tensor, score_weight: Tensor, eps: float,
-                       norm_weight: Tensor | None = None, norm_eps: float = 0.0) -> Tensor:
+def attn_res_aggregate(sources: Tensor, score_weight: Tensor, eps: float, norm_weight: Tensor | None = None,
+                       norm_eps: float = 0.0, prefix_delta: Tensor | None = None) -> Tensor:
     S, T, D = sources.shape
-    if sources.stride(2) != 1:
-        sources = sources.contiguous()
     out = torch.empty((T, D), dtype=sources.dtype, device=sources.device)
     if T == 0:
         return out
     w = score_weight.contiguous()
     nw = norm_weight.contiguous() if norm_weight is not None else w
+    delta = prefix_delta if prefix_delta is not None else w
+    delta_strides = prefix_delta.stride() if prefix_delta is not None else (0, 0)
     with device_of(sources):
         _attn_res_kernel[(T,)](
-            sources, w, nw, out, S, D, sources.stride(0), sources.stride(1), eps, norm_eps,
-            NORM=norm_weight is not None, BLOCK_D=triton.next_power_of_2(D), num_warps=16 if D >= 4096 else 4,
+            sources, delta, w, nw, out, S, D, *sources.stride(), *delta_strides, eps, norm_eps,
+            HAS_DELTA=prefix_delta is not None, NORM=norm_weight is not None,
+            BLOCK_D=triton.next_power_of_2(D), num_warps=16 if D >= 4096 else 4,
         )
     return out

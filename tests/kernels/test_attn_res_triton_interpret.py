@@ -14,7 +14,7 @@ def _kernel_matches_reference() -> None:
 
     from _attn_res_cases import check_attn_res_matches_reference
 
-    check_attn_res_matches_reference(triton_attn_res.attn_res_aggregate, "cpu", 3)
+    check_attn_res_matches_reference(triton_attn_res.attn_res_aggregate, "cpu", 3, exact_rounding=False)
 
 
 def test_triton_attn_res_matches_reference_under_interpreter() -> None:
