@@ -1,7 +1,6 @@
 """The small fused ops of a decode step (attention-residual prefix update + mix + RMSNorm, MoE routing, KDA
-gate) at the
-K3 rank slice's shapes: device time per call of the Triton kernel and of the torch reference, each replayed
-from a CUDA graph (as a decode step replays them), with the kernel launches each graph holds.
+gate) at the K3 rank slice's shapes: device time per call of the Triton kernel and of the torch reference,
+each replayed from a CUDA graph (as a decode step replays them), with the kernel launches each graph holds.
 
     python benchmarks/gpu_small_ops.py [--batch 1,64] [--json out.json]
 """
