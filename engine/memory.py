@@ -127,13 +127,14 @@ def graph_reserve_bytes(config: ModelConfig, args: EngineArgs) -> int:
 
     The pool holds what the recorded step allocates. Blocks freed during a capture are reused later in the
     same capture, and every bucket records into one pool (only one replays at a time), so the largest
-    bucket's activation workspace sizes it: `decode_activation_bytes` per row (an upper bound: everything a
-    layer makes counted live at once) times the rows, plus `GRAPH_POOL_SLACK_BYTES` for what does not grow
-    with the rows: the MLA decode's split-K partials (the kernel sizes its splits to ~2 waves of programs:
-    2 x 132 SMs x 16 heads x 512 x 4 B = 8.3 MiB on an H200) and the caching allocator's rounding (2 MiB
-    segments for small blocks, 20 MiB for mid-sized ones). vLLM measures its graphs' pool instead, by
-    capturing before it sizes the KV cache; capture here needs the cache, so the plan estimates and
-    `benchmarks/gpu_engine.py` reports the estimate beside the pool a capture really reserved."""
+    bucket's activation workspace sizes it: `decode_activation_bytes` per row (generous: everything a layer
+    makes counted live at once) times the rows, plus `GRAPH_POOL_SLACK_BYTES` for what does not grow with
+    the rows: the MLA decode's split-K partials (the kernel sizes its splits to ~2 waves of programs:
+    2 x 132 SMs x 16 heads x 512 x 4 B = 8.3 MiB on an H200), cuBLAS's workspace for the capture stream
+    (8 to 32 MiB by GPU) and the caching allocator's rounding (2 MiB segments for small blocks, 20 MiB for
+    mid-sized ones). vLLM measures its graphs' pool instead, by capturing before it sizes the KV cache;
+    capture here needs the cache, so the plan estimates, and `benchmarks/gpu_engine.py` reports the
+    estimate beside what a capture really holds (not yet measured)."""
     from k3serve.model.batch import StaticDecodeInputs
 
     rows = args.graph_batch_sizes[-1]
@@ -145,7 +146,7 @@ def graph_reserve_bytes(config: ModelConfig, args: EngineArgs) -> int:
 
 
 def decode_activation_bytes(config: ModelConfig, tp_size: int, dtype: torch.dtype) -> int:
-    """Bytes one decode row's step allocates, bounded from above: the residual stream (the attention-residual
+    """Bytes one decode row's step allocates, counted generously: the residual stream (the attention-residual
     bank) held through the step, plus everything the widest layer part makes counted live at once, fp32
     where the layer computes in fp32."""
     b = torch.empty((), dtype=dtype).element_size()
