@@ -1,5 +1,5 @@
 """The small fused ops of a decode step (attention-residual prefix update + mix + RMSNorm, MoE routing, KDA
-gate) at the K3 rank slice's shapes: device time per call of the Triton kernel and of the torch reference,
+gate, SiTU-GLU) at the K3 rank slice's shapes: device time per call of the Triton kernel and of the torch reference,
 each replayed from a CUDA graph (as a decode step replays them), with the kernel launches each graph holds.
 
     python benchmarks/gpu_small_ops.py [--batch 1,64] [--json out.json]
@@ -16,7 +16,7 @@ import torch
 from k3serve.kernels._backend import reference_kernels
 from k3serve.kernels.attn_res import attn_res_aggregate
 from k3serve.kernels.kda import kda_gate
-from k3serve.kernels.moe import select_experts
+from k3serve.kernels.moe import select_experts, situ_glu
 
 CALLS = 50  # calls per graph: the per-call time is the graph's replay time over CALLS
 
@@ -51,11 +51,13 @@ def _ops(T: int) -> dict[str, Callable[[], object]]:
     layer_out = torch.randn(T, 7168, device=dev).bfloat16()
     logits, bias = torch.randn(T, 896, device=dev), torch.randn(896, device=dev) * 0.1
     f, a_log, dt_bias = torch.randn(T, 12, 128, device=dev).bfloat16(), torch.randn(12, device=dev), torch.randn(1536, device=dev)
+    gate_up = torch.randn(T, 1536, device=dev).bfloat16()  # the shared experts' stacked gate|up at TP8
     return {
         "attn_res add + mix + rms_norm (S=2, D=7168)":
             lambda: attn_res_aggregate(sources, score_w, 1e-6, norm_w, 1e-5, layer_out),
         "select_experts (E=896, top 16)": lambda: select_experts(logits, bias, 16, True, 2.446),
         "kda_gate (12 heads x 128, bounded)": lambda: kda_gate(f, a_log, dt_bias, -5.0),
+        "situ_glu (I=768, stacked gate|up)": lambda: situ_glu(gate_up[:, :768], gate_up[:, 768:], 4.0, 25.0),
     }
 
 

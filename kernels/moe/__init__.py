@@ -2,9 +2,9 @@
 
 Expert parallelism: a rank holds E local experts with global ids [expert_start, expert_start + E);
 `fused_experts` adds only their contributions, so the full result is the sum over ranks.
-On CUDA, routing runs one Triton launch (`triton_router.py`), and bf16 activations with MXFP4 banks and a
-SiTU/SwiGLU activation run the Triton w4a16 kernels (`triton_moe.py`); everything else runs `naive.py`.
-`last_backend[name]` records which.
+On CUDA, routing and the standalone GLUs run one Triton launch each (`triton_router.py`, `triton_glu.py`),
+and bf16 activations with MXFP4 banks and a SiTU/SwiGLU activation run the Triton w4a16 kernels
+(`triton_moe.py`); everything else runs `naive.py`. `last_backend[name]` records which.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from k3serve.kernels.mxfp4 import MXFP4Tensor
 from .._backend import gpu_kernels, has_module
 from . import naive
 
-last_backend: dict[str, str] = {}  # "select_experts" / "fused_experts" -> "triton" | "naive"
+last_backend: dict[str, str] = {}  # op name ("select_experts", "situ_glu", ...) -> "triton" | "naive"
 
 __all__ = ["ExpertWeights", "select_experts", "situ_glu", "silu_glu", "fused_experts"]
 
@@ -67,19 +67,35 @@ def select_experts(
 def situ_glu(gate: Tensor, up: Tensor, beta: float, linear_beta: float) -> Tensor:
     """beta*tanh(gate/beta)*sigmoid(gate) * linear_beta*tanh(up/linear_beta) (K3: beta 4, linear_beta 25).
 
-    gate, up [..., I]; fp32 math, returns gate.dtype."""
+    gate, up [..., I]; fp32 math, returns gate.dtype. On CUDA one Triton launch (`triton_glu.py`)."""
     if gate.shape != up.shape:
         raise ValueError(f"gate and up must match, got {tuple(gate.shape)} and {tuple(up.shape)}")
     if beta <= 0 or linear_beta <= 0:
         raise ValueError(f"beta={beta} and linear_beta={linear_beta} must be positive")
+    if _glu_on_gpu("situ_glu", gate, up):
+        from . import triton_glu
+
+        return triton_glu.glu(gate, up, True, beta, linear_beta)
     return naive.situ_glu(gate, up, beta, linear_beta)
 
 
 def silu_glu(gate: Tensor, up: Tensor) -> Tensor:
-    """silu(gate) * up (Kimi Linear SwiGLU). gate, up [..., I]; fp32 math, returns gate.dtype."""
+    """silu(gate) * up (Kimi Linear SwiGLU). gate, up [..., I]; fp32 math, returns gate.dtype. On CUDA one
+    Triton launch (`triton_glu.py`)."""
     if gate.shape != up.shape:
         raise ValueError(f"gate and up must match, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    if _glu_on_gpu("silu_glu", gate, up):
+        from . import triton_glu
+
+        return triton_glu.glu(gate, up, False)
     return naive.silu_glu(gate, up)
+
+
+def _glu_on_gpu(name: str, gate: Tensor, up: Tensor) -> bool:
+    """Whether GLU `name` runs `triton_glu.py` (recorded in last_backend): floating tensors on CUDA."""
+    triton = gpu_kernels(gate, up) and has_module("triton") and gate.is_floating_point() and up.is_floating_point()
+    last_backend[name] = "triton" if triton else "naive"
+    return triton
 
 
 def fused_experts(
