@@ -31,7 +31,7 @@ import torch
 from k3serve.engine.llm import LLM
 from k3serve.engine.outputs import RequestOutput
 from k3serve.engine.sampling_params import SamplingParams
-from k3serve.kernels import _backend, kda, mla, moe
+from k3serve.kernels import _backend, attn_res, kda, mla, moe, norm
 from k3serve.model.checkpoint import make_checkpoint
 from k3serve.model.presets import K3_TINY_GPU
 
@@ -133,8 +133,10 @@ def test_fp32_cuda_matches_cpu(checkpoint: Path, prompts: list[list[int]], cpu_f
 class _NaiveCounter:
     """Counts calls that reach the torch reference of the ops that have GPU kernels."""
 
-    OPS = ((kda.naive, "chunk_kda"), (kda.naive, "kda_decode"), (mla.naive, "mla_decode_paged"),
-           (moe.naive, "fused_experts"))
+    OPS = ((kda.naive, "chunk_kda"), (kda.naive, "kda_decode"), (kda.naive, "kda_gate"),
+           (mla.naive, "mla_decode_paged"), (moe.naive, "fused_experts"), (moe.naive, "select_experts"),
+           (moe.naive, "situ_glu"), (moe.naive, "silu_glu"), (attn_res.naive, "attn_res_aggregate"),
+           (norm.naive, "rms_norm"), (norm.naive, "gated_rms_norm"), (norm.naive, "l2_normalize"))
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls = {name: 0 for _, name in self.OPS}
