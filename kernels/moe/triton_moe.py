@@ -13,6 +13,9 @@ Weights stay packed ([E, out, in/2] uint8, even element in the low nibble; E8M0 
 and are upcast in registers: an E2M1 code moves into an e4m3 byte (sign to bit 7, exponent and
 mantissa to bits 4..2), whose value is exactly code · 2^-6, so the hardware fp8 -> bf16 conversion does
 the work; the scale 2^(s-127) · 2^6 is then a bf16 with exponent field s + 6.
+
+These tensor-core kernels serve prefill. Decode batches (a few rows per expert) run the GEMV pair of
+triton_gemv.py on the same routing; `fused_experts` picks by host-known T and top_k, `last_path` says which.
 """
 
 from __future__ import annotations
@@ -182,33 +185,61 @@ def route(topk_ids: Tensor, expert_start: int, num_local: int) -> tuple[Tensor, 
     return order, starts, counts, active, num_active
 
 
-def fused_experts(x: Tensor, weights, topk_weights: Tensor, topk_ids: Tensor, activation, expert_start: int) -> Tensor:
-    """x [T, D] bf16, MXFP4 w1/w3 [E, I, D], w2 [E, D, I] -> fp32 [T, D] (this rank's partial sum)."""
+GEMV_MAX_PAIRS = 1024  # T * top_k up to here: decode, a few rows per expert (see fused_experts)
+GEMV_MAX_TOKENS = 128  # an expert gets at most one row per token: bounds the GEMV's passes over a tile
+
+last_path: str | None = None  # "gemv" | "dot": which pair of kernels the last fused_experts call ran
+
+
+def fused_experts(x: Tensor, weights, topk_weights: Tensor, topk_ids: Tensor, activation, expert_start: int,
+                  path: str | None = None) -> Tensor:
+    """x [T, D] bf16, MXFP4 w1/w3 [E, I, D], w2 [E, D, I] -> fp32 [T, D] (this rank's partial sum).
+
+    path None picks from host-known sizes: "gemv" (triton_gemv.py, CUDA cores) while T * top_k <=
+    GEMV_MAX_PAIRS and T <= GEMV_MAX_TOKENS, else "dot" (the tensor-core kernels above). Why: with
+    expert parallelism a local expert sees about T * k / E_total rows (K3 at T 64: 1-5), and even
+    without it 1024 pairs over >= 64 experts average <= 16 rows, the tl.dot kernels' BLOCK_M, below
+    which their tile is mostly padding; the token bound caps the rows one expert can get (one per
+    token), so a skewed batch re-streams a tile (mostly from L2) at most T / ROWS times."""
+    global last_path
+    if path not in (None, "gemv", "dot"):
+        raise ValueError(f"path must be None, 'gemv' or 'dot', got {path!r}")
     act, beta, linear_beta = activation_kind(activation)
     T, D = x.shape
     top_k = topk_ids.shape[1]
     w1, w3, w2 = weights.w1, weights.w3, weights.w2
     E, I = w1.shape[0], w1.shape[1]
-    BLOCK_M = 16
+    if path is None:
+        path = "gemv" if T * top_k <= GEMV_MAX_PAIRS and T <= GEMV_MAX_TOKENS else "dot"
+    last_path = path
     x = x.contiguous()
     out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
     if T == 0:
         return out
     pairs, starts, counts, active, num_active = route(topk_ids, expert_start, E)
-    h = torch.empty(T * top_k, I, dtype=x.dtype, device=x.device)
+    h_dtype = torch.float32 if path == "gemv" else x.dtype  # CUDA cores read fp32 without a conversion
+    h = torch.empty(T * top_k, I, dtype=h_dtype, device=x.device)
     tw = topk_weights.reshape(-1).float().contiguous()
     max_active = min(E, T * top_k)
     p1, s1, p3, s3, p2, s2 = w1.packed, w1.scales, w3.packed, w3.scales, w2.packed, w2.scales
     rows_bucket = min(triton.next_power_of_2(T * top_k), 4096)  # autotune key: decode and prefill differ
+    if path == "gemv":
+        from .triton_gemv import gemv_down_kernel as down, gemv_up_kernel as up
+
+        p1, p3, p2 = (p.view(torch.int32) for p in (p1, p3, p2))  # 8 codes a word; raises if misaligned
+        tiles = {}
+    else:
+        up, down, tiles = _up_kernel, _down_kernel, {"BLOCK_M": 16}
+    up_grid = lambda meta: (max_active, triton.cdiv(I, meta["BLOCK_N"]))  # noqa: E731
+    down_grid = lambda meta: (max_active, triton.cdiv(D, meta["BLOCK_N"]), meta.get("SPLIT_K", 1))  # noqa: E731
     with device_of(x):
-        _up_kernel[lambda meta: (max_active, triton.cdiv(I, meta["BLOCK_N"]))](
+        up[up_grid](
             x, p1, s1, p3, s3, h, pairs, starts, counts, active, num_active, top_k, I, D, beta, linear_beta,
             rows_bucket, x.stride(0), p1.stride(0), p1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
-            ACT=act, BLOCK_M=BLOCK_M,
+            ACT=act, **tiles,
         )
-        _down_kernel[lambda meta: (max_active, triton.cdiv(D, meta["BLOCK_N"]))](
+        down[down_grid](
             h, p2, s2, out, tw, pairs, starts, counts, active, num_active, top_k, D, I, rows_bucket,
-            h.stride(0), p2.stride(0), p2.stride(1), s2.stride(0), s2.stride(1), out.stride(0),
-            BLOCK_M=BLOCK_M,
+            h.stride(0), p2.stride(0), p2.stride(1), s2.stride(0), s2.stride(1), out.stride(0), **tiles,
         )
     return out

@@ -1,5 +1,7 @@
 """MXFP4 routed experts on the GPU (Triton w4a16, SiTU-GLU and finalize fused) against the torch
-reference, at K3 per-rank shapes: latent 3584, intermediate 3072, 112 local experts, top-16 of 896."""
+reference, at K3 per-rank shapes: latent 3584, intermediate 3072, 112 local experts, top-16 of 896.
+Decode batches (T <= 64 here) must run the GEMV kernels (triton_gemv.py), prefill the tensor-core ones;
+`triton_moe.last_path` says which ran, so a silent switch fails."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import pytest
 import torch
 
 from k3serve.kernels import moe
-from k3serve.kernels.moe import ExpertWeights, fused_experts, naive, silu_glu, situ_glu
+from k3serve.kernels.moe import ExpertWeights, fused_experts, naive, silu_glu, situ_glu, triton_moe
 from k3serve.kernels.mxfp4 import MXFP4Tensor, quantize_mxfp4
 
 from _close import assert_rel_rms
@@ -42,13 +44,15 @@ def _routing(T: int, expert_start: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("expert_start", [0, 3 * E], ids=["rank0", "rank3"])
-@pytest.mark.parametrize("T", [1, 7, 64], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("T", [1, 4, 16, 64, 256], ids=lambda t: f"T{t}")
 def test_k3_rank_shapes(T: int, expert_start: int) -> None:
+    """The benchmarked decode batches on the GEMV kernels, a prefill chunk on the tensor-core kernels."""
     weights = k3_bank()
     x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
     topk_weights, topk_ids = _routing(T, expert_start)
     out = fused_experts(x, weights, topk_weights, topk_ids, SITU, expert_start)
     assert moe.last_backend["fused_experts"] == "triton"
+    assert triton_moe.last_path == ("gemv" if T <= 64 else "dot")
     ref = naive.fused_experts(x, weights, topk_weights, topk_ids, SITU, expert_start)
     assert out.dtype == torch.float32 and out.shape == (T, D)
     if ref.abs().max() == 0:  # no token routed to this rank
@@ -57,16 +61,41 @@ def test_k3_rank_shapes(T: int, expert_start: int) -> None:
         assert_rel_rms("out", ref, out, TOL)
 
 
-def test_skewed_routing_many_rows_per_expert_silu() -> None:
-    """64 tokens on the same 2 local experts: 64 rows each, several M tiles per program; SwiGLU."""
+@pytest.mark.parametrize("path", ["gemv", "dot"])
+def test_skewed_routing_many_rows_per_expert_silu(path: str) -> None:
+    """64 tokens on the same 2 local experts: 64 rows each, many row chunks (GEMV) or M tiles (dot) per
+    program; SwiGLU."""
     weights = ExpertWeights(*(quantize_mxfp4(torch.randn(4, *s, device="cuda") * 0.05)
                               for s in ((256, 512), (256, 512), (512, 256))))
     x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
     topk_ids = torch.tensor([[1, 2, 9]] * 64, device="cuda")  # 9 lives on another rank
     topk_weights = torch.rand(64, 3, device="cuda")
-    out = fused_experts(x, weights, topk_weights, topk_ids, silu_glu, 0)
-    assert moe.last_backend["fused_experts"] == "triton"
+    out = triton_moe.fused_experts(x, weights, topk_weights, topk_ids, silu_glu, 0, path=path)
+    assert triton_moe.last_path == path
     assert_rel_rms("out", naive.fused_experts(x, weights, topk_weights, topk_ids, silu_glu, 0), out, TOL)
+
+
+def test_gemv_path_replays_in_a_cuda_graph() -> None:
+    """Decode runs under CUDA graphs: routing and both GEMV kernels capture (no host sync) and a replay on
+    new inputs matches the reference."""
+    weights = k3_bank()
+    x = torch.randn(4, D, device="cuda", dtype=torch.bfloat16)
+    topk_weights, topk_ids = _routing(4, 0)
+    fused_experts(x, weights, topk_weights, topk_ids, SITU, 0)  # autotune outside the capture
+    assert triton_moe.last_path == "gemv"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_experts(x, weights, topk_weights, topk_ids, SITU, 0)
+    new_weights, new_ids = _routing(4, 0)
+    while not (new_ids < E).any():  # rank 0 must get a pair (misses about 1 time in 5000)
+        new_weights, new_ids = _routing(4, 0)
+    x.copy_(torch.randn_like(x))
+    topk_weights.copy_(new_weights)
+    topk_ids.copy_(new_ids)
+    graph.replay()
+    ref = naive.fused_experts(x, weights, topk_weights, topk_ids, SITU, 0)
+    assert ref.abs().max() > 0
+    assert_rel_rms("replayed out", ref, out, TOL)
 
 
 def test_unknown_activation_falls_back() -> None:

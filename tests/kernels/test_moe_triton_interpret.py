@@ -34,7 +34,7 @@ def _experts_match_reference() -> None:
         triton_moe._up_kernel.configs = triton_moe._down_kernel.configs = [config]  # no driver to benchmark
         for activation, dtype, tol in ((SITU, torch.float32, 1e-5), (silu_glu, torch.float16, 2e-3)):
             case = f"{config}, {dtype}, {getattr(activation, 'func', activation).__name__}"
-            out = triton_moe.fused_experts(x.to(dtype), weights, topk_weights, topk_ids, activation, E)
+            out = triton_moe.fused_experts(x.to(dtype), weights, topk_weights, topk_ids, activation, E, path="dot")
             ref = naive.fused_experts(x.to(dtype), weights, topk_weights, topk_ids, activation, E)
             assert out.dtype == torch.float32 and ref[T - 1].abs().max() == 0, case
             assert_rel_rms(f"out, {case}", ref, out, tol)

@@ -1,0 +1,77 @@
+"""The decode path's MXFP4 routed experts (triton_gemv.py: GEMV on the CUDA cores, a few rows per expert)
+run by the Triton interpreter on CPU tensors and match the torch reference (naive.py). The kernels use no
+tl.dot, so bf16 activations (the real dtype) are checked here too; fp32 activations check the decode
+exactly, including E8M0 scales at both ends of the range."""
+
+from __future__ import annotations
+
+from _triton_interpret import needs_triton, run_in_interpreter
+
+pytestmark = needs_triton
+
+
+def _experts_match_reference() -> None:
+    """Rank 1 of 3 (experts 4..7 of 12): expert 5 takes every token (12 rows, more than ROWS), expert 7
+    none, the last token lives wholly on other ranks. I = 96 and D = 160 leave tails in N (BLOCK_N 64) and
+    in K (BLOCK_K 128 and 512 are not divisors); scales 0, 1 and 240 (2^-127 .. 2^113) sit in the fp32 case's
+    bank. Two tilings: ROWS 2 with split-K 2, and ROWS 1 with one K block longer than the whole row."""
+    import torch
+    import triton
+
+    from k3serve.kernels.moe import ExpertWeights, naive, silu_glu, triton_gemv, triton_moe
+
+    from _close import assert_rel_rms
+    from test_moe_gpu import SITU, random_mxfp4
+
+    E, I, D, T, TOP_K = 4, 96, 160, 12, 3
+    weights = ExpertWeights(random_mxfp4(E, I, D, device="cpu"), random_mxfp4(E, I, D, device="cpu"),
+                            random_mxfp4(E, D, I, device="cpu"))
+    others = torch.tensor([e for e in range(3 * E) if e not in (E + 1, E + 3)])
+    topk_ids = torch.stack([others[torch.randperm(len(others))[:TOP_K]] for _ in range(T)])
+    topk_ids[:, 0] = E + 1
+    topk_ids[T - 1] = torch.tensor([0, 9, 11])
+    topk_weights = torch.rand(T, TOP_K)
+    x = torch.randn(T, D)
+    extreme = ExpertWeights(*(type(w)(w.packed, w.scales.clone()) for w in (weights.w1, weights.w3, weights.w2)))
+    extreme.w3.scales[1, :, 0] = 0  # expert 5 (local 1), group 0 of every row: 2^-127
+    extreme.w3.scales[1, :8, 1] = 1
+    extreme.w1.scales[1, 8:16, 2] = 240  # gate values ~2^113: SiTU saturates, still finite
+    cases = (({"BLOCK_N": 64, "BLOCK_K": 128, "ROWS": 2}, 2, extreme, SITU, torch.float32, 1e-5),
+             ({"BLOCK_N": 16, "BLOCK_K": 512, "ROWS": 1}, 1, weights, silu_glu, torch.bfloat16, 1e-2))
+    for tiles, split_k, bank, activation, dtype, tol in cases:
+        triton_gemv.gemv_up_kernel.configs = [triton.Config(tiles)]  # no driver to benchmark
+        triton_gemv.gemv_down_kernel.configs = [triton.Config({**tiles, "SPLIT_K": split_k})]
+        case = f"{tiles}, SPLIT_K {split_k}, {dtype}"
+        out = triton_moe.fused_experts(x.to(dtype), bank, topk_weights, topk_ids, activation, E)
+        assert triton_moe.last_path == "gemv", case
+        ref = naive.fused_experts(x.to(dtype), bank, topk_weights, topk_ids, activation, E)
+        assert out.dtype == torch.float32 and torch.isfinite(out).all(), case
+        assert_rel_rms(f"out, {case}", ref, out, tol)
+        assert (out[T - 1] == 0).all(), case
+
+
+def test_gemv_experts_match_reference_under_interpreter() -> None:
+    run_in_interpreter(__file__, "_experts_match_reference")
+
+
+def _nan_scale_is_loud() -> None:
+    """E8M0 0xFF is NaN: the rows of an expert holding it come out NaN, never a finite guess."""
+    import torch
+    import triton
+
+    from k3serve.kernels.moe import ExpertWeights, silu_glu, triton_gemv, triton_moe
+
+    from test_moe_gpu import random_mxfp4
+
+    weights = ExpertWeights(random_mxfp4(2, 64, 64, device="cpu"), random_mxfp4(2, 64, 64, device="cpu"),
+                            random_mxfp4(2, 64, 64, device="cpu"))
+    weights.w2.scales[1, 3, 0] = 0xFF
+    triton_gemv.gemv_up_kernel.configs = [triton.Config({"BLOCK_N": 16, "BLOCK_K": 64, "ROWS": 1})]
+    triton_gemv.gemv_down_kernel.configs = [triton.Config({"BLOCK_N": 16, "BLOCK_K": 64, "ROWS": 1, "SPLIT_K": 1})]
+    out = triton_moe.fused_experts(torch.randn(2, 64), weights, torch.ones(2, 1), torch.tensor([[0], [1]]),
+                                   silu_glu, 0, path="gemv")
+    assert torch.isfinite(out[0]).all() and out[1, 3].isnan() and torch.isfinite(out[1, :3]).all()
+
+
+def test_nan_scale_is_loud_under_interpreter() -> None:
+    run_in_interpreter(__file__, "_nan_scale_is_loud")
