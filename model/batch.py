@@ -99,6 +99,7 @@ class ForwardBatch:
     # short conv's per-sequence loop, the KDA chunk plan, the conv window at a checkpoint): reading the
     # device tensors there would sync once per layer. `build` sets them; a decode-only batch needs none.
     cu_seqlens_host: torch.Tensor | None = None  # [N+1] int64
+    seq_lens_host: torch.Tensor | None = None  # [N] int64 (MLA prefill gathers the cached prefix by it)
     slot_ids_host: torch.Tensor | None = None  # [N] int64
     checkpoint_offsets_host: torch.Tensor | None = None  # [N] int64
     checkpoint_slot_ids_host: torch.Tensor | None = None  # [N] int64
@@ -107,7 +108,7 @@ class ForwardBatch:
 
     def __post_init__(self) -> None:
         decode_only = self.num_decode == self.num_seqs and self.checkpoint_offsets is None
-        if not decode_only and (self.cu_seqlens_host is None or self.slot_ids_host is None):
+        if not decode_only and any(t is None for t in (self.cu_seqlens_host, self.seq_lens_host, self.slot_ids_host)):
             raise ValueError("a batch with prefill rows or checkpoints needs the host copies of its indices "
                              "(ForwardBatch.build makes them)")
         if (self.checkpoint_offsets is not None) != (self.checkpoint_offsets_host is not None
@@ -194,7 +195,9 @@ class ForwardBatch:
         def tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
-        host = {"cu_seqlens_host": torch.tensor(cu), "slot_ids_host": torch.tensor(slot_ids, dtype=torch.int64)}
+        seq_lens = [c + q for c, q in zip(num_computed, lens)]
+        host = {"cu_seqlens_host": torch.tensor(cu), "seq_lens_host": torch.tensor(seq_lens),
+                "slot_ids_host": torch.tensor(slot_ids, dtype=torch.int64)}
         if checkpoint_offsets is not None:
             if checkpoint_slot_ids is None or len(checkpoint_offsets) != n or len(checkpoint_slot_ids) != n:
                 raise ValueError("checkpoint_offsets and checkpoint_slot_ids need one entry per sequence")
@@ -206,7 +209,7 @@ class ForwardBatch:
             positions=tensor(positions),
             cu_seqlens=tensor(cu),
             num_computed=tensor(num_computed),
-            seq_lens=tensor([c + q for c, q in zip(num_computed, lens)]),
+            seq_lens=tensor(seq_lens),
             block_tables=tables.to(device),
             slot_mapping=tensor(slot_mapping),
             slot_ids=tensor(slot_ids),

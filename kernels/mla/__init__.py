@@ -19,16 +19,20 @@ from torch import Tensor
 from .._backend import gpu_kernels, has_module
 from . import naive
 
-last_backend: dict[str, str] = {}  # "mla_decode_paged" / "merge_attn_states" / "write_kv_cache" -> "triton" | "naive"
+last_backend: dict[str, str] = {}  # "mla_decode_paged" / "merge_attn_states" / "write_kv_cache" -> "triton" | "naive",
+# "mla_prefill_attention" -> "sdpa" | "naive"
 
 __all__ = ["mla_prefill_attention", "write_kv_cache", "gather_kv_cache", "mla_decode_paged", "merge_attn_states"]
 
 
-def _check_cu_seqlens(name: str, cu_seqlens: Tensor, total: int) -> None:
+def _check_cu_seqlens(name: str, cu_seqlens: Tensor, total: int) -> list[int]:
+    """The bounds as a host list (a tensor on a GPU is read back once: pass host tensors to avoid the sync)."""
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1 or cu_seqlens.is_floating_point():
         raise ValueError(f"{name} must be an integer tensor [N+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
-    if cu_seqlens[0].item() != 0 or cu_seqlens[-1].item() != total or (cu_seqlens.diff() < 0).any():
-        raise ValueError(f"{name} must rise from 0 to {total}, got {cu_seqlens.tolist()}")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in zip(bounds[:-1], bounds[1:])):
+        raise ValueError(f"{name} must rise from 0 to {total}, got {bounds}")
+    return bounds
 
 
 def _check_paged(kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor) -> int:
@@ -67,20 +71,25 @@ def mla_prefill_attention(
     """Causal varlen MHA: q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv] -> [Tq, H, Dv] in q.dtype.
 
     Sequence n's q_len queries are the LAST q_len of its k_len keys (chunked prefill over a cached
-    prefix): query i sees keys 0 .. k_len - q_len + i."""
+    prefix): query i sees keys 0 .. k_len - q_len + i. On CUDA it runs torch's fused SDPA a sequence at a
+    time (`sdpa_prefill.py`); cu_seqlens on the host cost it no sync."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or k.shape[1:] != q.shape[1:] or v.shape[:2] != k.shape[:2]:
         raise ValueError(
             f"expected q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv], got q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
-    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
-    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0])
-    q_lens, k_lens = cu_seqlens_q.diff().tolist(), cu_seqlens_k.diff().tolist()
+    bounds_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
+    bounds_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+    q_lens = [b - a for a, b in zip(bounds_q[:-1], bounds_q[1:])]
+    k_lens = [b - a for a, b in zip(bounds_k[:-1], bounds_k[1:])]
     if len(q_lens) != len(k_lens) or any(q_len > k_len for q_len, k_len in zip(q_lens, k_lens)):
-        raise ValueError(
-            f"each sequence needs q_len <= k_len, got cu_seqlens_q {cu_seqlens_q.tolist()}, "
-            f"cu_seqlens_k {cu_seqlens_k.tolist()}"
-        )
+        raise ValueError(f"each sequence needs q_len <= k_len, got cu_seqlens_q {bounds_q}, cu_seqlens_k {bounds_k}")
+    if v.shape[2] <= q.shape[2] and gpu_kernels(q, k, v):
+        from . import sdpa_prefill
+
+        last_backend["mla_prefill_attention"] = "sdpa"
+        return sdpa_prefill.mla_prefill_attention(q, k, v, bounds_q, bounds_k, scale)
+    last_backend["mla_prefill_attention"] = "naive"
     return naive.mla_prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
 
 
@@ -109,9 +118,11 @@ def write_kv_cache(kv_cache: Tensor, slot_mapping: Tensor, latent: Tensor) -> No
 
 
 def gather_kv_cache(kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor) -> tuple[Tensor, Tensor]:
-    """Cached tokens of each sequence, packed: (packed [sum(seq_lens), L+R], cu_seqlens int64 [N+1]).
+    """Cached tokens of each sequence, packed: (packed [sum(seq_lens), L+R], cu_seqlens int64 [N+1] where
+    seq_lens lives).
 
-    block_tables int32 [N, max_blocks]; entries past a sequence's used blocks may be -1."""
+    block_tables int32 [N, max_blocks]; entries past a sequence's used blocks may be -1. seq_lens on the host
+    with a cache on a GPU (the prefill path) costs no device read-back."""
     _check_paged(kv_cache, block_tables, seq_lens)
     return naive.gather_kv_cache(kv_cache, block_tables, seq_lens)
 

@@ -34,11 +34,12 @@ def write_kv_cache(kv_cache: Tensor, slot_mapping: Tensor, latent: Tensor) -> No
 def gather_kv_cache(kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor) -> tuple[Tensor, Tensor]:
     """Token p of sequence n sits at block block_tables[n, p // block_size], offset p % block_size."""
     block_size, device = kv_cache.shape[1], kv_cache.device
-    seq_lens = seq_lens.to(device=device, dtype=torch.int64)
-    cu_seqlens = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int64, device=device)
+    cu_seqlens = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int64, device=seq_lens.device)
     cu_seqlens[1:] = torch.cumsum(seq_lens, dim=0)
-    seq_ids = torch.repeat_interleave(torch.arange(seq_lens.shape[0], device=device), seq_lens)  # [total]
-    pos = torch.arange(seq_ids.shape[0], device=device) - cu_seqlens[seq_ids]  # [total]
+    total = None if seq_lens.is_cuda else int(cu_seqlens[-1])  # known on the host: no read-back below
+    lens, cu = seq_lens.to(device=device, dtype=torch.int64), cu_seqlens.to(device)
+    seq_ids = torch.repeat_interleave(torch.arange(lens.shape[0], device=device), lens, output_size=total)  # [total]
+    pos = torch.arange(seq_ids.shape[0], device=device) - cu[seq_ids]  # [total]
     blocks = block_tables.to(device=device, dtype=torch.int64)[seq_ids, pos // block_size]  # [total]
     packed = kv_cache[blocks, pos % block_size]  # [total, L+R]
     return packed, cu_seqlens

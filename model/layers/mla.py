@@ -89,9 +89,9 @@ class MLAAttention(Sharded):
 
     def _prefill(self, q: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         n0, H = batch.num_decode, self.num_heads
-        cached, cu_k = gather_kv_cache(kv_cache, batch.block_tables[n0:], batch.seq_lens[n0:])
+        cached, cu_k = gather_kv_cache(kv_cache, batch.block_tables[n0:], batch.seq_lens_host[n0:])  # host: no sync
         kv = self.kv_b_proj(cached[:, : self.kv_lora_rank]).reshape(-1, H, self.nope + self.v_dim)
         k_pe = cached[:, self.kv_lora_rank :].unsqueeze(1).expand(-1, H, self.rope)
         k = torch.cat([kv[..., : self.nope], k_pe.to(kv.dtype)], dim=-1)
-        cu_q = batch.cu_seqlens[n0:] - batch.cu_seqlens[n0]
+        cu_q = batch.cu_seqlens_host[n0:] - batch.cu_seqlens_host[n0]
         return mla_prefill_attention(q, k, kv[..., self.nope :], cu_q, cu_k, self.scale).float()

@@ -125,6 +125,7 @@ def test_batch_keeps_host_copies_of_what_prefill_reads_on_the_host() -> None:
                                checkpoint_offsets=[-1, 2, 1], checkpoint_slot_ids=[-1, 6, 7])
     assert batch.cu_seqlens_host.tolist() == batch.cu_seqlens.tolist() == [0, 1, 4, 6]
     assert batch.slot_ids_host.tolist() == [3, 0, 5]
+    assert batch.seq_lens_host.tolist() == batch.seq_lens.tolist()
     assert batch.checkpoint_offsets_host.tolist() == [-1, 2, 1]
     assert batch.checkpoint_slot_ids_host.tolist() == [-1, 6, 7]
     assert batch.checkpoint_rows.tolist() == [1, 2]  # the rows that want one: an index, not a mask

@@ -145,6 +145,19 @@ def test_chunked_prefill_is_last_rows_of_full_causal() -> None:
     assert out_bf16.dtype == torch.bfloat16
 
 
+def test_fused_sdpa_prefill_equals_the_reference() -> None:
+    """The CUDA path's SDPA prefill (run here on CPU tensors): chunks over cached prefixes (queries are the LAST of
+    their keys: bottom-right causal), a whole prompt, a one-token chunk, v narrower than q/k (zero-padded)."""
+    from k3serve.kernels.mla import naive, sdpa_prefill
+
+    gen = torch.Generator().manual_seed(31)
+    bounds_q, bounds_k = [0, 3, 7, 8], [0, 10, 14, 23]  # chunk of 3 over 7 cached, a whole 4, 1 over 8 cached
+    q = torch.randn(8, H, P + R, generator=gen)
+    k, v = torch.randn(23, H, P + R, generator=gen), torch.randn(23, H, DV, generator=gen)
+    ref = naive.mla_prefill_attention(q, k, v, torch.tensor(bounds_q), torch.tensor(bounds_k), SCALE)
+    assert_close("sdpa prefill", ref, sdpa_prefill.mla_prefill_attention(q, k, v, bounds_q, bounds_k, SCALE), 1e-5, 1e-5)
+
+
 def test_validation() -> None:
     kv_cache = torch.zeros(4, 4, L + R)
     with pytest.raises(ValueError, match="block_tables\\[0\\]"):
