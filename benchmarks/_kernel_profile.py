@@ -24,9 +24,12 @@ COPIES = "host<->device copies, memsets"
 GAP_S = 0.01  # idle time before each profiled step: longer than any gap inside a step, so it tells steps apart
 # First match wins. Triton kernels carry their jit function's name (kernels/*/triton_*.py, fla).
 FAMILIES: tuple[tuple[str, re.Pattern[str]], ...] = tuple((family, re.compile(pattern)) for family, pattern in (
-    ("KDA decode (fla)", r"fused_recurrent|kda|l2norm"),
+    ("KDA decode (Triton)", r"^_kda_decode_kernel|fused_recurrent"),
     ("MLA decode + cache write (Triton)", r"^_decode_kernel|^_merge_kernel|^_write_kernel"),
-    ("MoE experts (Triton MXFP4)", r"^_up_kernel|^_down_kernel"),
+    ("MoE experts (Triton MXFP4)", r"^_up_kernel|^_down_kernel|^gemv_(up|down)_kernel"),
+    ("fused small ops (Triton: attn-res mix, router, gate, GLU, norms)",
+     r"^_(attn_res|router|gate|glu|norm)_kernel"),
+    ("KDA prefill (fla)", r"kda|l2norm|chunk_|_checkpoint_kernel"),
     ("GEMMs (cuBLAS: projections, router, lm_head)", r"(?i)gemm|gemv|nvjet|cutlass|xmma|splitk|cublas|dot_kernel"),
     ("reductions (norms, router top-k, sums)", r"(?i)reduce_kernel|norm|softmax|topk|sort|scan"),
     (COPIES, r"^Memcpy|^Memset"),

@@ -26,7 +26,7 @@ L2_EPS = 1e-6  # kernels/norm/naive.py l2_normalize, the reference's eps
 
 
 @triton.jit
-def _decode_kernel(
+def _kda_decode_kernel(
     q, k, v, g, beta, state, state_indices, o, scale, H,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_gh, stride_bn, stride_bh,
     stride_sn, stride_sh, stride_on, stride_oh,
@@ -87,7 +87,7 @@ def kda_decode(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_p
         return o
     scale = K**-0.5 if scale is None else scale
     with device_of(q):
-        _decode_kernel[(N * H, V // bv)](
+        _kda_decode_kernel[(N * H, V // bv)](
             q, k, v, g, beta, state_pool, state_indices, o, scale, H,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
             beta.stride(0), beta.stride(1), state_pool.stride(0), state_pool.stride(1), o.stride(0), o.stride(1),
