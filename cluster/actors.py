@@ -62,17 +62,19 @@ class _Rank0:
         """TP > 1, first: the address the followers join (a port of this node, held open)."""
         from k3serve.engine.tp_group import leader_store
 
-        if self._store is None:
+        if self._init_method is None:
             self._store, self._init_method = leader_store(self.args.tensor_parallel_size, self.host)
         return self._init_method
 
     def start(self) -> None:
-        """TP > 1, once the followers were started with `tp_init_method()`: the group, the worker."""
+        """TP > 1, once the followers were started with `tp_init_method()`: the group (rank 0's store
+        closes once every rank has joined), the worker."""
         from k3serve.engine.tp_group import TPGroup
 
         if self._store is None:
-            raise RuntimeError("start() before tp_init_method(): the followers have no address to join")
+            raise RuntimeError("start() without tp_init_method() first, or twice: no store for the followers to join")
         group = TPGroup(0, self.args.tensor_parallel_size, self._init_method, host=self.host, store=self._store)
+        self._store = None  # the group holds no reference to it: its port closes now
         self.worker = self.worker_cls(self.args, group=group, **self.worker_kwargs)
 
     def _agent(self) -> TransferBackend:

@@ -34,6 +34,11 @@ def check_host_ip(value: str, what: str) -> str:
     return str(ip)
 
 
+def uri_host(host: str) -> str:
+    """`host` as it goes before `:port` in an address or URI (an IPv6 literal in brackets)."""
+    return f"[{host}]" if ":" in host else host
+
+
 def node_ip(advertise_host: str | None = None) -> str:
     """This node's address for its workers' servers, in the order of the module docstring."""
     if advertise_host:

@@ -8,7 +8,7 @@ line up by construction:
     rank 0:   lead(("step", output)) -> execute      lead(("handoff", job)) -> push, gather
     rank r:   follow() -> execute                    follow() -> push, gather
 
-A group owns its process groups (gloo, on its own TCP store at `init_method`, rank 0 hosting
+A group owns its process groups (gloo, meeting on a TCP store at `init_method`, rank 0 hosting
 it) instead of torch.distributed's one default group, so several TP engines can live in one
 process (e.g. a prefill and a decode engine's rank 0 under `--launcher local`). Two of them:
 
@@ -22,6 +22,13 @@ Addresses: rank 0 opens the store on a port of its own node (`leader_store`: the
 so nothing races for it) and publishes `tcp://<its host>:<port>` for the followers to join; every
 rank's gloo sockets listen on its own `host`, which its peers dial (gloo's default would be
 whatever the hostname resolves to, often 127.0.0.1, unreachable from another node).
+
+The store is a rendezvous only: gloo reads its peers' addresses there while a group is created,
+never afterwards, and a TP engine's ranks live and die together (nothing re-joins). So once every
+rank has joined (a barrier), rank 0 lets go of it: no listening port outlives `TPGroup()`. Each rank's
+groups hold a store *client* (gloo keeps whatever store it was given alive for as long as the group
+lives; a client's socket to the closed store is never used again), and rank 0's store itself is
+held only while joining.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from k3serve.cluster.node_address import uri_host
 from k3serve.model.parallel import TensorParallel
 
 _IDLE_TIMEOUT = datetime.timedelta(days=365)  # how long a follower waits for rank 0's next action
@@ -57,7 +65,7 @@ def leader_store(world_size: int, host: str, timeout_s: float = 600.0) -> tuple[
         listener.close()
         raise
     listener.detach()  # the store owns the socket now
-    return store, f"tcp://{_uri_host(host)}:{port}"
+    return store, f"tcp://{uri_host(host)}:{port}"
 
 
 class TPGroup:
@@ -66,7 +74,8 @@ class TPGroup:
         store: dist.TCPStore | None = None,
     ) -> None:
         """Join (rank 0: host) the group at `init_method`; this rank's sockets listen on `host`.
-        Rank 0 passes the `store` of `leader_store` when its followers were given its address."""
+        Rank 0 passes the `store` of `leader_store` when its followers were given its address, and
+        hands it over: keep no reference to it, so that it closes when this returns (all joined)."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         url = urlparse(init_method)
@@ -74,12 +83,18 @@ class TPGroup:
             raise ValueError(f"init_method must be tcp://host:port, got {init_method!r}")
         if store is not None and rank != 0:
             raise ValueError(f"rank {rank} joins rank 0's store: only rank 0 passes one")
-        self.rank, self.world_size, self.init_method = rank, world_size, init_method
+        self.rank, self.world_size = rank, world_size
         timeout = datetime.timedelta(seconds=timeout_s)
         join = max(timeout, _JOIN_TIMEOUT)  # every rank loads its libraries and joins
-        self._store = store or dist.TCPStore(url.hostname, url.port, world_size, is_master=rank == 0, timeout=join)
-        self.control = _gloo(dist.PrefixStore("control", self._store), rank, world_size, host, _IDLE_TIMEOUT)
-        self.pg = _gloo(dist.PrefixStore("pg", self._store), rank, world_size, host, timeout)
+        if rank == 0 and store is None:
+            store = dist.TCPStore(url.hostname, url.port, world_size, is_master=True, timeout=join,
+                                  wait_for_workers=False)
+        client = dist.TCPStore(url.hostname, url.port, world_size, is_master=False, timeout=join)
+        self.control = _gloo(dist.PrefixStore("control", client), rank, world_size, host, _IDLE_TIMEOUT)
+        self.pg = _gloo(dist.PrefixStore("pg", client), rank, world_size, host, timeout)
+        everyone_joined = dist.BarrierOptions()
+        everyone_joined.timeout = join
+        self.pg.barrier(everyone_joined).wait()  # past it no rank reads the store again
 
     @property
     def is_leader(self) -> bool:
@@ -113,7 +128,7 @@ class TPGroup:
 
     def close(self) -> None:
         """Drop the connections; the group is unusable afterwards. Safe to call twice."""
-        self.control = self.pg = self._store = None
+        self.control = self.pg = None
 
 
 def _gloo(store: dist.Store, rank: int, world_size: int, host: str, timeout: datetime.timedelta) -> dist.ProcessGroupGloo:
@@ -122,10 +137,6 @@ def _gloo(store: dist.Store, rank: int, world_size: int, host: str, timeout: dat
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     options._timeout = timeout
     return dist.ProcessGroupGloo(store, rank, world_size, options)
-
-
-def _uri_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
 
 
 def _broadcast_object(pg, value: Any, is_root: bool) -> Any:

@@ -35,6 +35,7 @@ from typing import NamedTuple, Protocol, TypeVar
 
 import grpc
 
+from k3serve.cluster.node_address import check_host_ip, uri_host
 from k3serve.transfer.backend import AgentInfo, RegionDesc
 from k3serve.transfer.proto import transfer_pb2 as pb
 from k3serve.transfer.proto import transfer_pb2_grpc as pb_grpc
@@ -197,10 +198,6 @@ def agent_info_from_proto(msg: pb.AgentInfo) -> AgentInfo:
 _Response = TypeVar("_Response")
 
 
-def _uri_host(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
 class _Servicer(pb_grpc.DecodeControlServicer):
     """Validates, calls the handler, and turns every exception into an ok = false answer."""
 
@@ -292,10 +289,7 @@ class DecodeControlServer:
                  port: int = 0, max_workers: int = 8) -> None:
         if not compat_hash:
             raise ValueError("compat_hash is empty: pass the hash of model config + cache dtype + block size + layout")
-        if host.strip("[]") in ("0.0.0.0", "::", ""):
-            raise ValueError(f"DecodeControlServer host {host!r} is not an address a peer can dial: "
-                             "bind the node's address (cluster/node_address.py)")
-        self.host = host
+        self.host = check_host_ip(host.strip("[]"), "DecodeControlServer host")
         self.port: int | None = None  # set by start()
         self.instance_id = uuid.uuid4().hex  # new per server: tells clients the regions moved
         self._requested_port = port
@@ -307,7 +301,7 @@ class DecodeControlServer:
     def address(self) -> str:
         if self.port is None:
             raise RuntimeError("DecodeControlServer.address before start()")
-        return f"{_uri_host(self.host)}:{self.port}"
+        return f"{uri_host(self.host)}:{self.port}"
 
     def start(self) -> DecodeControlServer:
         if self._server is not None:
@@ -318,7 +312,7 @@ class DecodeControlServer:
             options=[("grpc.so_reuseport", 0)],
         )
         pb_grpc.add_DecodeControlServicer_to_server(self._servicer, server)
-        target = f"{_uri_host(self.host)}:{self._requested_port}"
+        target = f"{uri_host(self.host)}:{self._requested_port}"
         try:
             port = server.add_insecure_port(target)
         except RuntimeError as e:

@@ -7,7 +7,9 @@ Spec:
   refused with the setting's name, from the config and from the environment alike.
 - `advertise_host` is refused for the local launcher (one machine, 127.0.0.1).
 - Mooncake's agent is told the address (its hostname); NIXL and local need none.
-- A decode control server never binds the unspecified address (all interfaces, undialable).
+- A decode control server binds only an IP literal a peer can dial, by the same check: never the
+  unspecified address (all interfaces, undialable), nor a name; an IPv6 one is bracketed in its
+  address.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from k3serve.cluster.config import ServeConfig
 from k3serve.cluster.node_address import HOST_IP_ENV, node_ip
 from k3serve.transfer.backend import TransferError
 from k3serve.transfer.backends import host_options
-from k3serve.transfer.control import DecodeControlServer
+from k3serve.transfer.control import ControlPlaneError, DecodeControlServer
 
 
 @pytest.fixture
@@ -97,5 +99,23 @@ def test_mooncake_is_told_the_address_the_others_need_none() -> None:
 
 @pytest.mark.parametrize("unspecified", ["0.0.0.0", "::", "[::]"])
 def test_a_decode_control_server_refuses_to_listen_everywhere(unspecified: str) -> None:
-    with pytest.raises(ValueError, match="peer can dial"):
+    with pytest.raises(ValueError, match="DecodeControlServer host=.* is the unspecified address"):
         DecodeControlServer(object(), "compat", host=unspecified)
+
+
+def test_a_decode_control_server_refuses_a_name() -> None:
+    with pytest.raises(ValueError, match="DecodeControlServer host='localhost' is not an IP address"):
+        DecodeControlServer(object(), "compat", host="localhost")
+
+
+def test_a_decode_control_server_on_ipv6_publishes_a_bracketed_address() -> None:
+    server = DecodeControlServer(object(), "compat", host="[::1]")
+    assert server.host == "::1"
+    try:
+        server.start()
+    except ControlPlaneError:
+        pytest.skip("this host has no IPv6 loopback to bind")
+    try:
+        assert server.address == f"[::1]:{server.port}"
+    finally:
+        server.stop()
