@@ -4,9 +4,12 @@
     python benchmarks/gpu_moe.py [--out gpu_moe.json] [--smoke]
 
 ours = k3serve.kernels.moe.fused_experts (Triton w4a16: upcast in registers, SiTU-GLU and the weighted
-top-k sum fused); anchors = dequantize the routed experts to bf16 + torch bmm, and the same bmm on an
-already-bf16 bank (4x the weight bytes). Floor = routed experts' MXFP4 bytes / copy bandwidth (FLOPs
-are far below the matmul rate at these token counts)."""
+top-k sum fused), timed on both of its kernel pairs in the same run: gemv (triton_gemv.py, CUDA cores,
+what decode batches dispatch to) and dot (the tensor-core kernels: ours before the GEMV pair). Anchors =
+dequantize the routed experts to bf16 + torch bmm, and the same bmm on an already-bf16 bank (4x the
+weight bytes). Floor = routed experts' MXFP4 bytes / copy bandwidth (FLOPs are far below the matmul
+rate at these token counts); gemv_TBps = those bytes / the gemv graph time. Every path is checked
+against the torch reference before it is timed."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import torch
 
 from _gpu_common import ceilings, check, device, floor_us, graph_ms, parse_args, rel_err, report, time_ms
 from k3serve.kernels import moe
-from k3serve.kernels.moe import ExpertWeights, fused_experts, naive, situ_glu
+from k3serve.kernels.moe import ExpertWeights, fused_experts, naive, situ_glu, triton_moe
 from k3serve.kernels.mxfp4 import MXFP4Tensor, dequantize_mxfp4
 
 SITU = functools.partial(situ_glu, beta=4.0, linear_beta=25.0)
@@ -60,6 +63,18 @@ class TorchExperts:
         return self.run(*(self.dequant(w) for w in (self.weights.w1, self.weights.w3, self.weights.w2)))
 
 
+def path_us(path: str, x, weights, topk_weights, topk_ids, ref, dev) -> tuple[float | None, float | None]:
+    """(CUDA-graph us, eager us) of one kernel pair of ours, after checking it against the reference;
+    (None, None) off CUDA (the Triton kernels need the device; --smoke on CPU checks the script only)."""
+    if dev.type != "cuda":
+        return None, None
+    run = lambda: triton_moe.fused_experts(x, weights, topk_weights, topk_ids, SITU, 0, path=path)  # noqa: E731
+    check(f"moe {path} T{x.shape[0]}", rel_err(ref, run()), TOL)
+    assert triton_moe.last_path == path
+    graph = graph_ms(run, dev)
+    return None if graph is None else graph * 1e3, time_ms(run, dev) * 1e3
+
+
 def row(T: int, weights: ExpertWeights, top_k: int, num_total: int, dev, ceil) -> dict:
     E, I, D = weights.w1.shape
     x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
@@ -69,23 +84,27 @@ def row(T: int, weights: ExpertWeights, top_k: int, num_total: int, dev, ceil) -
             break
     topk_weights = torch.rand(T, top_k, device=dev)
     out = fused_experts(x, weights, topk_weights, topk_ids, SITU, 0)
-    backend = moe.last_backend["fused_experts"]
+    backend = moe.last_backend["fused_experts"] + (f" {triton_moe.last_path}" if dev.type == "cuda" else "")
     ref = naive.fused_experts(x, weights, topk_weights, topk_ids, SITU, 0)
     err = rel_err(ref, out)
     check(f"moe T{T}", err, TOL)
+    gemv_graph, gemv = path_us("gemv", x, weights, topk_weights, topk_ids, ref, dev)
+    dot_graph, dot = path_us("dot", x, weights, topk_weights, topk_ids, ref, dev)
     anchor = TorchExperts(x, weights, topk_weights, topk_ids, 0)
     check("torch anchor", rel_err(ref, anchor.run(*anchor.bf16)), TOL)
     num_active = anchor.experts.numel()
-    ours = lambda: fused_experts(x, weights, topk_weights, topk_ids, SITU, 0)  # noqa: E731
-    graph = graph_ms(ours, dev)
     pairs = int(((topk_ids >= 0) & (topk_ids < E)).sum())
     bytes_moved = num_active * 3 * I * D * (0.5 + 1 / 32) + T * D * (2 + 4)
     flops = pairs * 6 * I * D
-    return dict(op="moe mxfp4", shape=f"T{T} (experts {num_active}, rows {pairs})", ours=time_ms(ours, dev) * 1e3,
-                graph=None if graph is None else graph * 1e3,
+    floor = floor_us(bytes_moved, flops, ceil)
+    return dict(op="moe mxfp4", shape=f"T{T} (experts {num_active}, rows {pairs})", gemv_graph=gemv_graph,
+                gemv=gemv, dot_graph=dot_graph, dot=dot,
                 anchor=time_ms(anchor.dequant_and_run, dev) * 1e3, anchor_is="dequant to bf16 + bmm",
-                bf16_bank=time_ms(lambda: anchor.run(*anchor.bf16), dev) * 1e3,
-                floor=floor_us(bytes_moved, flops, ceil), err=f"{err:.1e}", backend=backend)
+                bf16_bank=time_ms(lambda: anchor.run(*anchor.bf16), dev) * 1e3, floor=floor,
+                gemv_x_floor="-" if gemv_graph is None else f"{gemv_graph / floor:.1f}",
+                dot_x_floor="-" if dot_graph is None else f"{dot_graph / floor:.1f}",
+                gemv_TBps="-" if gemv_graph is None else f"{bytes_moved / gemv_graph / 1e6:.2f}",
+                err=f"{err:.1e}", backend=backend)
 
 
 def main() -> None:
@@ -98,11 +117,8 @@ def main() -> None:
     weights = ExpertWeights(random_mxfp4(E, I, D, dev=dev), random_mxfp4(E, I, D, dev=dev),
                             random_mxfp4(E, D, I, dev=dev))
     rows = [row(T, weights, top_k, total, dev, ceil) for T in tokens]
-    for r in rows:
-        r["x_floor"] = f"{r['ours'] / r['floor']:.1f}"
-        r["graph_x_floor"] = "-" if r["graph"] is None else f"{r['graph'] / r['floor']:.1f}"
-    columns = ["op", "shape", "ours", "graph", "anchor", "anchor_is", "bf16_bank", "floor", "x_floor",
-               "graph_x_floor", "err", "backend"]
+    columns = ["op", "shape", "gemv_graph", "gemv", "dot_graph", "dot", "anchor", "anchor_is", "bf16_bank", "floor",
+               "gemv_x_floor", "dot_x_floor", "gemv_TBps", "err", "backend"]
     report(f"MXFP4 MoE, one EP rank (us; D {D}, I {I}, {E} local of {total} experts, top-{top_k})", columns, rows,
            ceil, args.out, dev)
 

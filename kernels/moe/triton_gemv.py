@@ -86,6 +86,18 @@ def _row_dots(words, a, b, x_row, x_offs, x_ok, CODE_STEP: tl.constexpr):
 
 
 @triton.jit
+def _tile_offsets(e, N, stride_pe, stride_pn, stride_se, stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's columns, their mask, and the offsets of the first K block of expert e: words
+    [4, BLOCK_N, G] (in int32 words) and scales [BLOCK_N, G]."""
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_g = tl.arange(0, BLOCK_K // 32)
+    words = (e * stride_pe + tl.arange(0, 4)[:, None, None] + offs_n[None, :, None] * stride_pn
+             + offs_g[None, None, :] * 4)
+    scales = e * stride_se + offs_n[:, None] * stride_sn + offs_g[None, :]
+    return offs_n, offs_n < N, words, scales
+
+
+@triton.jit
 def _h_column(n):
     """Where the up kernel stores column n of h: within each 32-group, n = 8w + 4·half + S goes to
     8S + 4·half + w, so that the down kernel's x for code S of words 0..3 are 4 adjacent floats."""
@@ -140,21 +152,16 @@ def gemv_up_kernel(
 ):
     """w1p / w3p: the packed banks as int32 words (strides in words)."""
     e, start, count = _expert_rows(sorted_pairs, expert_starts, expert_counts, active_experts, num_active)
-    G: tl.constexpr = BLOCK_K // 32
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_g = tl.arange(0, G)
-    offs_w = tl.arange(0, 4)
-    n_ok = offs_n < I
-    words = e * stride_pe + offs_w[:, None, None] + offs_n[None, :, None] * stride_pn + offs_g[None, None, :] * 4
-    scales = e * stride_se + offs_n[:, None] * stride_sn + offs_g[None, :]
-    x_offs = offs_w[:, None] * 8 + offs_g[None, :] * 32  # [4, G]: code 0 of each word
+    offs_n, n_ok, words, scales = _tile_offsets(e, I, stride_pe, stride_pn, stride_se, stride_sn, BLOCK_N, BLOCK_K)
+    offs_g = tl.arange(0, BLOCK_K // 32)
+    x_offs = tl.arange(0, 4)[:, None] * 8 + offs_g[None, :] * 32  # [4, G]: code 0 of each word
     row = tl.arange(0, ROWS)
     for m0 in range(0, count, ROWS):
         r_ok = m0 + row < count
         pair = tl.load(sorted_pairs + start + m0 + row, mask=r_ok, other=0)
         tokens = (pair // top_k).to(tl.int64)
-        acc_g = tl.zeros([ROWS, BLOCK_N, G], tl.float32)
-        acc_u = tl.zeros([ROWS, BLOCK_N, G], tl.float32)
+        acc_g = tl.zeros([ROWS, BLOCK_N, BLOCK_K // 32], tl.float32)
+        acc_u = tl.zeros([ROWS, BLOCK_N, BLOCK_K // 32], tl.float32)
         w1, a1, b1 = _load_tile(w1p + words, w1s + scales, n_ok, offs_g * 32 < D)
         w3, a3, b3 = _load_tile(w3p + words, w3s + scales, n_ok, offs_g * 32 < D)
         for k0 in range(0, D, BLOCK_K):  # the next block's words are loaded before this one's math
@@ -191,20 +198,15 @@ def gemv_down_kernel(
 ):
     """w2p: the packed bank as int32 words (strides in words)."""
     e, start, count = _expert_rows(sorted_pairs, expert_starts, expert_counts, active_experts, num_active)
-    G: tl.constexpr = BLOCK_K // 32
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_g = tl.arange(0, G)
-    offs_w = tl.arange(0, 4)
-    n_ok = offs_n < D
-    words = e * stride_pe + offs_w[:, None, None] + offs_n[None, :, None] * stride_pn + offs_g[None, None, :] * 4
-    scales = e * stride_se + offs_n[:, None] * stride_sn + offs_g[None, :]
-    h_offs = offs_w[:, None] + offs_g[None, :] * 32  # h columns in the up kernel's order
+    offs_n, n_ok, words, scales = _tile_offsets(e, D, stride_pe, stride_pn, stride_se, stride_sn, BLOCK_N, BLOCK_K)
+    offs_g = tl.arange(0, BLOCK_K // 32)
+    h_offs = tl.arange(0, 4)[:, None] + offs_g[None, :] * 32  # h columns in the up kernel's order
     row = tl.arange(0, ROWS)
     for m0 in range(0, count, ROWS):
         r_ok = m0 + row < count
         pair = tl.load(sorted_pairs + start + m0 + row, mask=r_ok, other=0)
         h_rows = (start + m0 + row).to(tl.int64)
-        acc = tl.zeros([ROWS, BLOCK_N, G], tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K // 32], tl.float32)
         k_first = tl.program_id(2) * BLOCK_K
         w2, a2, b2 = _load_tile(w2p + words + k_first // 8, w2s + scales + k_first // 32, n_ok,
                                 k_first + offs_g * 32 < I)
