@@ -3,8 +3,9 @@
 One request:
     1. tokenize, check the context;  pick the decode replica with the fewest requests in flight
        from here (then the most free blocks), `admit` there (reservation; its deltas will come
-       through this router's feed from that replica, `cluster/decode_feed.py`); NoCapacity: the
-       next replica; everywhere -> 503
+       through this router's feed from that replica, `cluster/decode_feed.py`; a replica that
+       restarted under a still-open feed: once more through a new feed); NoCapacity: the next
+       replica; everywhere -> 503
     2. pick a prefill replica by load with prefix affinity; `prefill` pushes the prompt state
        into the reservation. If that replica fails before the decode side adopted the request,
        retry once on another replica (the reservation is rewritten whole, then checksummed).
@@ -129,17 +130,9 @@ class DisaggregatedRouter:
         )
         for replica in order:
             self._decoding[replica.name] += 1  # counted before the await, so concurrent admits spread
-            admitted, deltas = False, None
+            admitted = False
             try:
-                if replica.name not in self._decode_addresses:
-                    self._decode_addresses[replica.name] = await replica.addresses()
-                link = await self._feeds[replica.name].link()
-                deltas = link.follow(rid)
-                try:
-                    reservation = await replica.admit(rid, prompt_ids, params, link.feed_id)
-                except UnknownFeedError:  # a restarted replica: the requests on that feed are gone
-                    link.fail(ReplicaDiedError(f"decode replica {replica.name} restarted"))
-                    raise
+                reservation, deltas = await self._admit_on(replica, rid, prompt_ids, params)
                 admitted = True  # generate() uncounts it when the request ends
                 return replica, reservation, deltas
             except NoCapacityError:
@@ -153,9 +146,34 @@ class DisaggregatedRouter:
             finally:
                 if not admitted:
                     self._decoding[replica.name] -= 1
-                    if deltas is not None:
-                        deltas.close()
         raise EngineOverloadedError(f"no decode replica has room for {needed} tokens now; retry later")
+
+    async def _admit_on(self, replica: DecodeReplica, rid: str, prompt_ids: list[int],
+                        params) -> tuple[object, RequestDeltas]:
+        """Admit on `replica`, its deltas routed from this router's feed. A replica that does not
+        know the feed restarted since the feed was opened, before the feed's reader saw it end (the
+        requests on that feed are gone with it): fail that feed, learn the replica's new addresses,
+        and admit once more through a new feed; a second refusal is the caller's to handle."""
+        try:
+            return await self._admit_through_feed(replica, rid, prompt_ids, params)
+        except UnknownFeedError:
+            log.info("decode replica %s restarted: reopening its feed", replica.name)
+            self._decode_addresses[replica.name] = await replica.addresses()
+            return await self._admit_through_feed(replica, rid, prompt_ids, params)
+
+    async def _admit_through_feed(self, replica: DecodeReplica, rid: str, prompt_ids: list[int],
+                                  params) -> tuple[object, RequestDeltas]:
+        if replica.name not in self._decode_addresses:
+            self._decode_addresses[replica.name] = await replica.addresses()
+        link = await self._feeds[replica.name].link()
+        deltas = link.follow(rid)
+        try:
+            return await replica.admit(rid, prompt_ids, params, link.feed_id), deltas
+        except BaseException as e:
+            deltas.close()  # not admitted: nothing comes for it
+            if isinstance(e, UnknownFeedError):
+                link.fail(ReplicaDiedError(f"decode replica {replica.name} restarted"))
+            raise
 
     def _prefill_order(self, prompt_ids: list[int]) -> list[PrefillReplica]:
         """Rendezvous hashing on the prompt's first tokens (prefix affinity), unless that

@@ -9,6 +9,10 @@ in-process workers (prefill + decode, transfer "local", the tiny model), a real 
 - A feed cut mid-stream (what a dead decode actor does) ends every request on it with
   ReplicaDiedError at once; the decode pool is freed, and the next request opens a new feed.
 - A client that leaves mid-stream frees the decode pool.
+- A decode replica that restarted while the router's feed from it still looks open (admit answers
+  UnknownFeedError): the requests on the old feed end with ReplicaDiedError, the router opens a
+  new feed once and the new request is served there, at the replica's new address; the replica
+  stays healthy.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
 
 class CuttableDecode:
     """A decode worker whose feeds can be cut as its process's death would cut them; the rest
-    passes through. Counts the feed items and the deltas they carried."""
+    passes through (to `worker`: swapping it is what a Ray handle does when its actor restarts).
+    Counts the feed items and the deltas they carried."""
 
     def __init__(self, worker: DecodeWorker) -> None:
         self.worker, self.name = worker, worker.name
@@ -169,3 +174,30 @@ async def test_a_request_that_ends_at_its_first_token_frees_its_decode_reservati
     reservation it made on decode (it used to wait for the lease to expire)."""
     assert len(await _tokens(router, "one-token", PROMPTS[1], SamplingParams(max_tokens=1))) == 1
     await _wait_decode_idle(router.decode[0].worker, deadline_s=2.0)
+
+
+@pytest.fixture(scope="module")
+def restarted_decode(tiny_checkpoint: Path):
+    """A second decode worker under the same name: the replica after a restart."""
+    worker = DecodeWorker(EngineArgs(model=str(tiny_checkpoint), **ENGINE_ARGS), transfer="local", name="decode-0")
+    yield worker
+    worker.shutdown()
+
+
+async def test_a_restarted_decode_replica_gets_a_new_feed_and_serves(router, reference, restarted_decode) -> None:
+    decode = router.decode[0]
+    before = decode.worker
+    old_feed = router.generate(GenerateRequest("on-old-feed", PROMPTS[0], SamplingParams(max_tokens=400,
+                                                                                         ignore_eos=True)))
+    await old_feed.__anext__()  # the feed to the first instance is open and carrying a request
+    decode.worker = restarted_decode  # the replica restarted; the old feed has not ended yet
+    try:
+        assert await _tokens(router, "after-restart", PROMPTS[3]) == reference[3]
+        assert router._decode_addresses[decode.name] == await restarted_decode.addresses()
+        with pytest.raises(ReplicaDiedError, match="restarted"):
+            async for _ in old_feed:
+                pass
+        assert router._healthy.get(decode.name, True)
+        await _wait_decode_idle(before)  # the old feed closed: its request was aborted there
+    finally:
+        decode.worker = before

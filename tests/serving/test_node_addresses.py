@@ -5,7 +5,8 @@ Spec (this machine's first non-loopback IPv4 as `advertise_host`; skipped withou
   token what the colocated engine gives;
 - every address in use is that IP, as the running replicas report it: the decode control
   addresses the router hands to prefill (both ranks), the Mooncake endpoints of prefill and
-  decode rank 0, and the decode TP group's init method (picked by rank 0 on its node).
+  decode rank 0, and the decode TP group's init method (picked by rank 0 on its node);
+- once the group has formed, nothing listens there any more (the store was the rendezvous only).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -76,6 +78,8 @@ def test_every_advertised_address_is_the_node_ip(tiny_checkpoint: Path) -> None:
         prefill_at = ray.get(prefill.actor.node_addresses.remote())
         assert host_of(decode_at.transfer_endpoint) == ip and host_of(prefill_at.transfer_endpoint) == ip
         assert host_of(decode_at.tp_init_method) == ip
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((ip, int(decode_at.tp_init_method.rsplit(":", 1)[1])), timeout=5).close()
         assert prefill_at.tp_init_method is None  # TP 1: no group
     finally:
         deployment.shutdown()
