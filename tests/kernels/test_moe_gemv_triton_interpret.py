@@ -11,10 +11,11 @@ pytestmark = needs_triton
 
 
 def _experts_match_reference() -> None:
-    """Rank 1 of 3 (experts 4..7 of 12): expert 5 takes every token (12 rows, more than ROWS), expert 7
-    none, the last token lives wholly on other ranks. I = 96 and D = 160 leave tails in N (BLOCK_N 64) and
-    in K (BLOCK_K 128 and 512 are not divisors); scales 0, 1 and 240 (2^-127 .. 2^113) sit in the fp32 case's
-    bank. Two tilings: ROWS 2 with split-K 2, and ROWS 1 with one K block longer than the whole row."""
+    """Rank 1 of 3 (experts 4..7 of 12): expert 5 takes every token (13 rows: full chunks of ROWS and a
+    partial one), expert 7 none, the last token lives wholly on other ranks. I = 96 and D = 160 leave
+    tails in N (BLOCK_N 64) and in K (BLOCK_K 128 and 512 are not divisors); scales 0, 1 and 240
+    (2^-127 .. 2^113) sit in the fp32 case's bank. Two tilings: ROWS 2 with split-K 2, and ROWS 1 with
+    one K block longer than the whole row."""
     import torch
     import triton
 
@@ -23,7 +24,7 @@ def _experts_match_reference() -> None:
     from _close import assert_rel_rms
     from test_moe_gpu import SITU, random_mxfp4
 
-    E, I, D, T, TOP_K = 4, 96, 160, 12, 3
+    E, I, D, T, TOP_K = 4, 96, 160, 13, 3
     weights = ExpertWeights(random_mxfp4(E, I, D, device="cpu"), random_mxfp4(E, I, D, device="cpu"),
                             random_mxfp4(E, D, I, device="cpu"))
     others = torch.tensor([e for e in range(3 * E) if e not in (E + 1, E + 3)])
