@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import tempfile
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -37,12 +38,17 @@ class Deployment:
 
     def shutdown(self) -> None:
         """Stop every worker (and Ray, if this deployment started it). Safe to call twice."""
-        while self._stops:
-            stop = self._stops.pop()
-            try:
-                stop()
-            except Exception as e:  # keep stopping the rest
-                log.warning("shutdown step failed: %r", e)
+        _run_stops(self._stops)
+
+
+def _run_stops(stops: list[Callable[[], None]]) -> None:
+    """Run and remove every stop, last added first, each whatever the others do."""
+    while stops:
+        stop = stops.pop()
+        try:
+            stop()
+        except Exception as e:  # keep stopping the rest
+            log.warning("shutdown step failed: %r", e)
 
 
 def start_deployment(config: ServeConfig) -> Deployment:
@@ -148,6 +154,9 @@ def _join_or_kill(process, timeout_s: float = 30.0) -> None:
 
 
 def _start_ray(config: ServeConfig, engine_kwargs: dict) -> Deployment:
+    """Every replica's actors, started together (a replica's name in any error). A start that fails
+    part-way kills the actors and removes the placement groups created so far (and Ray, if started
+    here): a cluster keeps no GPU or CPU for a deployment that never served."""
     import ray
 
     from k3serve.cluster.actors import DecodeActor, DecodeRankActor, PrefillActor, PrefillRankActor
@@ -169,20 +178,24 @@ def _start_ray(config: ServeConfig, engine_kwargs: dict) -> Deployment:
     prefill_kw, decode_kw = _worker_kwargs(config)
     prefill_pool = _RayPool(PrefillActor, PrefillRankActor, config.prefill_tp, {})
     decode_pool = _RayPool(DecodeActor, DecodeRankActor, config.decode_tp, {"prefill_tp": config.prefill_tp})
-    prefill_actors, prefill_up = zip(*[
-        _start_ray_replica(config, prefill_pool, engine_kwargs, {**prefill_kw, "name": f"prefill-{i}"}, stops)
-        for i in range(config.prefill_replicas)
-    ])
-    decode_actors, decode_up = zip(*[
-        _start_ray_replica(config, decode_pool, engine_kwargs, {**decode_kw, "name": f"decode-{i}"}, stops)
-        for i in range(config.decode_replicas)
-    ])
-    ray.get([*prefill_up, *decode_up])  # wait until up; a failed start raises its own error here
-    for actor in prefill_actors + decode_actors:
-        stops.append(lambda a=actor: ray.get(a.shutdown.remote(), timeout=30))
-    prefill = [RayPrefillReplica(f"prefill-{i}", a) for i, a in enumerate(prefill_actors)]
-    decode = [RayDecodeReplica(f"decode-{i}", a) for i, a in enumerate(decode_actors)]
-    router, metrics = _router(config, prefill, decode, engine_kwargs)
+    replicas = {
+        **{f"prefill-{i}": (prefill_pool, prefill_kw) for i in range(config.prefill_replicas)},
+        **{f"decode-{i}": (decode_pool, decode_kw) for i in range(config.decode_replicas)},
+    }
+    actors: list[Any] = []  # every actor started, killed if the deployment fails to start
+    try:
+        leaders = _start_ray_replicas(config, replicas, engine_kwargs, stops, actors)
+        for leader in leaders.values():
+            stops.append(lambda a=leader: ray.get(a.shutdown.remote(), timeout=30))
+        prefill = [RayPrefillReplica(name, a) for name, a in leaders.items() if name.startswith("prefill-")]
+        decode = [RayDecodeReplica(name, a) for name, a in leaders.items() if name.startswith("decode-")]
+        router, metrics = _router(config, prefill, decode, engine_kwargs)
+    except BaseException:
+        for actor in reversed(actors):
+            with contextlib.suppress(Exception):  # already dead
+                ray.kill(actor, no_restart=True)
+        _run_stops(stops)
+        raise
     return Deployment(router, metrics, config, stops)
 
 
@@ -213,49 +226,98 @@ class _RayPool:
     follower_kwargs: dict[str, Any]
 
 
-def _start_ray_replica(
-    config: ServeConfig, pool: _RayPool, engine_kwargs: dict, worker_kwargs: dict, stops: list
-) -> tuple[Any, Any]:
-    """One replica: its rank-0 actor, and the ref that resolves once it is up. A single actor when
-    TP is 1; else TP ranks in a placement group: rank 0 (the replica's API; a decode one the full
-    control server) picks the group's address on its own node, the followers (decode ones answer
-    handshakes) are started with it, then rank 0 forms the group. A TP replica is not restarted
-    piecewise (`max_restarts=0`). Every rank chooses its own node's address (`advertise_host`
-    overrides it)."""
+_PLACEMENT_TIMEOUT_S = 120.0  # a TP replica's placement group not ready by then: the cluster lacks room
+_RANK0_TIMEOUT_S = 120.0  # a TP replica's rank 0 answering its group's address (the actor is up)
+
+
+def _start_ray_replicas(
+    config: ServeConfig, replicas: dict[str, tuple[_RayPool, dict]], engine_kwargs: dict, stops: list,
+    actors: list,
+) -> dict[str, Any]:
+    """Each replica's rank-0 actor by name, once every one is up; each step is started for all
+    replicas, then waited for once. A replica is a single actor when TP is 1; else TP ranks in a
+    placement group: rank 0 (the replica's API; a decode one the full control server) picks the
+    group's address on its own node, the followers (decode ones answer handshakes) are started
+    with it, then rank 0 forms the group. A TP replica is not restarted piecewise
+    (`max_restarts=0`). Every rank chooses its own node's address (`advertise_host` overrides it).
+    Every actor started is appended to `actors`, every placement group's removal to `stops`."""
+    leaders: dict[str, Any] = {}
+    up: dict[str, Any] = {}  # name -> ref that resolves once the replica is up
+    groups: dict[str, Any] = {}  # TP > 1: name -> placement group
+    for name, (pool, worker_kwargs) in replicas.items():
+        kwargs = {**engine_kwargs, "tensor_parallel_size": pool.tp}
+        if pool.tp == 1:
+            options: dict[str, Any] = {"num_cpus": 1}
+        else:
+            groups[name] = _placement_group(config, pool.tp, stops)
+            options = {"max_restarts": 0, **_in_bundle(config, groups[name], 0)}
+        leaders[name] = pool.leader.options(**options).remote(
+            kwargs, {**worker_kwargs, "name": name}, advertise_host=config.advertise_host)
+        actors.append(leaders[name])
+        if pool.tp == 1:
+            up[name] = leaders[name].stats.remote()
+    device = "GPU" if config.device.startswith("cuda") else "CPU"
+    _wait_all({name: pg.ready() for name, pg in groups.items()},
+              f"placing its TP ranks (one {device} each: has the cluster that many free?)", _PLACEMENT_TIMEOUT_S)
+    inits = _wait_all({name: leaders[name].tp_init_method.remote() for name in groups},
+                      "starting rank 0 (it answers its TP group's address)", _RANK0_TIMEOUT_S)
+    for name, init in inits.items():
+        pool = replicas[name][0]
+        kwargs = {**engine_kwargs, "tensor_parallel_size": pool.tp}
+        for rank in range(1, pool.tp):
+            follower = pool.follower.options(**_in_bundle(config, groups[name], rank)).remote()
+            actors.append(follower)
+            follower.run.remote(rank, kwargs, init, config.transfer, config.advertise_host,
+                                **pool.follower_kwargs)  # returns when rank 0 says "stop"
+        up[name] = leaders[name].start.remote()
+    _wait_all(up, "starting", None)  # no limit: loading a large model's weights takes what it takes
+    return leaders
+
+
+def _wait_all(refs: dict[str, Any], what: str, timeout_s: float | None) -> dict[str, Any]:
+    """The value of every named Ray ref, waited for together. The first that fails, or those still
+    pending after `timeout_s`, raise a RuntimeError naming their replicas."""
     import ray
 
-    kwargs = {**engine_kwargs, "tensor_parallel_size": pool.tp}
-    if pool.tp == 1:
-        actor = pool.leader.options(num_cpus=1).remote(kwargs, worker_kwargs, advertise_host=config.advertise_host)
-        return actor, actor.stats.remote()
-    in_bundle = _tp_placement(config, pool.tp, stops)
-    leader = pool.leader.options(max_restarts=0, **in_bundle(0)).remote(
-        kwargs, worker_kwargs, advertise_host=config.advertise_host)
-    init = ray.get(leader.tp_init_method.remote(), timeout=120)
-    for rank in range(1, pool.tp):
-        follower = pool.follower.options(**in_bundle(rank)).remote()
-        follower.run.remote(rank, kwargs, init, config.transfer, config.advertise_host,
-                            **pool.follower_kwargs)  # returns when rank 0 says "stop"
-    return leader, leader.start.remote()
+    name_of = {ref: name for name, ref in refs.items()}
+    pending, values = list(refs.values()), {}
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while pending:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not ready:
+            names = ", ".join(sorted(name_of[ref] for ref in pending))
+            raise RuntimeError(f"{names}: {what}: not done within {timeout_s:g} s")
+        (ref,) = ready
+        try:
+            values[name_of[ref]] = ray.get(ref)
+        except Exception as e:
+            raise RuntimeError(f"{name_of[ref]}: {what} failed: {e}") from e
+    return values
 
 
-def _tp_placement(config: ServeConfig, tp: int, stops: list) -> Callable[[int], dict]:
-    """A placement group of `tp` bundles (one GPU, or one CPU, each), packed on as few nodes as
-    fit (PACK: a TP8 group spans two 4-GPU trays): the actor options that put rank i in bundle i."""
-    import ray
+def _bundle(config: ServeConfig) -> dict[str, float]:
+    """One TP rank's resources: one GPU, or one CPU."""
+    return {"GPU": 1} if config.device.startswith("cuda") else {"CPU": 1}
+
+
+def _placement_group(config: ServeConfig, tp: int, stops: list) -> Any:
+    """A placement group of `tp` bundles, packed on as few nodes as fit (PACK: a TP8 group spans
+    two 4-GPU trays); its removal (which kills the actors in it) is appended to `stops`."""
     from ray.util.placement_group import placement_group, remove_placement_group
+
+    pg = placement_group([_bundle(config)] * tp, strategy="PACK")
+    stops.append(lambda: remove_placement_group(pg))
+    return pg
+
+
+def _in_bundle(config: ServeConfig, pg: Any, i: int) -> dict[str, Any]:
+    """The actor options that put a rank in bundle `i` of `pg`."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    resource = {"GPU": 1} if config.device.startswith("cuda") else {"CPU": 1}
-    pg = placement_group([resource] * tp, strategy="PACK")
-    ray.get(pg.ready(), timeout=120)
-    stops.append(lambda: remove_placement_group(pg))
-
-    def in_bundle(i: int) -> dict:
-        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-                "num_cpus": resource.get("CPU", 0), "num_gpus": resource.get("GPU", 0)}
-
-    return in_bundle
+    resource = _bundle(config)
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+            "num_cpus": resource.get("CPU", 0), "num_gpus": resource.get("GPU", 0)}
 
 
 def run(config: ServeConfig) -> int:

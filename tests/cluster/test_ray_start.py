@@ -1,0 +1,75 @@
+"""Starting a Ray deployment that fails part-way (cluster/serve.py `_start_ray`).
+
+Spec, on a Ray cluster the deployment joins (it does not own Ray):
+- a TP replica whose placement group cannot be placed fails the start with an error naming the
+  replica, and every actor and placement group already created is gone: the cluster has all its
+  CPUs free again;
+- a replica whose actor fails while starting (its control server cannot bind the address given)
+  fails the start with an error naming it and why, and the replica that did start is killed.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from ray.util import placement_group_table
+
+from k3serve.cluster import serve
+from k3serve.cluster.config import ServeConfig
+from k3serve.transfer.backends import available_backends
+
+pytestmark = pytest.mark.timeout(60)
+
+ENGINE = dict(block_size=16, max_model_len=256, cache_memory_bytes=16 << 20)
+CPUS = 2
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=CPUS, include_dashboard=False, log_to_driver=False,
+             _temp_dir=tempfile.mkdtemp(prefix="k3rs-", dir="/tmp"))
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _all_freed(deadline_s: float = 10.0) -> None:
+    """Until every CPU is free and no placement group is left (removal is asynchronous)."""
+    end = time.monotonic() + deadline_s
+    while True:
+        cpus = ray.available_resources().get("CPU", 0)
+        groups = [g["state"] for g in placement_group_table().values() if g["state"] != "REMOVED"]
+        if cpus == CPUS and not groups:
+            return
+        if time.monotonic() > end:
+            raise AssertionError(f"left allocated: {CPUS - cpus} CPUs, placement groups {groups}")
+        time.sleep(0.1)
+
+
+def test_an_unplaceable_tp_replica_fails_the_start_and_frees_everything(
+    ray_cluster, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(serve, "_PLACEMENT_TIMEOUT_S", 1.0)
+    config = ServeConfig(model=str(tiny_checkpoint), launcher="ray", transfer="mooncake", prefill_replicas=1,
+                         decode_tp=4, **ENGINE)  # 4 CPU bundles on a cluster of 2: never placed
+    with pytest.raises(RuntimeError, match=r"^decode-0: placing its TP ranks \(one CPU each.*not done within 1 s"):
+        serve.start_deployment(config)
+    assert ray.is_initialized()  # not this deployment's to stop
+    _all_freed()
+
+
+def test_a_replica_that_fails_to_start_fails_the_start_and_the_others_are_killed(
+    ray_cluster, tiny_checkpoint: Path
+) -> None:
+    if not available_backends()["nixl"]:
+        pytest.skip("the NIXL backend does not import on this host")
+    config = ServeConfig(model=str(tiny_checkpoint), launcher="ray", transfer="nixl",
+                         advertise_host="192.0.2.254", **ENGINE)  # no interface here has it: decode cannot bind
+    with pytest.raises(RuntimeError, match=r"(?s)^decode-0: starting failed: .*cannot bind 192\.0\.2\.254"):
+        serve.start_deployment(config)
+    _all_freed()
