@@ -1,5 +1,8 @@
 """Runs one scheduled step through the model: state copies, one forward pass, logits.
 
+Every rank of a TP engine runs the step, logits included (the vocab-parallel lm_head gathers them, a
+collective); only rank 0 gets them back and samples, the other ranks return empty outputs.
+
 The runner is the only place that turns the scheduler's lists into tensors (once per step,
 `ForwardBatch.build`, or `DecodeGraphs.run` for a decode-only step replayed as a CUDA graph) and the
 only place that touches the cache tensors outside the model.
@@ -26,8 +29,8 @@ from k3serve.model.parallel import TensorParallel
 
 @dataclass
 class RunnerOutput:
-    sample_logits: dict[str, torch.Tensor]  # request_id -> [vocab] fp32, chunks with needs_sample
-    chunk_logits: dict[str, torch.Tensor]  # request_id -> [num_scheduled_tokens, vocab], if asked
+    sample_logits: dict[str, torch.Tensor]  # request_id -> [vocab] fp32, chunks with needs_sample (rank 0)
+    chunk_logits: dict[str, torch.Tensor]  # request_id -> [num_scheduled_tokens, vocab], if asked (rank 0)
 
 
 def load_runner(
@@ -86,6 +89,8 @@ class ModelRunner:
             for i, s in enumerate(seqs)
             if s.request_id in want_chunk_logits
         }
+        if self.model.tp.rank > 0:  # the logits were gathered to rank 0, which alone samples
+            return RunnerOutput(sample_logits={}, chunk_logits={})
         return RunnerOutput(
             sample_logits={rid: logits[i] for i, rid in enumerate(sample_ids)},
             chunk_logits=chunk_logits,

@@ -4,7 +4,10 @@ Module names mirror the checkpoint (`model.layers.N.self_attn.q_proj.weight`, `l
 so weight loading is a name lookup. The whole interface to the engine is
 
     hidden = model(batch, cache)                 # [T, hidden], advances the caches of batch
-    logits = model.compute_logits(hidden[rows])  # [rows, vocab] fp32
+    logits = model.compute_logits(hidden[rows])  # [rows, vocab] fp32 on rank 0; None on ranks > 0
+
+The embedding and lm_head are vocab-parallel (`layers/vocab.py`): at TP > 1 each rank holds its block
+of vocab rows, and the logits are gathered to rank 0, the only rank that samples.
 
 Attention residuals (K3, `attn_res_block_size`): instead of a plain residual stream, each layer
 reads a softmax-weighted mix of block snapshots ("bank") and the running block sum ("prefix"),
@@ -24,6 +27,7 @@ from k3serve.model.layers.common import Linear, RMSNorm, keep_address
 from k3serve.model.layers.kda import KimiDeltaAttention
 from k3serve.model.layers.mla import MLAAttention
 from k3serve.model.layers.mlp import DenseMLP, SparseMoE, glu_activation
+from k3serve.model.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from k3serve.model.parallel import SINGLE, TensorParallel
 
 
@@ -111,8 +115,7 @@ class KimiModel(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
         self.layers = nn.ModuleList(DecoderLayer(config, i, tp, dtype) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         if config.attn_res_block_size:
@@ -142,7 +145,7 @@ class KimiModel(nn.Module):
         snapshots = -(-self.config.num_hidden_layers // self.config.attn_res_block_size)
         table = self.embed_tokens.weight
         sources = table.new_empty(snapshots + 1, batch.token_ids.shape[0], table.shape[1])
-        torch.index_select(table, 0, batch.token_ids, out=sources[0])  # the embedding, gathered in place
+        self.embed_tokens(batch.token_ids, out=sources[0])  # the embedding, looked up in place
         k, pending = 0, None
         for layer, idx in zip(self.layers, self._cache_idx):
             k, pending = layer.forward_attn_res(sources, k, pending, batch, cache, idx)
@@ -158,7 +161,7 @@ class KimiForCausalLM(nn.Module):
         config.check_tp(tp.world_size)
         self.config, self.tp, self.dtype = config, tp, dtype
         self.model = KimiModel(config, tp, dtype)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
         self.weights_processed = False
 
     def process_weights_after_loading(self) -> None:
@@ -178,5 +181,7 @@ class KimiForCausalLM(nn.Module):
         return self.model(batch, cache)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[rows, vocab] fp32 logits of `hidden` [rows, hidden] on rank 0; None on the other ranks of a TP
+        model, which must call it too, in the same order as rank 0 (the logits are gathered)."""
+        return self.lm_head.gather(self.lm_head.compute_logits(hidden))

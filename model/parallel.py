@@ -1,8 +1,11 @@
-"""Tensor parallelism for one engine: which rank this is and how partial sums are combined.
+"""Tensor parallelism for one engine: which rank this is and how per-rank results are combined.
 
-Head-sharded layers (KDA, MLA), column/row-parallel MLPs and expert-parallel routed experts all
-produce per-rank partial sums of the hidden state; `all_reduce` combines them (gloo on CPU,
-NCCL on GPU). With `world_size == 1` every call is a no-op, so single-process code pays nothing.
+Head-sharded layers (KDA, MLA), column/row-parallel MLPs, expert-parallel routed experts and the
+vocab-parallel embedding all produce per-rank partial sums of the hidden state; `all_reduce` combines
+them. The vocab-parallel lm_head produces per-rank slices of the logits; `gather` brings them to rank 0,
+the only rank that samples. Both run on the engine's own gloo group when it has one, else on
+torch.distributed's default group. With `world_size == 1` every call is a no-op, so single-process
+code pays nothing.
 """
 
 from __future__ import annotations
@@ -40,6 +43,22 @@ class TensorParallel:
         else:
             torch.distributed.all_reduce(x)
         return x
+
+    def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's `x` (the same shape and dtype on every rank) at rank 0, in rank order; None on the
+        other ranks. A gather, not an all-gather: the other ranks need none of it, and rank 0 receives
+        the same bytes either way."""
+        if self.world_size == 1:
+            return [x]
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
+        if self.group is not None:
+            options = torch.distributed.GatherOptions()
+            options.rootRank = 0
+            self.group.gather([parts] if parts is not None else [], [x], options).wait()
+        else:
+            torch.distributed.gather(x, parts, dst=0)
+        return parts
 
 
 SINGLE = TensorParallel()

@@ -2,8 +2,9 @@
 
 Names are the published ones (`language_model.model.layers.N....` for the K3 VL wrapper,
 `model.layers.N....` for Kimi Linear). Each rank reads only its slice of every sharded tensor
-(safetensors slices, never the whole tensor). Routed experts stay MXFP4-packed. Anything
-missing, unexpected or mis-shaped fails with the tensor's name.
+(safetensors slices, never the whole tensor). Routed experts stay MXFP4-packed. The vocab-parallel
+tables (embedding, lm_head) may be padded past the checkpoint's vocab rows: a rank copies the real rows
+of its block and zeroes the rest. Anything missing, unexpected or mis-shaped fails with the tensor's name.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from safetensors import safe_open
 
 from k3serve.model.layers.common import Sharded
 from k3serve.model.layers.mlp import RoutedExperts
+from k3serve.model.layers.vocab import VocabParallel
 from k3serve.model.model import KimiForCausalLM
 
 _EXPERT = re.compile(r"^(?P<module>.*\.experts)\.(?P<suffix>\d+\.w[123]\.weight(?:_packed|_scale)?)$")
@@ -33,6 +35,7 @@ class _Target:
     tp_dim: int | None
     owner: Sharded | None  # for prepare_checkpoint_tensor
     local_name: str
+    full_size: int | None = None  # the checkpoint's size of dim tp_dim; None: the ranks' shards exactly cover it
 
 
 def checkpoint_targets(model: KimiForCausalLM) -> dict[str, _Target]:
@@ -48,7 +51,8 @@ def checkpoint_targets(model: KimiForCausalLM) -> dict[str, _Target]:
         for p_name, param in module.named_parameters(recurse=False):
             tp_dim = module.tp_dims[p_name] if isinstance(module, Sharded) else None
             owner = module if isinstance(module, Sharded) else None
-            targets[f"{prefix}{mod_name}.{p_name}"] = _Target(param.data, tp_dim, owner, p_name)
+            full_size = module.shard.vocab_size if isinstance(module, VocabParallel) else None
+            targets[f"{prefix}{mod_name}.{p_name}"] = _Target(param.data, tp_dim, owner, p_name, full_size)
     return targets
 
 
@@ -114,7 +118,7 @@ def _load_one(name: str, slice_, target: _Target, rank: int, world: int) -> None
         value = None
     expected = list(tensor.shape)
     if target.tp_dim is not None:
-        expected[target.tp_dim] *= world
+        expected[target.tp_dim] = target.full_size if target.full_size is not None else expected[target.tp_dim] * world
     if full_shape != expected:
         raise WeightLoadError(
             f"tensor {name!r} has shape {full_shape}, expected {expected}"
@@ -123,10 +127,15 @@ def _load_one(name: str, slice_, target: _Target, rank: int, world: int) -> None
     if tensor.dtype == torch.uint8 and slice_.get_dtype() != "U8":
         raise WeightLoadError(f"tensor {name!r} is {slice_.get_dtype()}, expected U8 (packed MXFP4)")
     if target.tp_dim is None:
-        value = slice_[:] if value is None else value
-    else:
-        length = tensor.shape[target.tp_dim]
+        tensor.copy_((slice_[:] if value is None else value).to(tensor.dtype))
+        return
+    # this rank's block of the sharded dim; past the checkpoint's end (padding) it is zero
+    dim, length = target.tp_dim, tensor.shape[target.tp_dim]
+    start = rank * length
+    real = max(0, min(length, full_shape[dim] - start))
+    if real:
         index = [slice(None)] * len(full_shape)
-        index[target.tp_dim] = slice(rank * length, (rank + 1) * length)
+        index[dim] = slice(start, start + real)
         value = slice_[tuple(index)] if value is None else value[tuple(index)]
-    tensor.copy_(value.to(tensor.dtype))
+        tensor.narrow(dim, 0, real).copy_(value.to(tensor.dtype))
+    tensor.narrow(dim, real, length - real).zero_()

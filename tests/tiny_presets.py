@@ -46,3 +46,11 @@ def kimi_linear_tiny() -> dict[str, Any]:
         num_heads=4,
     )
     return hf
+
+
+def k3_tiny_odd_vocab() -> dict[str, Any]:
+    """k3-tiny with a vocab of 509 (prime): no TP size > 1 divides it, so the vocab-parallel embedding and
+    lm_head pad their last rank's rows."""
+    hf = preset_hf_config("k3-tiny")
+    hf["text_config"]["vocab_size"] = 509
+    return hf

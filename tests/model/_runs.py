@@ -56,6 +56,8 @@ def forward(
         checkpoint_slot_ids=checkpoint_slot_ids,
     )
     logits = model.compute_logits(model(batch, cache))
+    if logits is None:  # a rank > 0 of a TP model: the logits were gathered to rank 0
+        logits = torch.empty(sum(len(c.token_ids) for c in chunks), 0)
     return list(logits.split([len(c.token_ids) for c in chunks]))
 
 

@@ -1,8 +1,10 @@
 """Specification of tensor parallelism on CPU: two gloo ranks, each loading only its shard
-(KDA and MLA heads, MLP columns/rows, whole experts), give the logits of one rank holding
-everything, for every step of a run with prefill, decode and a mixed batch.
+(KDA and MLA heads, MLP columns/rows, whole experts, vocab rows), give rank 0 the logits of one rank
+holding everything, for every step of a run with prefill, decode and a mixed batch; also for a vocab
+that 2 does not divide (509: the last rank's vocab block is padded, the padding never shows).
 
     rank r holds  KDA heads [r*H/2, (r+1)*H/2)   MLA heads likewise    experts [r*E/2, (r+1)*E/2)
+                  embedding and lm_head rows [r*S, (r+1)*S), S = ceil(V/2)
                   its own ModelCache (KDA slots: H/2 heads; MLA latent cache: replicated)
 """
 
@@ -17,11 +19,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from k3serve.model.checkpoint import make_checkpoint
 from k3serve.model.config import ConfigError
 from k3serve.model.loader import load_model
 from k3serve.model.parallel import TensorParallel
 
 from _runs import allocate, assert_logits_close, mixed_seqs, mixed_step, run_in_chunks
+from tiny_presets import k3_tiny_odd_vocab
 
 WORLD_SIZE = 2
 TIMEOUT_S = 120
@@ -48,6 +52,11 @@ def _worker(rank: int, port: int, checkpoints: list[str], seqs: list, long_seqs:
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def odd_vocab_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(k3_tiny_odd_vocab(), tmp_path_factory.mktemp("k3-tiny-vocab-509"), seed=0)
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -55,9 +64,9 @@ def _free_port() -> int:
 
 
 def test_two_ranks_give_the_logits_of_one(
-    tiny_checkpoint: Path, kimi_linear_tiny_checkpoint: Path, tmp_path: Path
+    tiny_checkpoint: Path, kimi_linear_tiny_checkpoint: Path, odd_vocab_checkpoint: Path, tmp_path: Path
 ) -> None:
-    checkpoints = [tiny_checkpoint, kimi_linear_tiny_checkpoint]
+    checkpoints = [tiny_checkpoint, kimi_linear_tiny_checkpoint, odd_vocab_checkpoint]
     models = [load_model(c) for c in checkpoints]
     seqs = [mixed_seqs(m.config.vocab_size) for m in models]
     long_seqs = [torch.randint(0, m.config.vocab_size, (23,)).tolist() for m in models]
@@ -78,8 +87,9 @@ def test_two_ranks_give_the_logits_of_one(
             pytest.fail(f"tensor-parallel workers did not finish within {TIMEOUT_S} s")
 
     sharded = torch.load(out)
-    assert [len(r) for r in sharded] == [5, 5]
-    for name, model, s, long_seq, got in zip(("k3-tiny", "kimi-linear-tiny"), models, seqs, long_seqs, sharded):
+    assert [len(r) for r in sharded] == [5, 5, 5]
+    names = ("k3-tiny", "kimi-linear-tiny", "k3-tiny vocab 509")
+    for name, model, s, long_seq, got in zip(names, models, seqs, long_seqs, sharded):
         steps = ("decode a", "decode b", "prefill c", "chunk d", "chunked")
         for step, ref, tp in zip(steps, _run(model, s, long_seq), got):
             assert_logits_close(f"{name} {step}: tp=2 vs tp=1", ref, tp)

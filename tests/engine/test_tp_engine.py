@@ -1,0 +1,81 @@
+"""A TP2 engine (rank 0 here, rank 1 a spawned process: `join_engine`, then `follow_forever` running each
+step) generates what the TP1 engine generates: greedy tokens, their logprobs and the prompt logprobs, over
+a vocab of 509 that 2 does not divide. Each rank holds half the vocab rows of the embedding and the
+lm_head; the logits are gathered to rank 0, which alone samples, and the padded vocab row never shows."""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+from pathlib import Path
+
+import pytest
+
+from k3serve.engine.config import EngineArgs
+from k3serve.engine.llm_engine import LLMEngine
+from k3serve.engine.sampling_params import SamplingParams
+from k3serve.engine.tp_group import TPGroup
+from k3serve.model.checkpoint import make_checkpoint
+
+from tiny_presets import k3_tiny_odd_vocab
+
+pytestmark = pytest.mark.timeout(60)
+
+PROMPTS = [[3, 7, 11, 508, 2], list(range(1, 30))]  # 508: the last real vocab row, on rank 1
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+
+
+def _follower(rank: int, args: EngineArgs, init_method: str) -> None:
+    from k3serve.engine.follower import join_engine
+    from k3serve.engine.tp_group import follow_forever
+
+    group, runner, _ = join_engine(rank, args, init_method, num_threads=1)
+    try:
+        follow_forever(group, {"step": lambda output, want: runner.execute(output, want)})
+    finally:
+        group.close()
+
+
+def _generate(engine: LLMEngine) -> dict[str, tuple]:
+    """request id -> (tokens, their logprobs, prompt logprobs) of every prompt, run together."""
+    ids = [engine.add_request(prompt, GREEDY) for prompt in PROMPTS]
+    out = {rid: ([], [], None) for rid in ids}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            tokens, logprobs, _ = out[delta.request_id]
+            tokens += delta.new_token_ids
+            logprobs += delta.logprobs
+            if delta.prompt_logprobs is not None:
+                out[delta.request_id] = (tokens, logprobs, delta.prompt_logprobs[1:])  # the first is None
+    return out
+
+
+def test_tp2_engine_generates_what_tp1_generates(tmp_path_factory: pytest.TempPathFactory) -> None:
+    checkpoint: Path = make_checkpoint(k3_tiny_odd_vocab(), tmp_path_factory.mktemp("k3-tiny-vocab-509"), seed=0)
+    kw = dict(model=str(checkpoint), block_size=8, max_model_len=128, cache_memory_bytes=16 << 20)
+    reference = _generate(LLMEngine(EngineArgs(**kw)))
+
+    args = EngineArgs(**kw, tensor_parallel_size=2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    follower = multiprocessing.get_context("spawn").Process(target=_follower, args=(1, args, init), daemon=True)
+    follower.start()
+    try:
+        engine = LLMEngine(args, TPGroup(0, 2, init, timeout_s=30))
+        try:
+            got = _generate(engine)
+        finally:
+            engine.close()
+        follower.join(20)
+        assert follower.exitcode == 0
+    finally:
+        if follower.is_alive():
+            follower.kill()
+    assert list(got.values())[0][0] and all(len(tokens) == GREEDY.max_tokens for tokens, _, _ in got.values())
+    for (tokens, logprobs, prompt_lp), (ref_tokens, ref_logprobs, ref_prompt_lp) in zip(got.values(), reference.values()):
+        assert tokens == ref_tokens
+        assert len(prompt_lp) == len(ref_prompt_lp) > 0
+        for entry, ref in zip([*logprobs, *prompt_lp], [*ref_logprobs, *ref_prompt_lp]):
+            assert (entry.token_ids, entry.ranks) == (ref.token_ids, ref.ranks)
+            assert max(abs(a - b) for a, b in zip(entry.logprobs, ref.logprobs)) < 1e-4, (entry, ref)

@@ -1,0 +1,81 @@
+"""Specification of the vocab-parallel embedding and lm_head (`model/layers/vocab.py`): rank r of tp holds
+vocab rows [r*S, (r+1)*S), S = ceil(V/tp), loaded from the checkpoint's unchanged [V, hidden] tensors (its
+real rows only, the padding zero); the memory plan counts those S rows, not V. That the sharded model
+gives the unsharded one's logits: tests/model/test_tensor_parallel.py; through a TP engine:
+tests/engine/test_tp_engine.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from k3serve.engine.memory import weight_bytes
+from k3serve.model.checkpoint import make_checkpoint
+from k3serve.model.layers.vocab import VocabShard
+from k3serve.model.loader import load_model
+from k3serve.model.parallel import TensorParallel
+from k3serve.model.presets import preset_config
+
+from tiny_presets import k3_tiny_odd_vocab
+
+ODD_VOCAB = 509
+
+
+@pytest.fixture(scope="module")
+def odd_vocab_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(k3_tiny_odd_vocab(), tmp_path_factory.mktemp("k3-tiny-vocab-509"), seed=0)
+
+
+def _read(checkpoint: Path, name: str) -> torch.Tensor:
+    shard = json.loads((checkpoint / "model.safetensors.index.json").read_text())["weight_map"][name]
+    with safe_open(str(checkpoint / shard), framework="pt") as f:
+        return f.get_tensor(name)
+
+
+def test_shards_cover_the_vocab_in_order_padding_the_last_rank() -> None:
+    shards = [VocabShard.of(ODD_VOCAB, TensorParallel(r, 4)) for r in range(4)]
+    assert [(s.start, s.rows, s.real_rows) for s in shards] == [(0, 128, 128), (128, 128, 128), (256, 128, 128),
+                                                                (384, 128, 125)]
+    k3 = [VocabShard.of(163840, TensorParallel(r, 8)) for r in range(8)]
+    assert {(s.rows, s.real_rows) for s in k3} == {(20480, 20480)} and k3[-1].start == 7 * 20480
+    assert VocabShard.of(ODD_VOCAB, TensorParallel()) == VocabShard(ODD_VOCAB, ODD_VOCAB, 0)  # TP 1: no padding
+    assert VocabShard.of(5, TensorParallel(3, 4)).real_rows == 0  # a rank past the vocab holds padding only
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_each_rank_loads_its_own_vocab_rows_and_zero_padding(odd_vocab_checkpoint: Path, tp_size: int) -> None:
+    """Loading needs no process group: each rank is built alone here. Together the ranks' real rows are
+    the checkpoint's tensor, each row on exactly one rank."""
+    rows = -(-ODD_VOCAB // tp_size)
+    models = [load_model(odd_vocab_checkpoint, TensorParallel(rank, tp_size)) for rank in range(tp_size)]
+    for name, get in [("language_model.model.embed_tokens.weight", lambda m: m.model.embed_tokens.weight),
+                      ("language_model.lm_head.weight", lambda m: m.lm_head.weight)]:
+        full = _read(odd_vocab_checkpoint, name).float()
+        assert full.shape[0] == ODD_VOCAB  # the checkpoint keeps its published, unpadded shape
+        held = []
+        for rank, model in enumerate(models):
+            weight, real = get(model), min(rows, ODD_VOCAB - rank * rows)
+            assert weight.shape == (rows, full.shape[1])
+            assert not weight[real:].any(), f"{name} rank {rank}: padding rows are not zero"
+            held.append(weight[:real])
+        torch.testing.assert_close(torch.cat(held), full, rtol=0, atol=0)
+
+
+def test_the_plan_counts_a_ranks_vocab_rows_not_the_whole_vocab() -> None:
+    """Per rank, each tp more vocab entries cost one row of the embedding and one of the lm_head; a vocab
+    padded up to a multiple of tp costs what that multiple costs."""
+    config = preset_config("k3-tiny")  # vocab 512
+    row = 2 * config.hidden_size * 2  # embedding + lm_head, bf16
+
+    def per_rank(vocab: int, tp: int) -> int:
+        return weight_bytes(dataclasses.replace(config, vocab_size=vocab), tp, torch.bfloat16)
+
+    assert per_rank(512, 1) - per_rank(510, 1) == 2 * row
+    assert per_rank(512, 2) - per_rank(510, 2) == row
+    assert per_rank(512, 4) - per_rank(508, 4) == row
+    assert per_rank(ODD_VOCAB, 2) == per_rank(510, 2)
