@@ -183,6 +183,17 @@ def test_head_runs_k3serve_behind_health():
     assert {"name": "http", "containerPort": 8000} in head["ports"]
 
 
+@pytest.mark.parametrize("values", CASES, ids=case_id)
+def test_every_ray_container_gets_the_pod_ip_once_as_k3serve_host_ip(values):
+    """The one variable cluster/node_address.py reads; no second copy of the pod IP to drift."""
+    (cluster,) = of_kind(render(values), "RayCluster")
+    groups = [cluster["spec"]["headGroupSpec"], *cluster["spec"]["workerGroupSpecs"]]
+    for group in groups:
+        env = group["template"]["spec"]["containers"][0]["env"]
+        pod_ip = [e["name"] for e in env if e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP"]
+        assert pod_ip == ["K3SERVE_HOST_IP"], pod_ip
+
+
 def worker_groups(values) -> dict[str, dict]:
     (cluster,) = of_kind(render(values), "RayCluster")
     return {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}

@@ -72,19 +72,16 @@ CPU. A TP group either fills whole pods (tp a multiple of gpusPerPod) or packs i
 {{- end }}
 
 {{/*
-Env of every Ray container: transferEnv (sorted), the pod IP, then extraEnv. K3SERVE_HOST_IP is
-the address every k3serve worker in the pod binds its servers on and advertises to the other pods
-(decode control plane, Mooncake, TP group rendezvous); the actors inherit it from `ray start`.
+Env of every Ray container: transferEnv (sorted), the pod IP, then extraEnv. K3SERVE_HOST_IP (the
+pod IP, its only source) is the address every k3serve worker in the pod binds its servers on and
+advertises to the other pods (decode control plane, Mooncake, TP group rendezvous); the actors
+inherit it from `ray start`.
 */}}
 {{- define "k3serve.env" -}}
 {{- range $k := keys .Values.transferEnv | sortAlpha }}
 - name: {{ $k }}
   value: {{ index $.Values.transferEnv $k | toString | quote }}
 {{- end }}
-- name: POD_IP
-  valueFrom:
-    fieldRef:
-      fieldPath: status.podIP
 - name: K3SERVE_HOST_IP
   valueFrom:
     fieldRef:
