@@ -142,21 +142,22 @@ def _expert_rows(sorted_pairs, expert_starts, expert_counts, active_experts, num
 
 
 def configs_up() -> list[triton.Config]:
-    """(BLOCK_N, BLOCK_K, ROWS, warps, stages). Threads cover (column, group) pairs, a thread holds
-    BLOCK_N·BLOCK_K/32/threads groups per weight: 1 keeps it at 72 registers (sm_90, ptxas 12.x), 2 at
-    ~128; ROWS 4 spills. ROWS 2 pays for itself only when most experts have 2+ rows (T 64 and up)."""
-    shapes = [(8, 512, 1, 4, 1), (16, 256, 1, 4, 1), (8, 256, 1, 2, 1), (16, 512, 1, 4, 1), (8, 512, 2, 4, 1),
-              (16, 256, 2, 4, 1)]
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "ROWS": r}, num_warps=w, num_stages=st)
-            for n, k, r, w, st in shapes]
+    """(BLOCK_N, BLOCK_K, ROWS, warps). Threads cover (column, group) pairs, a thread holds
+    BLOCK_N·BLOCK_K/32/threads groups per weight: 1 keeps the up kernel at ~80 registers (sm_90, triton
+    3.6), 2 (or ROWS 2) at ~165; ROWS 4 spills. ROWS 2 pays when most experts have 2+ rows (T 64 and up).
+    One stage: the software pipeliner leaves these loads alone; the K loop prefetches by hand."""
+    shapes = [(8, 512, 1, 4), (16, 256, 1, 4), (8, 256, 1, 2), (4, 256, 1, 1), (16, 512, 1, 4), (8, 512, 2, 4),
+              (16, 256, 2, 4)]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "ROWS": r}, num_warps=w, num_stages=1)
+            for n, k, r, w in shapes]
 
 
 def configs_down() -> list[triton.Config]:
     """As configs_up plus SPLIT_K: with 1-3 experts hit, K shares put more programs on the SMs."""
-    shapes = [(8, 512, 1, 4, 1, 2), (16, 256, 1, 4, 1, 2), (8, 256, 1, 2, 1, 4), (16, 512, 1, 4, 1, 1),
-              (8, 512, 2, 4, 1, 1), (16, 256, 2, 4, 1, 2)]
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "ROWS": r, "SPLIT_K": sk}, num_warps=w, num_stages=st)
-            for n, k, r, w, st, sk in shapes]
+    shapes = [(8, 512, 1, 4, 2), (16, 256, 1, 4, 2), (8, 256, 1, 2, 4), (4, 256, 1, 1, 2), (16, 512, 1, 4, 1),
+              (8, 512, 2, 4, 1), (16, 256, 2, 4, 2)]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "ROWS": r, "SPLIT_K": sk}, num_warps=w, num_stages=1)
+            for n, k, r, w, sk in shapes]
 
 
 @triton.autotune(configs=configs_up(), key=["rows_bucket", "I", "D"])
