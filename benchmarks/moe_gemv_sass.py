@@ -1,0 +1,87 @@
+"""Static cost of the MoE GEMV kernels (kernels/moe/triton_gemv.py) on sm_90, without a GPU.
+
+    python benchmarks/moe_gemv_sass.py
+
+Compiles every autotune config for an H100/H200 target with the ptxas that ships with triton, and
+prints its registers per thread, local-memory stack (spills) and the SASS instructions of the K loop
+per weight element (serving ROWS rows), with the loop's instruction mix. At ~32 weight elements per SM per clock (4.2 TB/s
+of MXFP4 on 132 SMs at 1.98 GHz) and 128 thread-instructions per SM per clock, a loop that spends
+N instructions per element can reach at most 4/N of HBM bandwidth when the SMs are busy."""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from k3serve.kernels.moe import triton_gemv
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+UP_ARGS = ("x:*bf16 w1p:*i32 w1s:*u8 w3p:*i32 w3s:*u8 h:*fp32 sorted_pairs:*i32 expert_starts:*i32 "
+           "expert_counts:*i32 active_experts:*i32 num_active:*i32 top_k:i32 I:i32 D:i32 beta:fp32 "
+           "linear_beta:fp32 rows_bucket:i32 stride_x:i32 stride_pe:i32 stride_pn:i32 stride_se:i32 "
+           "stride_sn:i32 stride_h:i32")
+DOWN_ARGS = ("h:*fp32 w2p:*i32 w2s:*u8 out:*fp32 topk_weights:*fp32 sorted_pairs:*i32 expert_starts:*i32 "
+             "expert_counts:*i32 active_experts:*i32 num_active:*i32 top_k:i32 D:i32 I:i32 rows_bucket:i32 "
+             "stride_h:i32 stride_pe:i32 stride_pn:i32 stride_se:i32 stride_sn:i32 stride_out:i32")
+
+
+def compile_sm90(kernel, args: str, constants: dict, num_warps: int) -> bytes:
+    """The cubin of kernel for sm_90, pointers and strides assumed 16-divisible (as at K3 shapes)."""
+    signature = dict(a.split(":") for a in args.split())
+    signature.update({name: "constexpr" for name in constants})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(signature.items())
+             if kind.startswith("*") or name.startswith("stride")}
+    compiled = triton.compile(ASTSource(kernel.fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": 1})
+    return compiled.asm["cubin"]
+
+
+def loop_cost(cubin: bytes) -> tuple[str, list[str]]:
+    """(resource usage line, opcodes of the innermost loop that loads from global memory)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run([os.path.join(BIN, "nvdisasm"), "-c", path], capture_output=True, text=True,
+                              check=True).stdout
+        usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", path], capture_output=True,
+                               text=True, check=True).stdout.strip().splitlines()[-1].strip()
+    address = re.compile(r"/\*([0-9a-f]{4})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+    labels, code, label = {}, [], None
+    for line in sass.splitlines():
+        if m := re.match(r"\s*\.L_x_(\d+):", line):
+            label = m.group(1)
+        elif m := address.search(line):
+            labels.setdefault(label, int(m.group(1), 16))
+            code.append((int(m.group(1), 16), m.group(2), line))
+    loops = []
+    for at, _, line in code:
+        target = re.search(r"BRA.*\.L_x_(\d+)", line)
+        if target and labels.get(target.group(1), at + 1) < at:
+            body = [op for a, op, _ in code if labels[target.group(1)] <= a <= at]
+            if "LDG" in body:
+                loops.append(body)
+    return usage, min(loops, key=len)
+
+
+def main() -> None:
+    kernels = (("up", triton_gemv.gemv_up_kernel, UP_ARGS, {"ACT": 1}, 2),
+               ("down", triton_gemv.gemv_down_kernel, DOWN_ARGS, {}, 1))
+    for name, kernel, args, extra, matrices in kernels:
+        for config in kernel.configs:
+            usage, body = loop_cost(compile_sm90(kernel, args, {**config.kwargs, **extra}, config.num_warps))
+            per_thread = matrices * config.kwargs["BLOCK_N"] * config.kwargs["BLOCK_K"] / (32 * config.num_warps)
+            mix = ", ".join(f"{op} {n}" for op, n in collections.Counter(body).most_common(8))
+            print(f"{name} {config.kwargs} warps {config.num_warps}: {usage.split()[0]} {usage.split()[1]}, "
+                  f"{len(body) / per_thread:.2f} SASS/element  [{mix}]")
+
+
+if __name__ == "__main__":
+    main()
