@@ -4,9 +4,9 @@
 
 Compiles every autotune config for an H100/H200 target with the ptxas that ships with triton, and
 prints its registers per thread, local-memory stack (spills) and the SASS instructions of the K loop
-per weight element (serving ROWS rows), with the loop's instruction mix. At ~32 weight elements per SM per clock (4.2 TB/s
-of MXFP4 on 132 SMs at 1.98 GHz) and 128 thread-instructions per SM per clock, a loop that spends
-N instructions per element can reach at most 4/N of HBM bandwidth when the SMs are busy."""
+per weight element (each serving ROWS rows), with the loop's instruction mix. At ~32 weight elements
+per SM per clock (4.2 TB/s of MXFP4 on 132 SMs at 1.98 GHz) and 128 thread-instructions per SM per
+clock, a loop that spends N instructions per element reaches at most 4/N of HBM bandwidth."""
 
 from __future__ import annotations
 
