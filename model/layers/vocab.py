@@ -72,15 +72,16 @@ class ParallelLMHead(VocabParallel):
     """`lm_head`: this rank's logits, then all ranks' gathered on rank 0."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[rows, shard.rows] fp32: the logits of this rank's vocab rows (padding rows give 0)."""
-        return torch.nn.functional.linear(hidden.to(self.weight.dtype), self.weight).float()
+        """[rows, shard.rows] in the weights' dtype: the logits of this rank's vocab rows (padding rows give 0)."""
+        return torch.nn.functional.linear(hidden.to(self.weight.dtype), self.weight)
 
     def gather(self, local: torch.Tensor) -> torch.Tensor | None:
         """[rows, vocab_size] fp32 in vocab order on rank 0 (padding cut off); None on the other ranks. Every
-        rank must call it, in the same order (a collective)."""
+        rank must call it, in the same order (a collective). The ranks send their logits in the weights' dtype
+        (half the bytes of fp32 at bf16) and rank 0 widens them: the same values as widening first."""
         if self.tp.world_size == 1:
-            return local
+            return local.float()
         shards = self.tp.gather(local)
         if shards is None:
             return None
-        return torch.cat(shards, dim=-1)[:, : self.shard.vocab_size]
+        return torch.cat(shards, dim=-1)[:, : self.shard.vocab_size].float()
