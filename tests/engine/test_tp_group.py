@@ -1,5 +1,6 @@
 """TPGroup: rank 0 leads, followers follow; each group has its own process groups, so two TP
-engines' rank 0 can share a process, and a follower outlives any idle time of its rank 0."""
+engines' rank 0 can share a process, a follower outlives any idle time of its rank 0, and rank 0's
+rendezvous port is closed once every rank has joined."""
 
 from __future__ import annotations
 
@@ -22,16 +23,30 @@ def _init_method() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-def test_two_groups_in_one_process_and_followers_that_idle_past_the_timeout() -> None:
+def _refuses_connections(init_method: str) -> bool:
+    host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=2.0).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def test_two_groups_in_one_process_without_their_rendezvous_port_and_followers_that_idle() -> None:
+    """Once every rank has joined, nothing listens on the group's address any more (the store was
+    the rendezvous only), whether rank 0 opened it itself (world size 2) or was handed
+    `leader_store`'s, as deployments do (world size 3); the groups work on regardless."""
     ctx = multiprocessing.get_context("spawn")
     sizes, procs, groups = (2, 3), [], []
     try:
         for world_size in sizes:
-            init = _init_method()
+            store, init = leader_store(world_size, "127.0.0.1") if world_size == 3 else (None, _init_method())
             for rank in range(1, world_size):
                 procs.append(ctx.Process(target=follower, args=(rank, world_size, init, 2.0), daemon=True))
                 procs[-1].start()
-            groups.append(TPGroup(0, world_size, init, timeout_s=2.0))
+            groups.append(TPGroup(0, world_size, init, timeout_s=2.0, store=store))
+            del store  # handed over
+            assert _refuses_connections(init)
         for round_ in range(2):
             for group in groups:
                 group.lead(("echo", {"round": round_, "big": "x" * (round_ * 100_000)}))
@@ -56,39 +71,3 @@ def test_two_groups_in_one_process_and_followers_that_idle_past_the_timeout() ->
             if proc.is_alive():
                 proc.kill()
 
-
-def _refuses_connections(init_method: str) -> bool:
-    host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
-    try:
-        socket.create_connection((host, int(port)), timeout=2.0).close()
-    except ConnectionRefusedError:
-        return True
-    return False
-
-
-def test_rank_0_closes_the_rendezvous_port_once_every_rank_has_joined() -> None:
-    """The store is a rendezvous only: no port of rank 0 listens for the rest of the group's life,
-    and the group works without it."""
-    ctx = multiprocessing.get_context("spawn")
-    world_size = 3
-    store, init = leader_store(world_size, "127.0.0.1")
-    procs = [ctx.Process(target=follower, args=(rank, world_size, init, 5.0), daemon=True)
-             for rank in range(1, world_size)]
-    try:
-        for proc in procs:
-            proc.start()
-        group = TPGroup(0, world_size, init, timeout_s=5.0, store=store)
-        del store  # handed over, as rank 0's callers do
-        assert _refuses_connections(init)
-        group.lead(("sum",))
-        assert group.tensor_parallel().all_reduce(torch.full((3,), 1.0)).tolist() == [6.0] * 3
-        assert group.gather([6.0] * 3) == [[6.0] * 3] * world_size
-        group.lead(("stop",))
-        group.close()
-        for proc in procs:
-            proc.join(20)
-        assert [p.exitcode for p in procs] == [0] * len(procs)
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
