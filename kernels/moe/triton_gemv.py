@@ -21,8 +21,8 @@ s = 255 (E8M0 NaN) yields NaN.
 The up kernel fuses the GLU and writes h [pairs, I] in fp32 with its columns permuted within each MX
 group (`_h_column`), so the down kernel reads the x of a code position as 16-byte vectors; the down
 kernel weights by the top-k weight and adds into out fp32 [T, D] with atomics (which also sum the
-split-K shares). Routing, grids and the exit of programs past num_active are those of triton_moe.py:
-no host sync, CUDA-graph capturable.
+split-K shares). Routing (`route_kernel`: triton_moe.route in one program) and both kernels take no host
+sync: grids come from host-known T, programs past num_active exit; the call is CUDA-graph capturable.
 
 Cost on sm_90 (ptxas of triton 3.6, counted in the SASS of the K loop): ~6.4 instructions per weight
 element for up, ~6.0 for down at ROWS 1; the issue limit (4 warp-instructions per clock per SM) then
@@ -139,6 +139,31 @@ def _expert_rows(sorted_pairs, expert_starts, expert_counts, active_experts, num
     e = tl.load(active_experts + a).to(tl.int64)
     count = tl.where(a < tl.load(num_active), tl.load(expert_counts + e), 0)
     return e, tl.load(expert_starts + e), count
+
+
+@triton.jit
+def route_kernel(topk_ids, num_pairs, expert_start, num_local, sorted_pairs, expert_starts, expert_counts,
+                 active_experts, num_active, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    """triton_moe.route in one program (decode: at most a few thousand pairs), the same outputs: a
+    histogram counts the pairs per local expert, a sort of (expert, pair) keys groups them stably,
+    prefix sums give the starts and the active list (experts with pairs first, then the rest, each in
+    expert order)."""
+    p = tl.arange(0, BLOCK_P)
+    key = tl.load(topk_ids + p, mask=p < num_pairs, other=-1).to(tl.int32) - expert_start
+    key = tl.where((key >= 0) & (key < num_local) & (p < num_pairs), key, num_local)  # num_local: elsewhere
+    counts = tl.histogram(key, BLOCK_E)
+    order = tl.sort(key * BLOCK_P + p)
+    tl.store(sorted_pairs + p, order % BLOCK_P, mask=p < num_pairs)
+    e = tl.arange(0, BLOCK_E)
+    local = e < num_local
+    tl.store(expert_counts + e, counts, mask=local)
+    tl.store(expert_starts + e, tl.cumsum(counts, 0) - counts, mask=local)
+    hit = (counts > 0) & local
+    idle = (counts == 0) & local
+    active = tl.sum(hit.to(tl.int32))
+    slot = tl.where(hit, tl.cumsum(hit.to(tl.int32), 0) - 1, active + tl.cumsum(idle.to(tl.int32), 0) - 1)
+    tl.store(active_experts + slot, e, mask=local)
+    tl.store(num_active, active)
 
 
 def configs_up() -> list[triton.Config]:

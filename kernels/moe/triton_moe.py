@@ -15,7 +15,8 @@ mantissa to bits 4..2), whose value is exactly code · 2^-6, so the hardware fp8
 the work; the scale 2^(s-127) · 2^6 is then a bf16 with exponent field s + 6.
 
 These tensor-core kernels serve prefill. Decode batches (a few rows per expert) run the GEMV pair of
-triton_gemv.py on the same routing; `fused_experts` picks by host-known T and top_k, `last_path` says which.
+triton_gemv.py, routed by one Triton program (`route_small`, same outputs as `route`); `fused_experts`
+picks by host-known T and top_k, `last_path` says which.
 """
 
 from __future__ import annotations
@@ -185,6 +186,23 @@ def route(topk_ids: Tensor, expert_start: int, num_local: int) -> tuple[Tensor, 
     return order, starts, counts, active, num_active
 
 
+def route_small(topk_ids: Tensor, expert_start: int, num_local: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`route` as one Triton program (triton_gemv.route_kernel) for decode-sized T * k: one launch in
+    place of ~20 small torch kernels, which cost more than the expert GEMVs themselves at T = 1."""
+    from .triton_gemv import route_kernel
+
+    ids = topk_ids.reshape(-1)
+    num_pairs, dev = ids.numel(), ids.device
+    pairs = torch.empty(num_pairs, dtype=torch.int32, device=dev)
+    starts, counts, active = (torch.empty(num_local, dtype=torch.int32, device=dev) for _ in range(3))
+    num_active = torch.empty(1, dtype=torch.int32, device=dev)
+    with device_of(ids):
+        route_kernel[(1,)](ids.contiguous(), num_pairs, expert_start, num_local, pairs, starts, counts, active,
+                           num_active, BLOCK_P=triton.next_power_of_2(num_pairs),
+                           BLOCK_E=triton.next_power_of_2(num_local + 1), num_warps=4)
+    return pairs, starts, counts, active, num_active
+
+
 GEMV_MAX_PAIRS = 1024  # T * top_k up to here: decode, a few rows per expert (see fused_experts)
 GEMV_MAX_TOKENS = 128  # an expert gets at most one row per token: bounds the GEMV's passes over a tile
 
@@ -216,7 +234,8 @@ def fused_experts(x: Tensor, weights, topk_weights: Tensor, topk_ids: Tensor, ac
     out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
     if T == 0:
         return out
-    pairs, starts, counts, active, num_active = route(topk_ids, expert_start, E)
+    pairs, starts, counts, active, num_active = (route_small(topk_ids, expert_start, E) if path == "gemv"
+                                                  else route(topk_ids, expert_start, E))
     h_dtype = torch.float32 if path == "gemv" else x.dtype  # CUDA cores read fp32 without a conversion
     h = torch.empty(T * top_k, I, dtype=h_dtype, device=x.device)
     tw = topk_weights.reshape(-1).float().contiguous()

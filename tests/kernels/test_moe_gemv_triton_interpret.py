@@ -11,7 +11,7 @@ pytestmark = needs_triton
 
 
 def _experts_match_reference() -> None:
-    """Rank 1 of 3 (experts 4..7 of 12): expert 5 takes every token (13 rows: full chunks of ROWS and a
+    """Rank 1 of 3 (experts 4..7 of 12): expert 5 takes every token (9 rows: full chunks of ROWS and a
     partial one), expert 7 none, the last token lives wholly on other ranks. I = 96 and D = 160 leave
     tails in N (BLOCK_N 64) and in K (BLOCK_K 128 and 512 are not divisors); scales 0, 1 and 240
     (2^-127 .. 2^113) sit in the fp32 case's bank. Two tilings: ROWS 2 with split-K 2, and ROWS 1 with
@@ -24,7 +24,7 @@ def _experts_match_reference() -> None:
     from _close import assert_rel_rms
     from test_moe_gpu import SITU, random_mxfp4
 
-    E, I, D, T, TOP_K = 4, 96, 160, 13, 3
+    E, I, D, T, TOP_K = 4, 96, 160, 9, 3
     weights = ExpertWeights(random_mxfp4(E, I, D, device="cpu"), random_mxfp4(E, I, D, device="cpu"),
                             random_mxfp4(E, D, I, device="cpu"))
     others = torch.tensor([e for e in range(3 * E) if e not in (E + 1, E + 3)])
@@ -76,3 +76,28 @@ def _nan_scale_is_loud() -> None:
 
 def test_nan_scale_is_loud_under_interpreter() -> None:
     run_in_interpreter(__file__, "_nan_scale_is_loud")
+
+
+def _routing_kernel_matches_torch_routing() -> None:
+    """The decode path's one-program routing gives route()'s exact outputs: pairs grouped by local expert
+    in token order, starts, counts, the active list (experts with pairs first) and their number; also
+    for a rank that gets no pair and for a local expert count that is not a power of two."""
+    import torch
+
+    from k3serve.kernels.moe import triton_moe
+
+    cases = [(1, 16, 112, 0, 896), (13, 3, 4, 4, 12), (64, 16, 112, 336, 896), (3, 2, 5, 10, 15), (1, 4, 6, 0, 6)]
+    for T, top_k, num_local, start, total in cases:
+        ids = torch.stack([torch.randperm(total)[:top_k] for _ in range(T)])
+        if (T, start) == (3, 10):
+            ids = ids % 10  # rank 2 of 3 gets nothing
+        want = triton_moe.route(ids, start, num_local)
+        got = triton_moe.route_small(ids, start, num_local)
+        case = f"T {T}, top-{top_k}, experts [{start}, {start + num_local}) of {total}"
+        assert torch.equal(got[0], want[0]) and torch.equal(got[4], want[4]), case
+        for name, g, w in zip(("starts", "counts", "active"), got[1:4], want[1:4]):
+            assert torch.equal(g, w), f"{name}, {case}"
+
+
+def test_routing_kernel_matches_torch_routing_under_interpreter() -> None:
+    run_in_interpreter(__file__, "_routing_kernel_matches_torch_routing")
