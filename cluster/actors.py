@@ -59,7 +59,7 @@ class _Rank0:
         return {}
 
     def tp_init_method(self) -> str:
-        """TP > 1, first: the address the followers join (a port of this node, held open)."""
+        """TP > 1, first: the address the followers join (a port of this node, open until `start()`)."""
         from k3serve.engine.tp_group import leader_store
 
         if self._init_method is None:

@@ -256,7 +256,7 @@ def _start_ray_replicas(
         actors.append(leaders[name])
         if pool.tp == 1:
             up[name] = leaders[name].stats.remote()
-    device = "GPU" if config.device.startswith("cuda") else "CPU"
+    (device,) = _bundle(config)
     _wait_all({name: pg.ready() for name, pg in groups.items()},
               f"placing its TP ranks (one {device} each: has the cluster that many free?)", _PLACEMENT_TIMEOUT_S)
     inits = _wait_all({name: leaders[name].tp_init_method.remote() for name in groups},
