@@ -23,11 +23,13 @@ def _cases(rows: int, device: str):
 
 
 def check_glu_matches_reference(situ_glu: Callable, silu_glu: Callable, device: str, rows: int) -> None:
-    """Within one output rounding of `naive.py` (tanh and sigmoid differ in the last fp32 bits)."""
-    for dtype, tol in ((torch.bfloat16, 8e-3), (torch.float32, 1e-5)):
+    """Within one output rounding of `naive.py` (tanh and sigmoid differ in the last fp32 bits). In fp32 the
+    absolute slack is 1e-6 of SiTU's output scale (beta * linear_beta = 100): tanh as 2 sigmoid(2x) - 1 loses
+    relative precision near 0, which the GPU showed as 4.6e-5 off on outputs of that scale."""
+    for dtype, atol, rtol in ((torch.bfloat16, 8e-3, 8e-3), (torch.float32, 1e-4, 1e-5)):
         for name, gate, up in _cases(rows, device):
             gate, up = gate.to(dtype), up.to(dtype)
             out = situ_glu(gate, up, beta=4.0, linear_beta=25.0)
             assert out.dtype == dtype and out.shape == gate.shape
-            assert_close(f"situ {name} {dtype}", naive.situ_glu(gate, up, 4.0, 25.0), out, tol, tol)
-            assert_close(f"silu {name} {dtype}", naive.silu_glu(gate, up), silu_glu(gate, up), tol, tol)
+            assert_close(f"situ {name} {dtype}", naive.situ_glu(gate, up, 4.0, 25.0), out, atol, rtol)
+            assert_close(f"silu {name} {dtype}", naive.silu_glu(gate, up), silu_glu(gate, up), atol, rtol)
