@@ -17,8 +17,8 @@ parameter; routed experts through `quantize_mxfp4`; no checkpoint is written):
                   dense MLP, then KDA + MoE with MLA + MoE at every 4th layer: 12 layers = 9 KDA + 3 MLA, 11
                   MoE): KDA 12 of 96 heads, MLA 12 of 96 heads, dense MLP 4224 of 33792, 112 local of 896 MXFP4
                   experts (latent 3584, intermediate 3072, top-16), shared experts 768 of 6144, hidden 7168; the
-                  vocabulary is one TP8 shard (20480 of 163840) standing in for a vocab-parallel lm_head.
-                  All-reduces are no-ops: this times one rank's compute. 12 layers hold ~25 GB of weights.
+                  vocab-parallel embedding and lm_head hold 20480 of the 163840 rows.
+                  Collectives are no-ops: this times one rank's compute. 12 layers hold ~25 GB of weights.
 
 Step = `ForwardBatch.build` (host lists -> device tensors) + `model(batch, cache)` + `compute_logits`,
 synchronized, wall clock, median; the caches hold --ctx random tokens per sequence (MLA blocks and KDA
@@ -81,10 +81,14 @@ BLOCK = 64
 
 
 class LocalTP(TensorParallel):
-    """Rank 0's shapes of a TP group, without the group: all-reduces are skipped (one rank's compute)."""
+    """Rank 0's shapes of a TP group, without the group: collectives are skipped (one rank's compute). The
+    logits gather hands back this rank's shard in every rank's place, so rank 0 still pays its concatenation."""
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+    def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        return [x] * self.world_size
 
 
 def rank_slice_hf(num_layers: int = 4) -> dict:
@@ -94,7 +98,7 @@ def rank_slice_hf(num_layers: int = 4) -> dict:
     lin = text["linear_attn_config"]
     if not 1 <= num_layers <= text["num_hidden_layers"]:
         raise ValueError(f"num_layers must be in 1..{text['num_hidden_layers']}, got {num_layers}")
-    text.update(num_hidden_layers=num_layers, vocab_size=163840 // 8)
+    text.update(num_hidden_layers=num_layers)  # the whole vocab: the rank holds its eighth (ParallelLMHead)
     lin.update(full_attn_layers=[i for i in lin["full_attn_layers"] if i <= num_layers],
                kda_layers=[i for i in lin["kda_layers"] if i <= num_layers])
     return hf
