@@ -1,7 +1,7 @@
 """MXFP4 routed experts on the GPU (Triton w4a16, SiTU-GLU and finalize fused) against the torch
 reference, at K3 per-rank shapes: latent 3584, intermediate 3072, 112 local experts, top-16 of 896.
-Decode batches (T <= 64 here) must run the GEMV kernels (triton_gemv.py), prefill the tensor-core ones;
-`triton_moe.last_path` says which ran, so a silent switch fails."""
+Decode batches up to GEMV_MAX_TOKENS (16) must run the GEMV kernels (triton_gemv.py), larger ones the
+tensor-core ones; `triton_moe.last_path` says which ran, so a silent switch fails."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_k3_rank_shapes(T: int, expert_start: int) -> None:
     topk_weights, topk_ids = _routing(T, expert_start)
     out = fused_experts(x, weights, topk_weights, topk_ids, SITU, expert_start)
     assert moe.last_backend["fused_experts"] == "triton"
-    assert triton_moe.last_path == ("gemv" if T <= 64 else "dot")
+    assert triton_moe.last_path == ("gemv" if T <= triton_moe.GEMV_MAX_TOKENS else "dot")
     ref = naive.fused_experts(x, weights, topk_weights, topk_ids, SITU, expert_start)
     assert out.dtype == torch.float32 and out.shape == (T, D)
     if ref.abs().max() == 0:  # no token routed to this rank
