@@ -16,7 +16,8 @@ the work; the scale 2^(s-127) · 2^6 is then a bf16 with exponent field s + 6.
 
 These tensor-core kernels serve prefill and larger decode batches. Small decode batches (one or two rows
 per expert) run the GEMV pair of triton_gemv.py, routed by one Triton program (`route_small`, same outputs
-as `route`); `fused_experts` picks by the host-known T, `last_path` says which.
+as `route`, which also routes the tensor-core path's decode batches); `fused_experts` picks by the
+host-known T, `last_path` says which.
 """
 
 from __future__ import annotations
@@ -204,6 +205,7 @@ def route_small(topk_ids: Tensor, expert_start: int, num_local: int) -> tuple[Te
 
 
 GEMV_MAX_TOKENS = 16  # tokens up to here: the GEMV kernels (see fused_experts for the measurement)
+ROUTE_SMALL_MAX_PAIRS = 1024  # T * top_k up to here: routing in one program (decode, either kernel pair)
 
 last_path: str | None = None  # "gemv" | "dot": which pair of kernels the last fused_experts call ran
 
@@ -232,8 +234,8 @@ def fused_experts(x: Tensor, weights, topk_weights: Tensor, topk_ids: Tensor, ac
     out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
     if T == 0:
         return out
-    pairs, starts, counts, active, num_active = (route_small(topk_ids, expert_start, E) if path == "gemv"
-                                                  else route(topk_ids, expert_start, E))
+    small = T * top_k <= ROUTE_SMALL_MAX_PAIRS
+    pairs, starts, counts, active, num_active = (route_small if small else route)(topk_ids, expert_start, E)
     h_dtype = torch.float32 if path == "gemv" else x.dtype  # CUDA cores read fp32 without a conversion
     h = torch.empty(T * top_k, I, dtype=h_dtype, device=x.device)
     tw = topk_weights.reshape(-1).float().contiguous()
