@@ -5,8 +5,9 @@ biased score, ties to the lower expert id, see `naive.select_experts`). The sigm
 with IEEE exp and division (not Triton's approximate ones), so the scores, and therefore the ids, equal
 the reference's on CUDA bit for bit.
 
-The biased scores must be finite (they are for finite logits and bias): an arg-max over a row that
-holds NaN is not defined the way the reference's sort orders it."""
+Non-finite biased scores keep the reference's order too: the compiled arg-max's comparisons drop NaN
+(and a taken -inf would be taken again), so NaN ranks as +inf, above every number, as in torch's descending
+sort, and -inf as the lowest finite float; ids stay distinct and in [0, E), weights of NaN scores stay NaN."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from torch import Tensor
 
 from .._backend import device_of
 
+_LOWEST = tl.constexpr(-3.4028234663852886e38)  # -FLT_MAX: below every finite score, above a taken lane
 MAX_EXPERTS, MAX_TOP_K = 1024, 32  # one row of scores in one program's registers (K3: 896 experts, top 16)
 
 
@@ -40,7 +42,8 @@ def _router_kernel(logits, bias, weights_out, ids_out, E, stride_l, scaling, TOP
     choice = scores
     if HAS_BIAS:
         choice = scores + tl.load(bias + offs, mask=ok, other=0.0).to(tl.float32)
-    choice = tl.where(ok, choice, -float("inf"))
+    choice = tl.where(choice != choice, float("inf"), tl.maximum(choice, _LOWEST))  # the sort's order, no NaN
+    choice = tl.where(ok, choice, -float("inf"))  # taken and padding lanes lose to every expert left
     slots = tl.arange(0, BLOCK_K)
     weights = tl.zeros([BLOCK_K], dtype=tl.float32)
     ids = tl.zeros([BLOCK_K], dtype=tl.int64)

@@ -38,3 +38,19 @@ def check_router_matches_reference(select_experts: Callable, device: str, rows: 
         assert ids.dtype == torch.int64 and w.dtype == torch.float32, name
         assert torch.equal(ids, ref_ids), f"{name}: ids differ in {int((ids != ref_ids).any(1).sum())} rows"
         assert_close(f"{name} weights", ref_w, w, 1e-6, 1e-6)
+
+
+def check_router_orders_non_finite_scores_as_reference(select_experts: Callable, device: str) -> None:
+    """A NaN in a biased score (a NaN logit, a corrupt bias entry) ranks first, as in the reference's sort,
+    and -inf last; the ids stay distinct and inside [0, E), NaN scores give NaN weights, never a guess."""
+    logits, bias = torch.randn(4, 12, device=device), torch.randn(12, device=device) * 0.1
+    bias[5] = float("nan")  # expert 5 ranks first in every row
+    logits[1, 7] = float("nan")
+    logits[2] = float("nan")  # a whole row: ids 0..k-1, as the stable sort gives
+    bias[3] = bias[9] = -float("inf")  # last, in id order, each once
+    for top_k, renormalize in ((4, False), (12, True)):
+        ref_w, ref_ids = naive.select_experts(logits, bias, top_k, renormalize, 1.0)
+        w, ids = select_experts(logits, bias, top_k, renormalize, 1.0)
+        assert torch.equal(ids, ref_ids), f"top-{top_k}: ids {ids.tolist()}, reference {ref_ids.tolist()}"
+        assert torch.equal(w.isnan(), ref_w.isnan()), f"top-{top_k}: NaN weights differ"
+        assert_close(f"top-{top_k} weights", ref_w.nan_to_num(0.0), w.nan_to_num(0.0), 1e-6, 1e-6)

@@ -8,7 +8,7 @@ import pytest
 from k3serve.kernels import moe
 from k3serve.kernels.moe import select_experts
 
-from _router_cases import check_router_matches_reference
+from _router_cases import check_router_matches_reference, check_router_orders_non_finite_scores_as_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -17,4 +17,10 @@ pytestmark = pytest.mark.gpu
 def test_triton_router_matches_reference(rows: int) -> None:
     moe.last_backend.clear()
     check_router_matches_reference(select_experts, "cuda", rows)
+    assert moe.last_backend == {"select_experts": "triton"}
+
+
+def test_triton_router_orders_non_finite_scores_as_reference() -> None:
+    moe.last_backend.clear()
+    check_router_orders_non_finite_scores_as_reference(select_experts, "cuda")
     assert moe.last_backend == {"select_experts": "triton"}
