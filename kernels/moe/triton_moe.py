@@ -194,6 +194,8 @@ def route_small(topk_ids: Tensor, expert_start: int, num_local: int) -> tuple[Te
 
     ids = topk_ids.reshape(-1)
     num_pairs, dev = ids.numel(), ids.device
+    if not 1 <= num_pairs <= ROUTE_SMALL_MAX_PAIRS:  # one program holds (and sorts) every pair
+        raise ValueError(f"route_small takes 1..{ROUTE_SMALL_MAX_PAIRS} (token, expert) pairs, got {num_pairs}")
     pairs = torch.empty(num_pairs, dtype=torch.int32, device=dev)
     starts, counts, active = (torch.empty(num_local, dtype=torch.int32, device=dev) for _ in range(3))
     num_active = torch.empty(1, dtype=torch.int32, device=dev)
@@ -232,7 +234,7 @@ def fused_experts(x: Tensor, weights, topk_weights: Tensor, topk_ids: Tensor, ac
     last_path = path
     x = x.contiguous()
     out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
-    if T == 0:
+    if T * top_k == 0:
         return out
     small = T * top_k <= ROUTE_SMALL_MAX_PAIRS
     pairs, starts, counts, active, num_active = (route_small if small else route)(topk_ids, expert_start, E)

@@ -101,3 +101,29 @@ def _routing_kernel_matches_torch_routing() -> None:
 
 def test_routing_kernel_matches_torch_routing_under_interpreter() -> None:
     run_in_interpreter(__file__, "_routing_kernel_matches_torch_routing")
+
+
+def _no_pairs_and_too_many_pairs() -> None:
+    """Tokens that route to no expert (top-0) add nothing on either kernel pair, as in the reference; the
+    one-program routing refuses what one program cannot hold rather than launching it."""
+    import pytest
+    import torch
+
+    from k3serve.kernels.moe import ExpertWeights, naive, silu_glu, triton_moe
+
+    from test_moe_gpu import random_mxfp4
+
+    weights = ExpertWeights(random_mxfp4(2, 64, 64, device="cpu"), random_mxfp4(2, 64, 64, device="cpu"),
+                            random_mxfp4(2, 64, 64, device="cpu"))
+    x, no_pairs = torch.randn(3, 64), torch.zeros(3, 0, dtype=torch.int64)
+    ref = naive.fused_experts(x, weights, torch.ones(3, 0), no_pairs, silu_glu, 0)
+    for path in ("gemv", "dot"):
+        out = triton_moe.fused_experts(x, weights, torch.ones(3, 0), no_pairs, silu_glu, 0, path=path)
+        assert torch.equal(out, ref) and not out.any(), path
+    for ids in (no_pairs, torch.zeros(65, 16, dtype=torch.int64)):
+        with pytest.raises(ValueError, match=r"route_small takes 1\.\.1024"):
+            triton_moe.route_small(ids, 0, 2)
+
+
+def test_no_pairs_and_too_many_pairs_under_interpreter() -> None:
+    run_in_interpreter(__file__, "_no_pairs_and_too_many_pairs")
