@@ -16,7 +16,8 @@ def attn_res_aggregate(sources: Tensor, score_weight: Tensor, eps: float, norm_w
     norm_eps)`, the norm each of the model's mixes feeds."""
     if prefix_delta is not None:
         sources[-1].add_(prefix_delta)
-    mix = sources[0] if sources.shape[0] == 1 else _mix(sources, score_weight, eps)  # one source: itself
+    # one source: itself, as a new tensor (a view would change with the next in-place prefix update)
+    mix = sources[0].clone() if sources.shape[0] == 1 else _mix(sources, score_weight, eps)
     return mix if norm_weight is None else norm_naive.rms_norm(mix, norm_weight, norm_eps)
 
 

@@ -23,6 +23,8 @@ def test_single_source_is_identity() -> None:
     out = attn_res_aggregate(sources, score_weight, EPS)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, sources[0])
+    sources[0].add_(1.0)  # the next layer's prefix update, in place: the mix already handed out keeps its value
+    assert not torch.equal(out, sources[0])
 
 
 @pytest.mark.parametrize("num_sources", [2, 5])
