@@ -15,7 +15,6 @@ pad slot (their writes race there and the results are garbage, which nobody read
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor

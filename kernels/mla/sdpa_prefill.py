@@ -12,7 +12,6 @@ Sequence bounds arrive as host lists, so slicing the packed batch costs no devic
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
