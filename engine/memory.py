@@ -173,8 +173,8 @@ def decode_activation_bytes(config: ModelConfig, tp_size: int, dtype: torch.dtyp
 
 def describe_plan(config: ModelConfig, args: EngineArgs, device_bytes: int) -> list[tuple[str, str]]:
     """Rows of `k3serve plan`: what one rank of an engine run with `args` holds and how much context fits
-    beside the weights (KDA slots for `max_num_seqs` requests; the pad slot and the graphs' memory when
-    `args` capture CUDA graphs)."""
+    beside the weights (the engine's KDA slots, `args.kda_slots`: one per running request, and with prefix
+    caching as many for its checkpoints; the pad slot and the graphs' memory when `args` capture CUDA graphs)."""
     from k3serve.engine.cuda_graphs import graphs_enabled
 
     tp_size, utilization, max_num_seqs = args.tensor_parallel_size, args.gpu_memory_utilization, args.max_num_seqs
@@ -183,7 +183,7 @@ def describe_plan(config: ModelConfig, args: EngineArgs, device_bytes: int) -> l
     budget = int(device_bytes * utilization) - sizes.weight_bytes
     graphs = graphs_enabled(args)
     graph_bytes = graph_reserve_bytes(config, args) if graphs else 0
-    slots = max_num_seqs + graphs
+    slots = args.kda_slots + graphs
     slots_bytes = slots * sizes.kda_bytes_per_slot
     kv_bytes = budget - slots_bytes - graph_bytes
     gib = 2**30
@@ -193,7 +193,9 @@ def describe_plan(config: ModelConfig, args: EngineArgs, device_bytes: int) -> l
         ("weights per rank (MXFP4 experts packed)", f"{sizes.weight_bytes / gib:.2f} GiB"),
         ("MLA latent KV per token (all MLA layers)", f"{sizes.mla_bytes_per_token / 1024:.1f} KiB"),
         ("KDA state per request (this rank's heads)", f"{sizes.kda_bytes_per_slot / 2**20:.1f} MiB"),
-        (f"KDA slots for max_num_seqs={max_num_seqs}" + (" + the CUDA-graph pad slot" if graphs else ""),
+        (f"KDA slots for max_num_seqs={max_num_seqs}"
+         + (" and prefix-cache checkpoints" if args.kda_slots > max_num_seqs else "")
+         + (" + the CUDA-graph pad slot" if graphs else ""),
          f"{slots} slots, {slots_bytes / gib:.2f} GiB"),
         ("CUDA graphs (decode, up to batch "
          f"{args.graph_batch_sizes[-1]}: inputs, output, pool estimate)" if graphs else "CUDA graphs",

@@ -103,9 +103,29 @@ def test_k3serve_plan_lists_the_pad_slot_and_graphs_at_tp1_and_neither_eager_or_
     config = preset_config("k3-tiny")
 
     def rows(**kw) -> dict[str, str]:
-        return dict(describe_plan(config, EngineArgs(device="cuda", max_num_seqs=8, **kw), 2**30))
+        return dict(describe_plan(config, EngineArgs(device="cuda", max_num_seqs=8, enable_prefix_caching=False,
+                                                     **kw), 2**30))
 
     graphs, eager, tp2 = rows(), rows(enforce_eager=True), rows(tensor_parallel_size=2)
     assert graphs["KDA slots for max_num_seqs=8 + the CUDA-graph pad slot"].startswith("9 slots")
     for plan in (eager, tp2):
         assert plan["KDA slots for max_num_seqs=8"].startswith("8 slots") and plan["CUDA graphs"].startswith("off")
+    cached = dict(describe_plan(config, EngineArgs(device="cuda", max_num_seqs=8), 2**30))  # prefix caching: default
+    assert cached["KDA slots for max_num_seqs=8 and prefix-cache checkpoints + the CUDA-graph pad slot"].startswith(
+        "17 slots")
+
+
+@pytest.mark.parametrize("kw", [{}, {"enforce_eager": True}, {"enable_prefix_caching": False}, {"num_kda_slots": 11}],
+                         ids=["graphs", "eager", "no-prefix-cache", "explicit-slots"])
+def test_k3serve_plan_counts_the_kda_slots_and_context_the_engine_allocates(kw: dict) -> None:
+    """`k3serve plan` answers what an engine run with the same args gets out of the same device budget: its
+    KDA slots (with prefix caching, a checkpoint slot per running request too) and its MLA context."""
+    config = preset_config("k3-tiny")
+    args = EngineArgs(device="cuda", max_num_seqs=8, max_model_len=64, block_size=8, **kw)
+    device_bytes = 2**30
+    plan = plan_engine_pools(config, args, int(device_bytes * args.gpu_memory_utilization))
+    rows = dict(describe_plan(config, args, device_bytes))
+    (slots,) = [value for key, value in rows.items() if key.startswith("KDA slots")]
+    assert slots.startswith(f"{plan.num_slots + plan.pad_slot} slots")
+    tokens = int(rows["tokens of context that fit"].replace(",", ""))
+    assert 0 <= tokens - plan.num_tokens < args.block_size  # the engine's pools are whole blocks
