@@ -7,12 +7,10 @@ second copy, and a reload writes the stack in place, where CUDA graphs captured 
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from k3serve.engine.cuda_graphs import DecodeGraphs
 from k3serve.engine.scheduler_output import ScheduledSeq
@@ -29,6 +27,7 @@ from k3serve.model.presets import K3_TINY_GPU, preset_hf_config
 from k3serve.model.weights import load_weights
 from tiny_presets import kimi_linear_tiny
 
+from _checkpoint_files import read_tensor
 from _runs import allocate, assert_logits_close, run_alone, run_in_chunks
 
 
@@ -60,12 +59,6 @@ def _assert_rows_of_stack(name: str, stack: torch.Tensor, projections: list[Line
         assert w.data_ptr() == stack[start].data_ptr() and w.shape == stack[start : start + w.shape[0]].shape, name
         start += w.shape[0]
     assert start == stack.shape[0], f"{name}: the stack has rows no projection owns"
-
-
-def _read(checkpoint: Path, name: str) -> torch.Tensor:
-    shard = json.loads((checkpoint / "model.safetensors.index.json").read_text())["weight_map"][name]
-    with safe_open(str(checkpoint / shard), framework="pt") as f:
-        return f.get_tensor(name)
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +109,7 @@ def test_reload_through_the_loader_refills_the_stacks_in_place(
         _assert_rows_of_stack(name, stack, projections)
     # the rows hold this rank's shard of the reloaded checkpoint's tensor, e.g. layer 0's KDA q_proj
     kda = model.model.layers[0].self_attn
-    full = _read(other_k3_tiny, f"{model.config.weight_prefix}model.layers.0.self_attn.q_proj.weight")
+    full = read_tensor(other_k3_tiny, f"{model.config.weight_prefix}model.layers.0.self_attn.q_proj.weight")
     rows = kda.q_proj.weight.shape[0]
     assert torch.equal(kda.x_proj_weight[:rows], full[rank * rows : (rank + 1) * rows].to(torch.bfloat16))
     if rank == 0:  # and the model computes what a fresh load of that checkpoint computes

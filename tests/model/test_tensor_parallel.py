@@ -19,13 +19,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from k3serve.model.checkpoint import make_checkpoint
 from k3serve.model.config import ConfigError
 from k3serve.model.loader import load_model
 from k3serve.model.parallel import TensorParallel
 
 from _runs import allocate, assert_logits_close, mixed_seqs, mixed_step, run_in_chunks
-from tiny_presets import k3_tiny_odd_vocab
 
 WORLD_SIZE = 2
 TIMEOUT_S = 120
@@ -50,11 +48,6 @@ def _worker(rank: int, port: int, checkpoints: list[str], seqs: list, long_seqs:
             torch.save(results, out)
     finally:
         dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def odd_vocab_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(k3_tiny_odd_vocab(), tmp_path_factory.mktemp("k3-tiny-vocab-509"), seed=0)
 
 
 def _free_port() -> int:

@@ -7,34 +7,20 @@ tests/engine/test_tp_engine.py."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from k3serve.engine.memory import weight_bytes
-from k3serve.model.checkpoint import make_checkpoint
 from k3serve.model.layers.vocab import VocabShard
 from k3serve.model.loader import load_model
 from k3serve.model.parallel import TensorParallel
 from k3serve.model.presets import preset_config
 
-from tiny_presets import k3_tiny_odd_vocab
+from _checkpoint_files import read_tensor
 
 ODD_VOCAB = 509
-
-
-@pytest.fixture(scope="module")
-def odd_vocab_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(k3_tiny_odd_vocab(), tmp_path_factory.mktemp("k3-tiny-vocab-509"), seed=0)
-
-
-def _read(checkpoint: Path, name: str) -> torch.Tensor:
-    shard = json.loads((checkpoint / "model.safetensors.index.json").read_text())["weight_map"][name]
-    with safe_open(str(checkpoint / shard), framework="pt") as f:
-        return f.get_tensor(name)
 
 
 def test_shards_cover_the_vocab_in_order_padding_the_last_rank() -> None:
@@ -55,7 +41,7 @@ def test_each_rank_loads_its_own_vocab_rows_and_zero_padding(odd_vocab_checkpoin
     models = [load_model(odd_vocab_checkpoint, TensorParallel(rank, tp_size)) for rank in range(tp_size)]
     for name, get in [("language_model.model.embed_tokens.weight", lambda m: m.model.embed_tokens.weight),
                       ("language_model.lm_head.weight", lambda m: m.lm_head.weight)]:
-        full = _read(odd_vocab_checkpoint, name).float()
+        full = read_tensor(odd_vocab_checkpoint, name).float()
         assert full.shape[0] == ODD_VOCAB  # the checkpoint keeps its published, unpadded shape
         held = []
         for rank, model in enumerate(models):

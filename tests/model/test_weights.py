@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from k3serve.model.config import ModelConfig
@@ -20,16 +19,12 @@ from k3serve.model.model import KimiForCausalLM
 from k3serve.model.parallel import TensorParallel
 from k3serve.model.weights import WeightLoadError, checkpoint_targets, load_weights
 
+from _checkpoint_files import read_tensor
+
 K3_Q_PROJ = "language_model.model.layers.2.self_attn.q_b_proj.weight"  # layer 3 (1-based) is MLA
 K3_A_LOG = "language_model.model.layers.0.self_attn.A_log"
 K3_EXPERT = "language_model.model.layers.1.block_sparse_moe.experts.{}.w1.weight_packed"
 LINEAR_EXPERT = "model.layers.1.block_sparse_moe.experts.{}.w1.weight"
-
-
-def _read(checkpoint: Path, name: str) -> torch.Tensor:
-    shard = json.loads((checkpoint / "model.safetensors.index.json").read_text())["weight_map"][name]
-    with safe_open(str(checkpoint / shard), framework="pt") as f:
-        return f.get_tensor(name)
 
 
 def _edited_copy(checkpoint: Path, out: Path, name: str, value: torch.Tensor | None) -> Path:
@@ -89,7 +84,7 @@ def test_other_towers_of_the_vl_checkpoint_are_skipped(tiny_checkpoint: Path, tm
 
 
 def test_misshaped_tensor_names_it_and_both_shapes(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    good = _read(tiny_checkpoint, K3_Q_PROJ)
+    good = read_tensor(tiny_checkpoint, K3_Q_PROJ)
     out, inp = good.shape
     broken = _edited_copy(tiny_checkpoint, tmp_path / "ckpt", K3_Q_PROJ, torch.zeros(out + 3, inp, dtype=good.dtype))
     with pytest.raises(WeightLoadError) as err:
@@ -100,7 +95,7 @@ def test_misshaped_tensor_names_it_and_both_shapes(tiny_checkpoint: Path, tmp_pa
 
 def test_packed_experts_must_be_uint8(tiny_checkpoint: Path, tmp_path: Path) -> None:
     name = K3_EXPERT.format(0)
-    good = _read(tiny_checkpoint, name)
+    good = read_tensor(tiny_checkpoint, name)
     broken = _edited_copy(tiny_checkpoint, tmp_path / "ckpt", name, good.to(torch.int8))
     with pytest.raises(WeightLoadError, match=f"{name}.*U8"):
         load_model(broken)
@@ -121,7 +116,7 @@ def test_weight_load_error_is_a_value_error() -> None:
 
 
 def test_k3_a_log_of_128_entries_narrows_to_the_first_heads(tiny_checkpoint: Path) -> None:
-    padded = _read(tiny_checkpoint, K3_A_LOG)
+    padded = read_tensor(tiny_checkpoint, K3_A_LOG)
     model = load_model(tiny_checkpoint)
     num_heads = model.config.kda.num_heads
     assert padded.shape == (128,) and num_heads < 128
@@ -129,7 +124,7 @@ def test_k3_a_log_of_128_entries_narrows_to_the_first_heads(tiny_checkpoint: Pat
 
 
 def test_kimi_linear_a_log_of_shape_1_1_h_1_loads_per_head(kimi_linear_tiny_checkpoint: Path) -> None:
-    ckpt = _read(kimi_linear_tiny_checkpoint, "model.layers.0.self_attn.A_log")
+    ckpt = read_tensor(kimi_linear_tiny_checkpoint, "model.layers.0.self_attn.A_log")
     model = load_model(kimi_linear_tiny_checkpoint)
     assert ckpt.shape == (1, 1, model.config.kda.num_heads, 1)
     assert torch.equal(model.model.layers[0].self_attn.A_log, ckpt.reshape(-1))
@@ -164,12 +159,12 @@ def test_rank_loads_its_own_experts_and_skips_the_others(
     assert {int(n.split(".experts.")[1].split(".")[0]) for n in names} == set(range(half, 2 * half))
     stack = bank.w1_packed if config.experts_mxfp4 else bank.w1_weight
     for j in range(half):
-        assert torch.equal(stack[j], _read(checkpoint, expert.format(half + j)).to(stack.dtype)), f"expert {half + j}"
+        assert torch.equal(stack[j], read_tensor(checkpoint, expert.format(half + j)).to(stack.dtype)), f"expert {half + j}"
 
 
 def test_rank_loads_its_slice_of_sharded_weights(tiny_checkpoint: Path) -> None:
     config = ModelConfig.from_dir(tiny_checkpoint)
-    full = _read(tiny_checkpoint, K3_Q_PROJ).float()
+    full = read_tensor(tiny_checkpoint, K3_Q_PROJ).float()
     for rank in range(2):
         model = KimiForCausalLM(config, TensorParallel(rank=rank, world_size=2))
         load_weights(model, tiny_checkpoint)
