@@ -315,7 +315,7 @@ class StaticDecodeInputs:
             uploaded = self._device_buffer[first_word:self._rows_at]
             self.block_tables.view(-1).index_copy_(0, uploaded[:k], uploaded[k:].to(torch.int32))
         if self._uploaded is not None:
-            self._uploaded.record()
+            self._uploaded.record(torch.cuda.current_stream(self.device))  # the copy's stream: the device's own
         self.table_entries_uploaded = k
 
     def batch(self, num_rows: int) -> ForwardBatch:
