@@ -25,7 +25,7 @@ from typing import TypeVar
 
 from k3serve.model.batch import ModelCache
 from k3serve.transfer.backend import TransferBackend, TransferError, TransferStatus
-from k3serve.transfer.checksum import request_checksums
+from k3serve.transfer.checksum import views_checksums
 from k3serve.transfer.control import DecodeControlClient, Reservation
 from k3serve.transfer.layout import CacheLayout, register_cache
 from k3serve.transfer.tp_map import RankCache, RequestSpan, TPMapping
@@ -141,14 +141,10 @@ class RankSender:
             return RankShare(self.layout.tp_rank, 0, None, f"{type(e).__name__}: {e}")
 
     def _checksums(self, job: HandoffJob, mapping: TPMapping) -> dict[int, dict[str, str]]:
-        """The sums of this rank's share of every decode rank's view it feeds, from its own cache."""
-        sums = {}
-        for r in range(mapping.decode_tp):
-            view = mapping.view(self.layout.tp_rank, r)
-            if view is not None:
-                sums[r] = request_checksums(self.cache, self.layout, job.src_block_ids, job.src_slot, job.num_tokens,
-                                            view.heads, view.mla)
-        return sums
+        """The sums of this rank's share of every decode rank's view it feeds, from its own cache, in one pass."""
+        views = {r: (view.heads, view.mla) for r in range(mapping.decode_tp)
+                 if (view := mapping.view(self.layout.tp_rank, r)) is not None}
+        return views_checksums(self.cache, self.layout, job.src_block_ids, job.src_slot, job.num_tokens, views)
 
     def _write_and_wait(self, batches: list[tuple[str, list]], meanwhile: Callable[[], T] | None = None) -> T | None:
         """Post one batch per decode rank, run `meanwhile` (if given) while they are in flight, then

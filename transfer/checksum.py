@@ -125,6 +125,43 @@ def request_checksums(
     values equal `combine_request_checksums` of the senders' dicts when the bytes arrived intact.
     All regions are summed in one pass (`_checksum_pieces`); bad ids or slots are refused (ValueError).
     """
+    return _checksum_pieces(_request_pieces(cache, layout, block_ids, slot_id, num_tokens, heads, include_mla))
+
+
+def views_checksums(
+    cache: ModelCache,
+    layout: CacheLayout,
+    block_ids: Sequence[int],
+    slot_id: int,
+    num_tokens: int,
+    views: dict[int, tuple[HeadSlice | None, bool]],
+) -> dict[int, dict[str, str]]:
+    """`request_checksums` of several decode ranks' views at once (a sender feeding a wider decode engine):
+    {decode rank: (heads, include_mla)} -> {decode rank: checksums}, equal to one call per rank, but in one
+    pass (on CUDA one launch and one sync, not one per rank) over the distinct pieces: the MLA rows every
+    view carries whole are summed once."""
+    per_view = {r: _request_pieces(cache, layout, block_ids, slot_id, num_tokens, heads, mla)
+                for r, (heads, mla) in views.items()}
+    distinct = list({_piece_key(piece): piece for pieces in per_view.values() for piece in pieces}.values())
+    lanes = dict(zip(map(_piece_key, distinct), _lanes(distinct)))
+    return {r: _fold(pieces, [lanes[_piece_key(piece)] for piece in pieces]) for r, pieces in per_view.items()}
+
+
+def _piece_key(piece: Piece) -> tuple:
+    """Equal keys: the same words at the same view position, hence the same lanes."""
+    return (piece.region, piece.source.data_ptr(), *piece[2:])
+
+
+def _request_pieces(
+    cache: ModelCache,
+    layout: CacheLayout,
+    block_ids: Sequence[int],
+    slot_id: int,
+    num_tokens: int,
+    heads: HeadSlice | None,
+    include_mla: bool,
+) -> list[Piece]:
+    """The pieces of `request_checksums`."""
     pieces: list[Piece] = []
     if include_mla and cache.mla_kv:
         if num_tokens > len(block_ids) * layout.block_size:
@@ -153,7 +190,7 @@ def request_checksums(
                 view_row = sub * heads.view_heads * k + into_view * k
                 pieces.append(_piece(region.name, conv, at, (hi - lo) * k * region.bytes_per_channel,
                                      view_row * region.bytes_per_channel))  # fmt: skip
-    return _checksum_pieces(pieces)
+    return pieces
 
 
 def combine_request_checksums(shares: Iterable[dict[str, str]]) -> dict[str, str]:
@@ -198,17 +235,20 @@ def _piece(
 
 
 def _checksum_pieces(pieces: list[Piece]) -> dict[str, str]:
-    """Sum every piece's lanes into its region's (see the module docstring for the scheme): the Triton
-    kernel of `checksum_triton` on CUDA (one launch, one host sync), the float64 matmul elsewhere."""
+    """Sum every piece's lanes into its region's (see the module docstring for the scheme)."""
+    return _fold(pieces, _lanes(pieces))
+
+
+def _lanes(pieces: list[Piece]) -> list[tuple[int, int]]:
+    """Every piece's lanes: the Triton kernel of `checksum_triton` on CUDA (one launch, one host sync), the
+    float64 matmul elsewhere."""
     if pieces and gpu_kernels(*(piece.source for piece in pieces)) and has_module("triton"):
         from k3serve.transfer.checksum_triton import piece_lanes
 
         last_backend["checksum"] = "triton"
-        lanes = piece_lanes(pieces)
-    else:
-        last_backend["checksum"] = "matmul"
-        lanes = _matmul_lanes(pieces)
-    return _fold(pieces, lanes)
+        return piece_lanes(pieces)
+    last_backend["checksum"] = "matmul"
+    return _matmul_lanes(pieces)
 
 
 def _fold(pieces: Sequence[Piece], lanes: Iterable[tuple[int, int]]) -> dict[str, str]:

@@ -193,6 +193,36 @@ def test_sender_shares_add_up_to_the_receivers_checksum(prefill_tp: int, decode_
         close(prefill, decode)
 
 
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 4), (2, 8), (1, 1)])
+def test_a_sender_sums_all_the_views_it_feeds_in_one_pass(prefill_tp: int, decode_tp: int,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """views_checksums == one request_checksums per decode rank, with one lane pass whose pieces are distinct:
+    the MLA rows that every view carries whole are summed once, not once per decode rank."""
+    config = tiny_config()
+    reference = ModelCache.allocate(config, 8, 3, BLOCK_SIZE, dtype=torch.bfloat16)
+    fill_random_bytes(reference, seed=5)
+    prefill = make_side(config, [shard(reference, s, prefill_tp) for s in range(prefill_tp)])
+    decode = make_side(config, [ModelCache.allocate(config, 8, 3, BLOCK_SIZE, tp_size=decode_tp, dtype=torch.bfloat16)
+                                for _ in range(decode_tp)])
+    blocks, slot, tokens = (1, 2, 6), 1, 2 * BLOCK_SIZE + 3
+    passes = []
+    lanes = checksum._lanes
+    monkeypatch.setattr(checksum, "_lanes", lambda pieces: passes.append(len(pieces)) or lanes(pieces))
+    try:
+        mapping = connect(prefill, decode)
+        for s in range(prefill_tp):
+            views = {r: (view.heads, view.mla) for r in range(decode_tp) if (view := mapping.view(s, r)) is not None}
+            passes.clear()
+            together = checksum.views_checksums(prefill.caches[s], prefill.layouts[s], blocks, slot, tokens, views)
+            assert len(passes) == 1
+            one_by_one = {r: request_checksums(prefill.caches[s], prefill.layouts[s], blocks, slot, tokens, heads, mla)
+                          for r, (heads, mla) in views.items()}
+            assert together == one_by_one
+            assert passes[0] < sum(passes[1:]) or len(views) == 1  # the MLA pieces every view shares, once
+    finally:
+        close(prefill, decode)
+
+
 def test_a_missing_region_is_a_mismatch() -> None:
     assert mismatched_regions({"mla.0": "0" * 16, "kda_conv.0": "1" * 16}, {"mla.0": "0" * 16}) == ["kda_conv.0"]
 
