@@ -89,12 +89,16 @@ class TPGroup:
         if rank == 0 and store is None:
             store = dist.TCPStore(url.hostname, url.port, world_size, is_master=True, timeout=join,
                                   wait_for_workers=False)
-        client = dist.TCPStore(url.hostname, url.port, world_size, is_master=False, timeout=join)
-        self.control = _gloo(dist.PrefixStore("control", client), rank, world_size, host, _IDLE_TIMEOUT)
-        self.pg = _gloo(dist.PrefixStore("pg", client), rank, world_size, host, timeout)
-        everyone_joined = dist.BarrierOptions()
-        everyone_joined.timeout = join
-        self.pg.barrier(everyone_joined).wait()  # past it no rank reads the store again
+        try:  # gloo waits for its peers' addresses as long as its groups' timeout: joining is bounded
+            client = dist.TCPStore(url.hostname, url.port, world_size, is_master=False, timeout=join)
+            self.control = _gloo(dist.PrefixStore("control", client), rank, world_size, host, join)
+            self.pg = _gloo(dist.PrefixStore("pg", client), rank, world_size, host, join)
+            self.pg.barrier().wait()  # past it no rank reads the store again
+        except RuntimeError as e:
+            raise RuntimeError(f"TP group at {init_method}: rank {rank} of {world_size} did not meet every "
+                               f"other rank within {join.total_seconds():g} s: {e}") from e
+        self.control._set_default_timeout(_IDLE_TIMEOUT)  # a follower waits for rank 0's next action
+        self.pg._set_default_timeout(timeout)
 
     @property
     def is_leader(self) -> bool:

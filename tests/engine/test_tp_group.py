@@ -1,17 +1,21 @@
 """TPGroup: rank 0 leads, followers follow; each group has its own process groups, so two TP
 engines' rank 0 can share a process, a follower outlives any idle time of its rank 0, and rank 0's
-rendezvous port is closed once every rank has joined."""
+rendezvous port is closed once every rank has joined; a rank that never arrives fails the others'
+join with an error naming the group (within the join timeout, not the followers' idle one)."""
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing
 import socket
+import threading
 import time
 
 import pytest
 import torch
 
 from _tp_workers import follower
+from k3serve.engine import tp_group
 from k3serve.engine.tp_group import TPGroup, leader_store
 
 pytestmark = pytest.mark.timeout(60)
@@ -71,3 +75,22 @@ def test_two_groups_in_one_process_without_their_rendezvous_port_and_followers_t
             if proc.is_alive():
                 proc.kill()
 
+
+def test_a_rank_that_never_joins_fails_rank_0_within_the_join_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tp_group, "_JOIN_TIMEOUT", datetime.timedelta(seconds=1))
+    store, init = leader_store(2, "127.0.0.1")
+    outcome: list[BaseException | TPGroup] = []
+
+    def join() -> None:
+        try:
+            outcome.append(TPGroup(0, 2, init, timeout_s=1.0, store=store))
+        except BaseException as e:
+            outcome.append(e)
+
+    joining = threading.Thread(target=join, daemon=True)
+    joining.start()
+    joining.join(timeout=10.0)
+    assert not joining.is_alive(), "rank 0 still waits for a rank that never comes"
+    (error,) = outcome
+    assert isinstance(error, RuntimeError)
+    assert f"TP group at {init}: rank 0 of 2 did not meet every other rank within 1 s" in str(error)
