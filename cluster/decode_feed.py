@@ -9,12 +9,15 @@ there, and routes them here into per-request queues:
     feed = DecodeFeed(replica)
     link = await feed.link()                    # the live feed, opened on first use
     deltas = link.follow(rid)                   # registered before admit: nothing is missed
-    await replica.admit(rid, prompt, params, link.feed_id)
+    reservation = await replica.admit(rid, prompt, params, link.feed_id)
+    HandoffTarget(link.addresses, reservation)  # where prefill pushes the prompt's state
     async for delta in deltas: ...              # this request's deltas, in order; deltas.close()
 
 A slow consumer only grows its own queue; the feed never waits for it. A feed that breaks (the
 replica died, or it no longer knows the feed) fails every request on it with `ReplicaDiedError`;
-the next `link()` opens a new one (on the restarted replica).
+the next `link()` opens a new one (on the restarted replica). A feed reads its replica's addresses
+once it is open: an admit through it succeeded on the same process (a restarted one would not
+know the feed), so a handoff to them reaches the reservation.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class FeedLink:
         self.replica = replica
         self.feed_id = uuid.uuid4().hex
         self.error: BaseException | None = None  # why the feed ended; set once
+        self.addresses: tuple[str, ...] = ()  # every rank's control address, rank order; set once open
         self.opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._queues: dict[str, asyncio.Queue[Item]] = {}
         self._reader = asyncio.create_task(self._read(), name=f"decode-feed-{replica.name}")
@@ -99,6 +103,7 @@ class FeedLink:
         try:
             async for batch in self.replica.feed(self.feed_id):
                 if not self.opened.done():
+                    self.addresses = await self.replica.addresses()  # of the process serving this feed
                     self.opened.set_result(None)
                 for request_id, item in batch:
                     queue = self._queues.get(request_id)

@@ -3,9 +3,10 @@
 One request:
     1. tokenize, check the context;  pick the decode replica with the fewest requests in flight
        from here (then the most free blocks), `admit` there (reservation; its deltas will come
-       through this router's feed from that replica, `cluster/decode_feed.py`; a replica that
-       restarted under a still-open feed: once more through a new feed); NoCapacity: the next
-       replica; everywhere -> 503
+       through this router's feed from that replica, `cluster/decode_feed.py`, whose addresses
+       are those of the process that made the reservation; a replica that restarted under a
+       still-open feed: once more through a new feed); NoCapacity: the next replica;
+       everywhere -> 503
     2. pick a prefill replica by load with prefix affinity; `prefill` pushes the prompt state
        into the reservation. If that replica fails before the decode side adopted the request,
        retry once on another replica (the reservation is rewritten whole, then checksummed).
@@ -63,7 +64,6 @@ class DisaggregatedRouter:
         self.replica_metrics = ReplicaMetricsCollector(metrics.registry if metrics is not None else None)
         self.refresh_seconds = refresh_seconds
         self._decode_stats: dict[str, object] = {}
-        self._decode_addresses: dict[str, tuple[str, ...]] = {}  # every decode rank, rank order
         self._inflight: dict[str, int] = {r.name: 0 for r in self.prefill}  # prefill requests in flight
         self._decoding: dict[str, int] = {r.name: 0 for r in self.decode}  # admitted here, not yet ended
         self._healthy: dict[str, bool] = {}
@@ -90,11 +90,10 @@ class DisaggregatedRouter:
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; max_model_len={self.max_model_len}")
         rid, params = request.request_id, request.sampling_params
-        decode, reservation, deltas = await self._admit(rid, prompt_ids, params)
+        decode, target, deltas = await self._admit(rid, prompt_ids, params)
         decode_done = False  # decode ended the request itself; otherwise its reservation is ours to free
         try:
-            address = self._decode_addresses[decode.name]
-            result = await self._prefill(rid, prompt_ids, params, HandoffTarget(address, reservation))
+            result = await self._prefill(rid, prompt_ids, params, target)
             if self.metrics is not None:
                 self.metrics.observe_prefill_time(result.prefill_seconds)
                 self.metrics.observe_handoff_time(result.transfer_seconds)
@@ -116,7 +115,7 @@ class DisaggregatedRouter:
                 await _quietly(decode.abort_request(rid))
 
     # ---- routing --------------------------------------------------------------------------------
-    async def _admit(self, rid: str, prompt_ids: list[int], params) -> tuple[DecodeReplica, object, RequestDeltas]:
+    async def _admit(self, rid: str, prompt_ids: list[int], params) -> tuple[DecodeReplica, HandoffTarget, RequestDeltas]:
         """Decode replica with the fewest requests admitted by this router and not yet ended, then
         the most free blocks; the next one on NoCapacity. The count is live; the stats are up to
         `refresh_seconds` old, so ranking by free blocks alone sent a whole burst to one replica.
@@ -132,9 +131,9 @@ class DisaggregatedRouter:
             self._decoding[replica.name] += 1  # counted before the await, so concurrent admits spread
             admitted = False
             try:
-                reservation, deltas = await self._admit_on(replica, rid, prompt_ids, params)
+                target, deltas = await self._admit_on(replica, rid, prompt_ids, params)
                 admitted = True  # generate() uncounts it when the request ends
-                return replica, reservation, deltas
+                return replica, target, deltas
             except NoCapacityError:
                 continue
             except (ValueError, TypeError):
@@ -142,33 +141,29 @@ class DisaggregatedRouter:
             except Exception as e:  # replica down: try the next one; the refresher marks it
                 log.warning("decode replica %s failed to admit %s: %r", replica.name, rid, e)
                 self._healthy[replica.name] = False
-                self._decode_addresses.pop(replica.name, None)
             finally:
                 if not admitted:
                     self._decoding[replica.name] -= 1
         raise EngineOverloadedError(f"no decode replica has room for {needed} tokens now; retry later")
 
     async def _admit_on(self, replica: DecodeReplica, rid: str, prompt_ids: list[int],
-                        params) -> tuple[object, RequestDeltas]:
+                        params) -> tuple[HandoffTarget, RequestDeltas]:
         """Admit on `replica`, its deltas routed from this router's feed. A replica that does not
         know the feed restarted since the feed was opened, before the feed's reader saw it end (the
-        requests on that feed are gone with it): fail that feed, learn the replica's new addresses,
-        and admit once more through a new feed; a second refusal is the caller's to handle."""
+        requests on that feed are gone with it): fail that feed and admit once more through a new
+        one (at the restarted process's addresses); a second refusal is the caller's to handle."""
         try:
             return await self._admit_through_feed(replica, rid, prompt_ids, params)
         except UnknownFeedError:
             log.info("decode replica %s restarted: reopening its feed", replica.name)
-            self._decode_addresses[replica.name] = await replica.addresses()
             return await self._admit_through_feed(replica, rid, prompt_ids, params)
 
     async def _admit_through_feed(self, replica: DecodeReplica, rid: str, prompt_ids: list[int],
-                                  params) -> tuple[object, RequestDeltas]:
-        if replica.name not in self._decode_addresses:
-            self._decode_addresses[replica.name] = await replica.addresses()
+                                  params) -> tuple[HandoffTarget, RequestDeltas]:
         link = await self._feeds[replica.name].link()
         deltas = link.follow(rid)
         try:
-            return await replica.admit(rid, prompt_ids, params, link.feed_id), deltas
+            return HandoffTarget(link.addresses, await replica.admit(rid, prompt_ids, params, link.feed_id)), deltas
         except BaseException as e:
             deltas.close()  # not admitted: nothing comes for it
             if isinstance(e, UnknownFeedError):
@@ -220,10 +215,6 @@ class DisaggregatedRouter:
             try:
                 stats = await asyncio.wait_for(r.stats(), 5.0)
                 if pool == "decode":
-                    address = await asyncio.wait_for(r.addresses(), 5.0)
-                    if self._decode_addresses.get(r.name) not in (None, address):
-                        log.info("decode replica %s restarted at %s", r.name, address)
-                    self._decode_addresses[r.name] = address
                     self._decode_stats[r.name] = stats
                 self._healthy[r.name] = True
                 if self.metrics is not None:

@@ -13,6 +13,9 @@ in-process workers (prefill + decode, transfer "local", the tiny model), a real 
   UnknownFeedError): the requests on the old feed end with ReplicaDiedError, the router opens a
   new feed once and the new request is served there, at the replica's new address; the replica
   stays healthy.
+- A restart the feed did see (its feed was cut, as the replica's death cuts it): the next request
+  is handed off to the restarted replica's addresses at once, not to the dead one's until the
+  next stats refresh.
 """
 
 from __future__ import annotations
@@ -193,7 +196,6 @@ async def test_a_restarted_decode_replica_gets_a_new_feed_and_serves(router, ref
     decode.worker = restarted_decode  # the replica restarted; the old feed has not ended yet
     try:
         assert await _tokens(router, "after-restart", PROMPTS[3]) == reference[3]
-        assert router._decode_addresses[decode.name] == await restarted_decode.addresses()
         with pytest.raises(ReplicaDiedError, match="restarted"):
             async for _ in old_feed:
                 pass
@@ -201,3 +203,24 @@ async def test_a_restarted_decode_replica_gets_a_new_feed_and_serves(router, ref
         await _wait_decode_idle(before)  # the old feed closed: its request was aborted there
     finally:
         decode.worker = before
+
+
+async def test_a_restart_its_feed_saw_hands_the_next_request_to_the_new_addresses(
+    workers, tiny_checkpoint: Path, reference, restarted_decode
+) -> None:
+    prefill, before = workers
+    decode = CuttableDecode(before)
+    router = DisaggregatedRouter([prefill], [decode], Tokenizer.from_dir(tiny_checkpoint), "k3-tiny",
+                                 ENGINE_ARGS["max_model_len"], refresh_seconds=3600.0)  # no refresh meanwhile
+    try:
+        assert await _tokens(router, "before-restart", PROMPTS[0]) == reference[0]
+        decode.worker = restarted_decode  # the replica died and restarted ...
+        decode.cut.set()  # ... which cut its feed
+        await asyncio.sleep(0.05)
+        decode.cut.clear()
+        assert await _tokens(router, "after-seen-restart", PROMPTS[4]) == reference[4]
+    finally:
+        await router.close()
+        decode.worker = before
+    await _wait_decode_idle(before)
+    await _wait_decode_idle(restarted_decode)
