@@ -168,6 +168,8 @@ class DisaggregatedRouter:
             deltas.close()  # not admitted: nothing comes for it
             if isinstance(e, UnknownFeedError):
                 link.fail(ReplicaDiedError(f"decode replica {replica.name} restarted"))
+            elif isinstance(e, asyncio.CancelledError):  # the client left; the reservation may exist
+                await _quietly(replica.abort_request(rid))
             raise
 
     def _prefill_order(self, prompt_ids: list[int]) -> list[PrefillReplica]:

@@ -8,7 +8,8 @@ in-process workers (prefill + decode, transfer "local", the tiny model), a real 
 - A request whose consumer does not read holds back no other request and loses nothing.
 - A feed cut mid-stream (what a dead decode actor does) ends every request on it with
   ReplicaDiedError at once; the decode pool is freed, and the next request opens a new feed.
-- A client that leaves mid-stream frees the decode pool.
+- A client that leaves mid-stream frees the decode pool; so does one that leaves while its admit's
+  answer is on the way (at once, not when the reservation's lease runs out).
 - A decode replica that restarted while the router's feed from it still looks open (admit answers
   UnknownFeedError): the requests on the old feed end with ReplicaDiedError, the router opens a
   new feed once and the new request is served there, at the replica's new address; the replica
@@ -52,6 +53,7 @@ class CuttableDecode:
         self.worker, self.name = worker, worker.name
         self.cut = asyncio.Event()
         self.num_items = self.num_deltas = 0
+        self.admit_reply_s = 0.0
 
     async def feed(self, feed_id: str):
         batches = self.worker.feed(feed_id).__aiter__()
@@ -70,6 +72,11 @@ class CuttableDecode:
                 yield batch
         finally:
             await batches.aclose()
+
+    async def admit(self, *args):
+        reservation = await self.worker.admit(*args)
+        await asyncio.sleep(self.admit_reply_s)  # the reply on its way back to the router
+        return reservation
 
     def __getattr__(self, name: str):
         return getattr(self.worker, name)
@@ -170,6 +177,23 @@ async def test_a_client_that_leaves_mid_stream_frees_the_decode_pool(router) -> 
         await stream.__anext__()
     await stream.aclose()
     await _wait_decode_idle(router.decode[0].worker)
+
+
+async def test_a_client_that_leaves_while_admitted_frees_the_reservation_at_once(router) -> None:
+    decode = router.decode[0]
+    decode.admit_reply_s = 1.0
+    try:
+        request = asyncio.ensure_future(_tokens(router, "leaves-in-admit", PROMPTS[1]))
+        for _ in range(100):  # until the worker holds the reservation; its answer is still on the way
+            await asyncio.sleep(0.01)
+            if (await decode.worker.stats()).num_reserved:
+                break
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+    finally:
+        decode.admit_reply_s = 0.0
+    await _wait_decode_idle(decode.worker, deadline_s=2.0)  # its lease is 30 s
 
 
 async def test_a_request_that_ends_at_its_first_token_frees_its_decode_reservation_at_once(router) -> None:
