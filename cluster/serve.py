@@ -186,7 +186,7 @@ def _start_ray(config: ServeConfig, engine_kwargs: dict) -> Deployment:
     try:
         leaders = _start_ray_replicas(config, replicas, engine_kwargs, stops, actors)
         for leader in leaders.values():
-            stops.append(lambda a=leader: ray.get(a.shutdown.remote(), timeout=30))
+            stops.append(lambda a=leader: _stop_actor(a))
         prefill = [RayPrefillReplica(name, a) for name, a in leaders.items() if name.startswith("prefill-")]
         decode = [RayDecodeReplica(name, a) for name, a in leaders.items() if name.startswith("decode-")]
         router, metrics = _router(config, prefill, decode, engine_kwargs)
@@ -197,6 +197,17 @@ def _start_ray(config: ServeConfig, engine_kwargs: dict) -> Deployment:
         _run_stops(stops)
         raise
     return Deployment(router, metrics, config, stops)
+
+
+def _stop_actor(actor: Any) -> None:
+    """The worker's own shutdown (it releases its TP followers), then its actor: a Ray cluster the
+    deployment joined keeps no process or CPU of it (a restartable actor outlives its worker)."""
+    import ray
+
+    try:
+        ray.get(actor.shutdown.remote(), timeout=30)
+    finally:
+        ray.kill(actor, no_restart=True)
 
 
 def _uvicorn_server_class():

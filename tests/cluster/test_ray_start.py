@@ -5,7 +5,9 @@ Spec, on a Ray cluster the deployment joins (it does not own Ray):
   replica, and every actor and placement group already created is gone: the cluster has all its
   CPUs free again;
 - a replica whose actor fails while starting (its control server cannot bind the address given)
-  fails the start with an error naming it and why, and the replica that did start is killed.
+  fails the start with an error naming it and why, and the replica that did start is killed;
+- a deployment that started shuts down leaving its actors dead and every CPU free (the cluster
+  outlives it).
 """
 
 from __future__ import annotations
@@ -72,4 +74,14 @@ def test_a_replica_that_fails_to_start_fails_the_start_and_the_others_are_killed
                          advertise_host="192.0.2.254", **ENGINE)  # no interface here has it: decode cannot bind
     with pytest.raises(RuntimeError, match=r"(?s)^decode-0: starting failed: .*cannot bind 192\.0\.2\.254"):
         serve.start_deployment(config)
+    _all_freed()
+
+
+def test_a_deployment_that_shuts_down_leaves_no_actor_behind(ray_cluster, tiny_checkpoint: Path) -> None:
+    if not available_backends()["nixl"]:
+        pytest.skip("the NIXL backend does not import on this host")
+    deployment = serve.start_deployment(ServeConfig(model=str(tiny_checkpoint), launcher="ray", transfer="nixl",
+                                                    **ENGINE))
+    deployment.shutdown()
+    assert ray.is_initialized()  # not this deployment's to stop
     _all_freed()
