@@ -15,7 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from k3serve.cluster.node_address import check_host_ip
+from k3serve.engine.host_ip import check_host_ip
 
 
 class ServeConfig(BaseModel):

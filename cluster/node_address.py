@@ -14,29 +14,13 @@ The answer must be an IP literal (a server binds on it; a peer dials it), never 
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from dataclasses import dataclass
 
+from k3serve.engine.host_ip import check_host_ip
+
 HOST_IP_ENV = "K3SERVE_HOST_IP"
 LOOPBACK = "127.0.0.1"
-
-
-def check_host_ip(value: str, what: str) -> str:
-    """`value` if it is an IP address a peer can dial; ValueError naming `what` otherwise."""
-    try:
-        ip = ipaddress.ip_address(value.strip())
-    except ValueError:
-        raise ValueError(f"{what}={value!r} is not an IP address: give this node's address "
-                         "(e.g. the pod IP), which its workers bind on and advertise") from None
-    if ip.is_unspecified:
-        raise ValueError(f"{what}={value!r} is the unspecified address: peers cannot dial it; give this node's address")
-    return str(ip)
-
-
-def uri_host(host: str) -> str:
-    """`host` as it goes before `:port` in an address or URI (an IPv6 literal in brackets)."""
-    return f"[{host}]" if ":" in host else host
 
 
 def node_ip(advertise_host: str | None = None) -> str:

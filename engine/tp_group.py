@@ -42,7 +42,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from k3serve.cluster.node_address import uri_host
+from k3serve.engine.host_ip import uri_host
 from k3serve.model.parallel import TensorParallel
 
 _IDLE_TIMEOUT = datetime.timedelta(days=365)  # how long a follower waits for rank 0's next action

@@ -35,7 +35,7 @@ from typing import NamedTuple, Protocol, TypeVar
 
 import grpc
 
-from k3serve.cluster.node_address import check_host_ip, uri_host
+from k3serve.engine.host_ip import check_host_ip, uri_host
 from k3serve.transfer.backend import AgentInfo, RegionDesc
 from k3serve.transfer.proto import transfer_pb2 as pb
 from k3serve.transfer.proto import transfer_pb2_grpc as pb_grpc
