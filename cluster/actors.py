@@ -1,7 +1,7 @@
 """Ray actors hosting one prefill or decode worker each (imported only with `--launcher ray`).
 
 An actor is a replica: Ray restarts it when it dies (`max_restarts=-1`); a restarted decode
-actor publishes a new control address, which the router picks up on its next refresh. A TP
+actor publishes new control addresses, which the router reads when it opens its new feed there. A TP
 replica (rank 0 plus `*RankActor` followers in a placement group) is started with
 `max_restarts=0`: its ranks live and die together. Every rank binds and advertises its node's
 address, chosen in the actor (`cluster/node_address.py`); a TP replica's rank 0 picks the group's

@@ -28,7 +28,9 @@ never afterwards, and a TP engine's ranks live and die together (nothing re-join
 rank has joined (a barrier), rank 0 lets go of it: no listening port outlives `TPGroup()`. Each rank's
 groups hold a store *client* (gloo keeps whatever store it was given alive for as long as the group
 lives; a client's socket to the closed store is never used again), and rank 0's store itself is
-held only while joining.
+held only while joining. Joining is bounded (`_JOIN_TIMEOUT` or `timeout_s`, the longer): a rank
+that never comes fails the others' `TPGroup()` with an error naming the group, rather than
+leaving them waiting as long as a follower may idle.
 """
 
 from __future__ import annotations
