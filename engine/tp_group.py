@@ -94,13 +94,13 @@ class TPGroup:
         try:  # gloo waits for its peers' addresses as long as its groups' timeout: joining is bounded
             client = dist.TCPStore(url.hostname, url.port, world_size, is_master=False, timeout=join)
             self.control = _gloo(dist.PrefixStore("control", client), rank, world_size, host, join)
-            self.pg = _gloo(dist.PrefixStore("pg", client), rank, world_size, host, join)
-            self.pg.barrier().wait()  # past it no rank reads the store again
+            self.pg = _gloo(dist.PrefixStore("pg", client), rank, world_size, host, timeout)
+            everyone_joined = dist.BarrierOptions()
+            everyone_joined.timeout = join
+            self.pg.barrier(everyone_joined).wait()  # past it no rank reads the store again
         except RuntimeError as e:
             raise RuntimeError(f"TP group at {init_method}: rank {rank} of {world_size} did not meet every "
                                f"other rank within {join.total_seconds():g} s: {e}") from e
-        self.control._set_default_timeout(_IDLE_TIMEOUT)  # a follower waits for rank 0's next action
-        self.pg._set_default_timeout(timeout)
 
     @property
     def is_leader(self) -> bool:
@@ -149,9 +149,11 @@ def _broadcast_object(pg, value: Any, is_root: bool) -> Any:
     """`value` from rank 0 to every rank of `pg` (length, then pickled bytes)."""
     data = pickle.dumps(value) if is_root else b""
     length = torch.tensor([len(data)], dtype=torch.int64)
-    pg.broadcast([length], dist.BroadcastOptions()).wait()
+    idle = dist.BroadcastOptions()
+    idle.timeout = _IDLE_TIMEOUT  # a follower waits for rank 0's next action (the group's own timeout bounds joining)
+    pg.broadcast([length], idle).wait()
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if is_root else torch.empty(int(length.item()), dtype=torch.uint8)
-    pg.broadcast([buf], dist.BroadcastOptions()).wait()
+    pg.broadcast([buf], idle).wait()
     return value if is_root else pickle.loads(buf.numpy().tobytes())
 
 
