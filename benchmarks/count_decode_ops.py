@@ -4,8 +4,11 @@ them all). Counts the aten ops that launch a kernel (not views, nor no-op casts)
 `compute_logits` for one decode step of k3-tiny-gpu (K3's per-head sizes, `model/presets.py`) in bf16,
 split by the source file that issued them; `kernels/` ops run their torch references here, so their
 counts stand in for the GPU kernels only loosely, while the rest (model/) are the GPU's own counts.
+On CUDA (`--device cuda`, e.g. `--config k3-rank-slice --layers 4`) the GPU kernels run, so the counts are
+exactly the torch launches a step adds to its Triton and cuBLAS kernels; `--lines` lists them by source line.
 
-    python benchmarks/count_decode_ops.py [--batch 1] [--ctx 64] [--json out.json]
+    python benchmarks/count_decode_ops.py [--batch 1] [--ctx 64] [--device cpu] [--config k3-tiny-gpu]
+                                          [--layers 12] [--lines 40] [--json out.json]
 """
 
 from __future__ import annotations
@@ -21,24 +24,24 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_engine import CONFIGS, build_model, decode_step_fn, make_cache  # noqa: E402
+from gpu_engine import CONFIGS, build_model, decode_step_fn, make_cache, rank_slice_hf  # noqa: E402
 
 from k3serve.kernels.norm import naive as norm_naive  # noqa: E402
 
 _ROOT = str(Path(__file__).resolve().parents[1]) + "/"
-_FREE = {"empty", "empty_strided", "detach", "detach_", "lift_fresh", "_local_scalar_dense", "is_nonzero", "item",
+_FREE = {"empty", "empty_strided", "new_empty", "new_empty_strided", "detach", "detach_", "lift_fresh", "_local_scalar_dense", "is_nonzero", "item",
          "set_"}  # host-only: no kernel launched
 
 
-def _origin() -> str:
-    """The k3serve source file (relative to the repository) of the innermost frame that issued the op."""
+def _origin() -> tuple[str, int]:
+    """The k3serve source file (relative to the repository) and line of the innermost frame that issued the op."""
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
         if name.startswith(_ROOT) and "/benchmarks/" not in name:
-            return name[len(_ROOT):]
+            return name[len(_ROOT):], frame.f_lineno
         frame = frame.f_back
-    return "?"
+    return "?", 0
 
 
 def _storages(value) -> set[int]:
@@ -66,13 +69,15 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.by_file: collections.Counter[str] = collections.Counter()
         self.casts: collections.Counter[str] = collections.Counter()
+        self.by_line: collections.Counter[str] = collections.Counter()  # "file:line op" -> launches
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
         if _launches(name, args, out):
-            origin = _origin()
+            origin, line = _origin()
             self.by_file[origin] += 1
+            self.by_line[f"{origin}:{line} {name}"] += 1
             src = args[0] if args and isinstance(args[0], torch.Tensor) else None
             if name in ("to", "_to_copy", "type_as", "copy_") and src is not None and isinstance(out, torch.Tensor) \
                     and (out.dtype != src.dtype if name != "copy_" else args[1].dtype != src.dtype):
@@ -101,9 +106,10 @@ def _counting_calls(module, names: tuple[str, ...]):
             setattr(module, name, fn)
 
 
-def count_step(batch: int, ctx: int) -> dict:
-    hf, tp_size = CONFIGS["k3-tiny-gpu"]
-    dev, dtype = torch.device("cpu"), torch.bfloat16
+def count_step(batch: int, ctx: int, device: str = "cpu", config: str = "k3-tiny-gpu", layers: int = 12) -> dict:
+    hf, tp_size = CONFIGS[config]
+    hf = rank_slice_hf(layers) if hf is None else hf
+    dev, dtype = torch.device(device), torch.bfloat16
     model = build_model(hf, tp_size, dev, dtype)
     cache = make_cache(model, tp_size, batch, ctx, dev, dtype)
     step = decode_step_fn(model, cache, batch, ctx)
@@ -113,7 +119,7 @@ def count_step(batch: int, ctx: int) -> dict:
         step()
     model_ops = sum(n for f, n in counter.by_file.items() if f.startswith("model/"))
     return {
-        "config": "k3-tiny-gpu", "dtype": "bf16", "batch": batch, "ctx": ctx,
+        "config": config, "device": device, "dtype": "bf16", "batch": batch, "ctx": ctx,
         "layers": model.config.num_hidden_layers,
         "ops_total": sum(counter.by_file.values()),
         "ops_in_model": model_ops,
@@ -124,6 +130,7 @@ def count_step(batch: int, ctx: int) -> dict:
         "casts_in_model": sum(n for f, n in counter.casts.items() if f.startswith("model/")),
         "ops_by_file": dict(counter.by_file.most_common()),
         "casts_by_file": dict(counter.casts.most_common()),
+        "ops_by_line": dict(counter.by_line.most_common()),
     }
 
 
@@ -131,16 +138,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--ctx", type=int, default=64)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--config", default="k3-tiny-gpu", choices=sorted(CONFIGS))
+    parser.add_argument("--layers", type=int, default=12, help="k3-rank-slice: K3's first LAYERS layers")
+    parser.add_argument("--lines", type=int, default=0, help="also list the N source lines that launch most")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    result = count_step(args.batch, args.ctx)
+    result = count_step(args.batch, args.ctx, args.device, args.config, args.layers)
     print(f"{result['config']} {result['layers']} layers, batch {args.batch}, ctx {args.ctx}: "
           f"{result['ops_total']} aten ops per decode step ({result['ops_in_model']} issued by model/), "
           f"{result['casts_total']} casts ({result['casts_in_model']} by model/); "
           f"{result['ops_with_norms_as_one']} with each norm call one launch (its Triton kernel on CUDA)")
     for name, n in result["ops_by_file"].items():
         print(f"  {n:6d}  {name}  ({result['casts_by_file'].get(name, 0)} casts)")
+    for name, n in list(result["ops_by_line"].items())[: args.lines]:
+        print(f"  {n:6d}  {name}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
 

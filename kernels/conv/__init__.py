@@ -2,16 +2,21 @@
 tokens, with the conv state of each sequence kept in a slot pool (vLLM/fla semantics).
 
 The state holds the last W-1 PRE-activation inputs of each sequence, oldest first, so a sequence
-can be fed in any number of pieces (prefill chunks, one-token decode) with the same result."""
+can be fed in any number of pieces (prefill chunks, one-token decode) with the same result.
+On CUDA a decode step (one token per sequence) is one Triton launch (`triton_conv.py`); `last_backend`
+records which form ran."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from .._backend import gpu_kernels, has_module
 from . import naive
 
 __all__ = ["causal_conv1d"]
+
+last_backend: dict[str, str] = {}  # "causal_conv1d" -> "triton" | "torch" (the batched decode form) | "naive"
 
 
 def causal_conv1d(
@@ -51,6 +56,7 @@ def causal_conv1d(
         # checking them would cost a host sync per layer. T == N means one token per sequence (decode).
         if T == N:
             return _decode_one_token(x, weight, conv_state, state_indices, activation)
+        last_backend["causal_conv1d"] = "naive"
         return naive.causal_conv1d(x, weight, conv_state, cu_seqlens, state_indices, activation)
     lens = cu_seqlens.diff()
     if cu_seqlens[0] != 0 or cu_seqlens[-1] != T or (lens < 1).any():
@@ -59,13 +65,21 @@ def causal_conv1d(
     if ((state_indices < 0) | (state_indices >= S)).any() or owned.unique().numel() != owned.numel():
         raise ValueError(f"state_indices must be distinct slots in [0, {S}) (pad_slot {pad_slot} may repeat), "
                          f"got {state_indices.tolist()}")
+    last_backend["causal_conv1d"] = "naive"
     return naive.causal_conv1d(x, weight, conv_state, cu_seqlens, state_indices, activation)
 
 
 def _decode_one_token(x: Tensor, weight: Tensor, conv_state: Tensor, state_indices: Tensor,
                       activation: str | None) -> Tensor:
     """One new token per sequence, all sequences at once (no per-sequence loop, no host sync): the same
-    products and W-term sums as the reference's window, in fp32."""
+    products and W-term sums as the reference's window, in fp32; one Triton launch where it can."""
+    if gpu_kernels(x, weight, conv_state) and has_module("triton"):
+        from . import triton_conv
+
+        if triton_conv.supports(x, weight, conv_state):
+            last_backend["causal_conv1d"] = "triton"
+            return triton_conv.conv_decode(x, weight, conv_state, state_indices, activation == "silu")
+    last_backend["causal_conv1d"] = "torch"
     window = torch.cat([conv_state[state_indices].float(), x.float()[:, :, None]], dim=-1)  # [N, C, W]
     y = (window * weight.float()).sum(-1)
     conv_state[state_indices] = window[:, :, 1:].to(conv_state.dtype)

@@ -229,12 +229,15 @@ def kda_decode(
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     pad_slot: int | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
 ) -> Tensor:
     """One token for each of N sequences (continuous-batching decode); returns o [N, H, V] in q.dtype.
 
-    q, k, g [N, H, K]; v [N, H, V]; beta [N, H]. Sequence n reads and writes its state in place at
-    state_pool[state_indices[n]] (pool fp32 [S, H, K, V]); no other slot is touched. Indices are
-    distinct, except `pad_slot`, which the padding rows of a fixed-shape batch share (garbage outputs)."""
+    q, k, g [N, H, K]; v [N, H, V]; beta [N, H], or its logits with use_beta_sigmoid_in_kernel (the sigmoid
+    then runs in fp32 inside: two launches a layer fewer than the caller's cast + sigmoid). Sequence n reads
+    and writes its state in place at state_pool[state_indices[n]] (pool fp32 [S, H, K, V]); no other slot is
+    touched. Indices are distinct, except `pad_slot`, which the padding rows of a fixed-shape batch share
+    (garbage outputs)."""
     _check_token_inputs(q, k, v, g, beta, "N")
     N, H, K = q.shape
     _check_state("state_pool", state_pool, "S", H, K, v.shape[-1])
@@ -254,6 +257,7 @@ def kda_decode(
         if triton_decode.supports(q, k, v, g, state_pool):
             last_backend["kda_decode"] = "triton"
             return triton_decode.kda_decode(q, k, v, g, beta, state_pool, state_indices.to(q.device), scale,
-                                            use_qk_l2norm_in_kernel)
+                                            use_qk_l2norm_in_kernel, beta_sigmoid=use_beta_sigmoid_in_kernel)
     last_backend["kda_decode"] = "naive"
-    return naive.kda_decode(q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm_in_kernel)
+    return naive.kda_decode(q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm_in_kernel,
+                            use_beta_sigmoid_in_kernel)

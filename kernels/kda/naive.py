@@ -181,8 +181,11 @@ def kda_decode(
     state_indices: Tensor,  # [N]
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
 ) -> Tensor:
     out_dtype = q.dtype
+    if use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(beta.float())
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
     S, o = _step(state_pool[state_indices], q, k, v, g, beta)  # [N, H, K, V], [N, H, V]
     state_pool[state_indices] = S

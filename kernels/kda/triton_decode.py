@@ -30,6 +30,7 @@ def _kda_decode_kernel(
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_gh, stride_bn, stride_bh,
     stride_sn, stride_sh, stride_on, stride_oh,
     K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, EPS: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr,
 ):
     n = tl.program_id(0) // H
     h = tl.program_id(0) % H
@@ -43,6 +44,8 @@ def _kda_decode_kernel(
     bq = bq * scale
     decay = tl.exp(tl.load(g + n * stride_gn + h * stride_gh + offs_k).to(tl.float32))
     bb = tl.load(beta + n * stride_bn + h * stride_bh).to(tl.float32)
+    if BETA_SIGMOID:
+        bb = tl.sigmoid(bb)
     bv = tl.load(v + n * stride_vn + h * stride_vh + offs_v).to(tl.float32)
     slot = tl.load(state_indices + n).to(tl.int64)
     tile = state + slot * stride_sn + h * stride_sh + offs_k[:, None] * V + offs_v[None, :]
@@ -72,9 +75,9 @@ def default_block_v(N: int, H: int, V: int) -> tuple[int, int]:
 
 def kda_decode(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor, state_indices: Tensor,
                scale: float | None, use_qk_l2norm_in_kernel: bool, block_v: int | None = None,
-               num_warps: int | None = None) -> Tensor:
-    """q, k, g [N, H, K], v [N, H, V], beta [N, H] -> o [N, H, V] in q.dtype; the pool advances in place.
-    block_v / num_warps override the tile choice (the benchmark's sweep)."""
+               num_warps: int | None = None, beta_sigmoid: bool = False) -> Tensor:
+    """q, k, g [N, H, K], v [N, H, V], beta [N, H] (its logits with beta_sigmoid) -> o [N, H, V] in q.dtype;
+    the pool advances in place. block_v / num_warps override the tile choice (the benchmark's sweep)."""
     N, H, K = q.shape
     V = v.shape[-1]
     bv, warps = default_block_v(N, H, V)
@@ -90,6 +93,6 @@ def kda_decode(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_p
             q, k, v, g, beta, state_pool, state_indices, o, scale, H,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
             beta.stride(0), beta.stride(1), state_pool.stride(0), state_pool.stride(1), o.stride(0), o.stride(1),
-            K=K, V=V, BV=bv, L2NORM=use_qk_l2norm_in_kernel, EPS=L2_EPS, num_warps=warps,
+            K=K, V=V, BV=bv, L2NORM=use_qk_l2norm_in_kernel, EPS=L2_EPS, BETA_SIGMOID=beta_sigmoid, num_warps=warps,
         )
     return o

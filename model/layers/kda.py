@@ -92,14 +92,13 @@ class KimiDeltaAttention(Sharded):
         qkv = causal_conv1d(qkv_in, self.conv_weight, conv, *batch.conv_indices, activation="silu",
                             pad_slot=batch.pad_slot)
         q, k, v = (t.reshape(T, H, d) for t in qkv.split(H * d, dim=-1))
-        beta = torch.sigmoid(b.float())  # [T, H]
         g = kda_gate(self.f_b_proj(f_a).reshape(T, H, d), self.A_log, self.dt_bias, self.lower_bound)
 
         if batch.num_decode == batch.num_seqs and batch.checkpoint_offsets is None:  # chunked form emits checkpoints
-            o = kda_decode(q, k, v, g, beta, recurrent, batch.slot_ids, use_qk_l2norm_in_kernel=True,
-                           pad_slot=batch.pad_slot)
+            o = kda_decode(q, k, v, g, b, recurrent, batch.slot_ids, use_qk_l2norm_in_kernel=True,
+                           pad_slot=batch.pad_slot, use_beta_sigmoid_in_kernel=True)
         else:
-            o = self._chunked(q, k, v, g, beta, batch, recurrent)
+            o = self._chunked(q, k, v, g, torch.sigmoid(b.float()), batch, recurrent)  # beta [T, H]
 
         gate = gate_in if hasattr(self, "g_proj") else self.g_b_proj(gate_in)
         y = gated_rms_norm(o, gate.reshape(T, H, d), self.o_norm.weight, self.eps).to(x.dtype)

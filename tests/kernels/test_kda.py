@@ -126,6 +126,18 @@ def test_decode_over_poisoned_pool_equals_recurrent_steps() -> None:
     assert (pool[unused] == 1e30).all()
 
 
+def test_decode_applies_the_beta_sigmoid_itself_when_asked() -> None:
+    """use_beta_sigmoid_in_kernel: beta comes as logits (the layer's projection) and the step is the same."""
+    q, k, v, g, _ = _inputs(1, B=3)
+    logits = torch.randn(3, 1, H)
+    slots = torch.tensor([0, 2, 1])
+    pool = torch.randn(3, H, K, V)
+    ref_pool = pool.clone()
+    o = kda_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], logits[:, 0], pool, slots, use_beta_sigmoid_in_kernel=True)
+    ref_o = kda_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], torch.sigmoid(logits[:, 0]), ref_pool, slots)
+    assert torch.equal(o, ref_o) and torch.equal(pool, ref_pool)
+
+
 def test_bf16_inputs_give_bf16_output_and_fp32_state() -> None:
     q, k, v, g, beta = _inputs(80, dtype=torch.bfloat16)
     o, final, _ = chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)

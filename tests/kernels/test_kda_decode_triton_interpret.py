@@ -11,7 +11,7 @@ from _triton_interpret import needs_triton, run_in_interpreter
 pytestmark = needs_triton
 
 
-def _decode_matches_reference(dtype_name: str, block_v: int, l2norm: bool) -> None:
+def _decode_matches_reference(dtype_name: str, block_v: int, l2norm: bool, beta_sigmoid: bool) -> None:
     import torch
 
     from k3serve.kernels.kda import naive
@@ -24,12 +24,16 @@ def _decode_matches_reference(dtype_name: str, block_v: int, l2norm: bool) -> No
     proj = torch.randn(N, 2 * H * K + H * V, dtype=dtype)  # q | k | v of the layer, one row per sequence
     q, k, v = (t.reshape(N, H, -1) for t in proj.split([H * K, H * K, H * V], dim=-1))
     g = -5 * torch.sigmoid(torch.randn(N, H, K))  # K3 bounded gate, fp32
-    beta = torch.sigmoid(torch.randn(N, H))
+    beta_logits = torch.randn(N, H, dtype=dtype)  # the layer's projection, when the kernel applies the sigmoid
+    beta = torch.sigmoid(beta_logits.float())
     pool = torch.randn(num_slots, H, K, V)
     slots = torch.tensor([6, 1, 3, pad_slot, pad_slot])  # two padding rows share the pad slot
     ref_pool = pool.clone()
 
-    o = kda_decode(q, k, v, g, beta, pool, slots, None, l2norm, block_v=block_v)
+    if beta_sigmoid:
+        o = kda_decode(q, k, v, g, beta_logits, pool, slots, None, l2norm, block_v=block_v, beta_sigmoid=True)
+    else:
+        o = kda_decode(q, k, v, g, beta, pool, slots, None, l2norm, block_v=block_v)
 
     real = slots[:3]
     ref_o = naive.kda_decode(q[:3], k[:3], v[:3], g[:3], beta[:3], ref_pool, real, None, l2norm)
@@ -42,7 +46,9 @@ def _decode_matches_reference(dtype_name: str, block_v: int, l2norm: bool) -> No
     assert torch.equal(pool[untouched], ref_pool[untouched]), "slots outside the batch must not change"
 
 
-@pytest.mark.parametrize("dtype_name, block_v, l2norm", [("bfloat16", 16, True), ("float16", 64, True),
-                                                         ("float32", 32, False)])
-def test_decode_step_matches_reference_under_interpreter(dtype_name: str, block_v: int, l2norm: bool) -> None:
-    run_in_interpreter(__file__, "_decode_matches_reference", dtype_name, block_v, l2norm)
+@pytest.mark.parametrize("dtype_name, block_v, l2norm, beta_sigmoid", [
+    ("bfloat16", 16, True, True), ("float16", 64, True, False), ("float32", 32, False, True)])
+def test_decode_step_matches_reference_under_interpreter(dtype_name: str, block_v: int, l2norm: bool,
+                                                         beta_sigmoid: bool) -> None:
+    """beta_sigmoid: the kernel reads beta's logits in the projection's dtype and applies the sigmoid itself."""
+    run_in_interpreter(__file__, "_decode_matches_reference", dtype_name, block_v, l2norm, beta_sigmoid)
