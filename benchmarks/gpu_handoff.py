@@ -41,7 +41,7 @@ from k3serve.model.presets import preset_config
 from k3serve.transfer.backend import TransferBackend, TransferStatus, WriteOp
 from k3serve.transfer.backends import backend_names, make_backend
 from k3serve.transfer import checksum
-from k3serve.transfer.checksum import mismatched_regions, request_checksums
+from k3serve.transfer.checksum import CachedRequest, mismatched_regions, request_checksums
 from k3serve.transfer.layout import CacheLayout, HeadSlice, register_cache
 from k3serve.transfer.tp_map import RankCache, RequestSpan, TPMapping
 
@@ -113,16 +113,16 @@ def _named_tensors(cache: ModelCache) -> dict[str, torch.Tensor]:
     return named
 
 
-def timed_checksums(cache: ModelCache, layout: CacheLayout, block_ids, slot: int, num_tokens: int,
-                    heads: HeadSlice | None, include_mla: bool, dev: torch.device) -> tuple[dict[str, str], list[float], str]:
+def timed_checksums(request: CachedRequest, heads: HeadSlice | None, include_mla: bool,
+                    dev: torch.device) -> tuple[dict[str, str], list[float], str]:
     """request_checksums on the cache's device, CHECKSUM_REPS times after one warm-up (on CUDA it compiles
     the Triton kernel): the sums, ms each, and the path that ran ("triton" | "matmul")."""
-    request_checksums(cache, layout, block_ids, slot, num_tokens, heads, include_mla)
+    request_checksums(request, heads, include_mla)
     times, sums = [], {}
     for _ in range(CHECKSUM_REPS):
         sync(dev)
         t0 = time.perf_counter()
-        sums = request_checksums(cache, layout, block_ids, slot, num_tokens, heads, include_mla)
+        sums = request_checksums(request, heads, include_mla)
         sync(dev)
         times.append((time.perf_counter() - t0) * 1e3)
     return sums, times, checksum.last_backend["checksum"]
@@ -141,8 +141,8 @@ def receiver(conn, spec: dict) -> None:
         while (msg := conn.recv()) is not None:
             if msg[0] == "checksums":
                 _, block_ids, slot, num_tokens = msg
-                conn.send(("checksums", *timed_checksums(cache, layout, block_ids, slot, num_tokens,
-                                                         HeadSlice.whole_shard(layout), True, dev)))
+                request = CachedRequest(cache, layout, block_ids, slot, num_tokens)
+                conn.send(("checksums", *timed_checksums(request, HeadSlice.whole_shard(layout), True, dev)))
             elif msg[0] == "bytes":
                 landed = torch.cat(byte_ranges(cache, regions, msg[1])).cpu()
                 conn.send_bytes(landed.numpy().tobytes())
@@ -231,8 +231,8 @@ def main() -> None:
         ops = mapping.ops(RequestSpan(src_blocks, dst_blocks, src_slot, dst_slot, args.tokens))[(0, 0)]
         nbytes = sum(op.length for op in ops)
         view = mapping.view(0, 0)
-        sent, send_ck_ms, send_ck_path = timed_checksums(cache, layout, src_blocks, src_slot, args.tokens, view.heads, view.mla,
-                                           src_dev)
+        sent, send_ck_ms, send_ck_path = timed_checksums(CachedRequest(cache, layout, src_blocks, src_slot, args.tokens),
+                                                         view.heads, view.mla, src_dev)
         conn.send(("checksums", dst_blocks, dst_slot, args.tokens))
         before, _, _ = recv(conn, "checksums")
         result["differed_before"] = len(mismatched_regions(sent, before))

@@ -39,7 +39,7 @@ from k3serve.prefill import handoff as prefill_handoff
 from k3serve.prefill.worker import HandoffTarget, PrefillWorker
 from k3serve.transfer.backend import TransferStatus
 from k3serve.transfer.backends import make_backend
-from k3serve.transfer.checksum import request_checksums
+from k3serve.transfer.checksum import CachedRequest, request_checksums
 from k3serve.transfer.control import DecodeControlClient
 from k3serve.transfer.layout import CacheLayout, HeadSlice, register_cache
 from k3serve.transfer.tp_map import RankCache, RequestSpan, TPMapping
@@ -63,7 +63,7 @@ def receiver(conn, backend_name: str, preset: str, max_tokens: int) -> None:
     conn.send((backend.agent_info(), layout.to_json(), {n: r for n, r in regions.items()}))
     while (msg := conn.recv()) is not None:  # (block_ids, slot, num_tokens) -> checksums of what landed
         block_ids, slot, num_tokens = msg
-        conn.send(request_checksums(cache, layout, block_ids, slot, num_tokens, HeadSlice.whole_shard(layout)))
+        conn.send(request_checksums(CachedRequest(cache, layout, block_ids, slot, num_tokens), HeadSlice.whole_shard(layout)))
     backend.close()
 
 
@@ -98,7 +98,7 @@ def bench_backend(backend_name: str, preset: str, tokens: list[int], reps: int) 
             parent.send((blocks, 1, n))
             landed = parent.recv()
             view = mapping.view(0, 0)
-            sent = request_checksums(cache, layout, blocks, 0, n, view.heads, view.mla)
+            sent = request_checksums(CachedRequest(cache, layout, blocks, 0, n), view.heads, view.mla)
             assert landed == sent, "landed state differs from what was sent"
             median = statistics.median(times[1:])
             rows.append({"backend": backend_name, "tokens": n, "bytes": nbytes, "ops": len(ops),

@@ -22,7 +22,7 @@ from k3serve.model.batch import ModelCache
 from k3serve.model.config import ModelConfig
 from k3serve.transfer.backend import AgentInfo, TransferBackend
 from k3serve.transfer.backends import make_backend
-from k3serve.transfer.checksum import request_checksums
+from k3serve.transfer.checksum import CachedRequest, request_checksums
 from k3serve.transfer.control import HandshakeInfo, InvalidArgumentError, Reservation
 from k3serve.transfer.layout import CacheLayout, HeadSlice, compatibility_hash, register_cache
 from k3serve.transfer.tp_map import RankCache, TPMapping
@@ -66,8 +66,8 @@ class RankReceiver:
         """Region sums of this rank's whole view of a request, or why they could not be computed
         (a string, so a follower still answers the gather instead of leaving rank 0 waiting)."""
         try:
-            return request_checksums(self.cache, self.layout, block_ids, slot_id, num_tokens,
-                                     HeadSlice.whole_shard(self.layout))
+            request = CachedRequest(self.cache, self.layout, block_ids, slot_id, num_tokens)
+            return request_checksums(request, HeadSlice.whole_shard(self.layout))
         except Exception as e:
             return f"rank {self.rank} could not checksum its shard: {type(e).__name__}: {e}"
 

@@ -25,7 +25,7 @@ from typing import TypeVar
 
 from k3serve.model.batch import ModelCache
 from k3serve.transfer.backend import TransferBackend, TransferError, TransferStatus
-from k3serve.transfer.checksum import views_checksums
+from k3serve.transfer.checksum import CachedRequest, views_checksums
 from k3serve.transfer.control import DecodeControlClient, Reservation
 from k3serve.transfer.layout import CacheLayout, register_cache
 from k3serve.transfer.tp_map import RankCache, RequestSpan, TPMapping
@@ -144,7 +144,8 @@ class RankSender:
         """The sums of this rank's share of every decode rank's view it feeds, from its own cache, in one pass."""
         views = {r: (view.heads, view.mla) for r in range(mapping.decode_tp)
                  if (view := mapping.view(self.layout.tp_rank, r)) is not None}
-        return views_checksums(self.cache, self.layout, job.src_block_ids, job.src_slot, job.num_tokens, views)
+        request = CachedRequest(self.cache, self.layout, job.src_block_ids, job.src_slot, job.num_tokens)
+        return views_checksums(request, views)
 
     def _write_and_wait(self, batches: list[tuple[str, list]], meanwhile: Callable[[], T] | None = None) -> T | None:
         """Post one batch per decode rank, run `meanwhile` (if given) while they are in flight, then

@@ -109,15 +109,19 @@ def combine_checksums(parts: Iterable[str]) -> str:
     return _format(lane1, lane2)
 
 
-def request_checksums(
-    cache: ModelCache,
-    layout: CacheLayout,
-    block_ids: Sequence[int],
-    slot_id: int,
-    num_tokens: int,
-    heads: HeadSlice | None,
-    include_mla: bool = True,
-) -> dict[str, str]:
+@dataclass(frozen=True)
+class CachedRequest:
+    """One request's state in one rank's cache, what its checksums are cut from: token rows
+    0..num_tokens-1 of its MLA blocks `block_ids` (in order), and its KDA slot `slot_id`."""
+
+    cache: ModelCache
+    layout: CacheLayout
+    block_ids: Sequence[int]
+    slot_id: int
+    num_tokens: int
+
+
+def request_checksums(request: CachedRequest, heads: HeadSlice | None, include_mla: bool = True) -> dict[str, str]:
     """Checksums, per region, of this cache's share of one decode rank's view of a request.
 
     Sender (prefill rank s, for decode rank r): `heads` and `include_mla` from `TPMapping.view(s, r)`.
@@ -125,23 +129,17 @@ def request_checksums(
     values equal `combine_request_checksums` of the senders' dicts when the bytes arrived intact.
     All regions are summed in one pass (`_checksum_pieces`); bad ids or slots are refused (ValueError).
     """
-    return _checksum_pieces(_request_pieces(cache, layout, block_ids, slot_id, num_tokens, heads, include_mla))
+    return _checksum_pieces(_request_pieces(request, heads, include_mla))
 
 
 def views_checksums(
-    cache: ModelCache,
-    layout: CacheLayout,
-    block_ids: Sequence[int],
-    slot_id: int,
-    num_tokens: int,
-    views: dict[int, tuple[HeadSlice | None, bool]],
+    request: CachedRequest, views: dict[int, tuple[HeadSlice | None, bool]]
 ) -> dict[int, dict[str, str]]:
     """`request_checksums` of several decode ranks' views at once (a sender feeding a wider decode engine):
     {decode rank: (heads, include_mla)} -> {decode rank: checksums}, equal to one call per rank, but in one
     pass (on CUDA one launch and one sync, not one per rank) over the distinct pieces: the MLA rows every
     view carries whole are summed once."""
-    per_view = {r: _request_pieces(cache, layout, block_ids, slot_id, num_tokens, heads, mla)
-                for r, (heads, mla) in views.items()}
+    per_view = {r: _request_pieces(request, heads, mla) for r, (heads, mla) in views.items()}
     distinct = list({_piece_key(piece): piece for pieces in per_view.values() for piece in pieces}.values())
     lanes = dict(zip(map(_piece_key, distinct), _lanes(distinct)))
     return {r: _fold(pieces, [lanes[_piece_key(piece)] for piece in pieces]) for r, pieces in per_view.items()}
@@ -152,16 +150,10 @@ def _piece_key(piece: Piece) -> tuple:
     return (piece.region, piece.source.data_ptr(), *piece[2:])
 
 
-def _request_pieces(
-    cache: ModelCache,
-    layout: CacheLayout,
-    block_ids: Sequence[int],
-    slot_id: int,
-    num_tokens: int,
-    heads: HeadSlice | None,
-    include_mla: bool,
-) -> list[Piece]:
+def _request_pieces(request: CachedRequest, heads: HeadSlice | None, include_mla: bool) -> list[Piece]:
     """The pieces of `request_checksums`."""
+    cache, layout, block_ids, slot_id, num_tokens = (
+        request.cache, request.layout, request.block_ids, request.slot_id, request.num_tokens)
     pieces: list[Piece] = []
     if include_mla and cache.mla_kv:
         if num_tokens > len(block_ids) * layout.block_size:

@@ -16,6 +16,7 @@ from k3serve.model.batch import ModelCache
 from k3serve.model.presets import preset_config
 from k3serve.transfer import checksum
 from k3serve.transfer.checksum import (
+    CachedRequest,
     combine_checksums,
     combine_request_checksums,
     mismatched_regions,
@@ -150,12 +151,13 @@ def test_mla_checksum_covers_only_the_requests_token_rows() -> None:
     fill_random_bytes(cache, seed=3)
     layout = CacheLayout.from_cache(cache, config, 0, 1)
     blocks, tokens = [5, 2], BLOCK_SIZE + 2  # the second block holds 2 of the request's tokens
-    base = request_checksums(cache, layout, blocks, 0, tokens, heads=None)
+    request = CachedRequest(cache, layout, blocks, 0, tokens)
+    base = request_checksums(request, heads=None)
     assert set(base) == {"mla.0", "mla.1"}
     _change(cache.mla_kv[0], (2, 3, 0))  # block tail: not the request's
-    assert request_checksums(cache, layout, blocks, 0, tokens, heads=None) == base
+    assert request_checksums(request, heads=None) == base
     _change(cache.mla_kv[0], (2, 1, 0))  # token row 5
-    assert mismatched_regions(base, request_checksums(cache, layout, blocks, 0, tokens, heads=None)) == ["mla.0"]
+    assert mismatched_regions(base, request_checksums(request, heads=None)) == ["mla.0"]
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 1), (2, 1), (1, 2), (4, 2), (2, 8), (8, 4)])
@@ -173,19 +175,18 @@ def test_sender_shares_add_up_to_the_receivers_checksum(prefill_tp: int, decode_
             shares = []
             for s in mapping.sources(r):  # computed on prefill rank s, from its own cache
                 view = mapping.view(s, r)
-                shares.append(
-                    request_checksums(prefill.caches[s], prefill.layouts[s], span.src_block_ids, span.src_slot,
-                                      span.num_tokens, heads=view.heads, include_mla=view.mla)  # fmt: skip
-                )
+                sent = CachedRequest(prefill.caches[s], prefill.layouts[s], span.src_block_ids, span.src_slot,
+                                     span.num_tokens)  # fmt: skip
+                shares.append(request_checksums(sent, heads=view.heads, include_mla=view.mla))
             expected = combine_request_checksums(shares)
-            landed = request_checksums(decode.caches[r], decode.layouts[r], span.dst_block_ids, span.dst_slot,
-                                       span.num_tokens, heads=HeadSlice.whole_shard(decode.layouts[r]))  # fmt: skip
+            received = CachedRequest(decode.caches[r], decode.layouts[r], span.dst_block_ids, span.dst_slot,
+                                     span.num_tokens)  # fmt: skip
+            landed = request_checksums(received, heads=HeadSlice.whole_shard(decode.layouts[r]))
             assert set(landed) == set(decode.layouts[r].region_names)
             assert mismatched_regions(expected, landed, metrics) == []
 
             _change(decode.caches[r].kda_conv[1], (span.dst_slot, -1, -1))  # one corrupted value lands
-            landed = request_checksums(decode.caches[r], decode.layouts[r], span.dst_block_ids, span.dst_slot,
-                                       span.num_tokens, heads=HeadSlice.whole_shard(decode.layouts[r]))  # fmt: skip
+            landed = request_checksums(received, heads=HeadSlice.whole_shard(decode.layouts[r]))
             assert mismatched_regions(expected, landed, metrics) == ["kda_conv.1"]
         counted = registry.get_sample_value("k3serve:transfer_checksum_mismatches_total", {"model_name": "tiny", "role": "prefill"})
         assert counted == decode_tp
@@ -213,10 +214,10 @@ def test_a_sender_sums_all_the_views_it_feeds_in_one_pass(prefill_tp: int, decod
         for s in range(prefill_tp):
             views = {r: (view.heads, view.mla) for r in range(decode_tp) if (view := mapping.view(s, r)) is not None}
             passes.clear()
-            together = checksum.views_checksums(prefill.caches[s], prefill.layouts[s], blocks, slot, tokens, views)
+            request = CachedRequest(prefill.caches[s], prefill.layouts[s], blocks, slot, tokens)
+            together = checksum.views_checksums(request, views)
             assert len(passes) == 1
-            one_by_one = {r: request_checksums(prefill.caches[s], prefill.layouts[s], blocks, slot, tokens, heads, mla)
-                          for r, (heads, mla) in views.items()}
+            one_by_one = {r: request_checksums(request, heads, mla) for r, (heads, mla) in views.items()}
             assert together == one_by_one
             assert passes[0] < sum(passes[1:]) or len(views) == 1  # the MLA pieces every view shares, once
     finally:
@@ -284,9 +285,9 @@ def test_request_pieces_are_checked_against_their_tensors() -> None:
     cache = ModelCache.allocate(config, num_blocks=4, num_slots=2, block_size=BLOCK_SIZE)
     layout = CacheLayout.from_cache(cache, config, 0, 1)
     with pytest.raises(ValueError, match="outside"):
-        request_checksums(cache, layout, [0, 9], 0, BLOCK_SIZE + 1, heads=None)
+        request_checksums(CachedRequest(cache, layout, [0, 9], 0, BLOCK_SIZE + 1), heads=None)
     with pytest.raises(ValueError, match="outside"):
-        request_checksums(cache, layout, [], 2, 0, heads=HeadSlice.whole_shard(layout))
+        request_checksums(CachedRequest(cache, layout, [], 2, 0), heads=HeadSlice.whole_shard(layout))
 
 
 @pytest.mark.gpu
@@ -316,9 +317,9 @@ def test_gpu_request_checksums_at_k3_size() -> None:
     blocks, tokens = [7, 2, 11, 0, 5, 9, 3, 1], 500
     to_tp16_rank1 = HeadSlice(6, 12, 6, 6)  # heads 6-11 of this rank: the conv slot cut in q, k, v parts
     for heads, mla, regions in [(HeadSlice.whole_shard(layout), True, 162), (to_tp16_rank1, False, 138)]:
-        on_gpu = request_checksums(gpu, layout, blocks, 1, tokens, heads, mla)
+        on_gpu = request_checksums(CachedRequest(gpu, layout, blocks, 1, tokens), heads, mla)
         assert checksum.last_backend["checksum"] == "triton"
-        assert on_gpu == request_checksums(cpu, layout, blocks, 1, tokens, heads, mla)
+        assert on_gpu == request_checksums(CachedRequest(cpu, layout, blocks, 1, tokens), heads, mla)
         assert checksum.last_backend["checksum"] == "matmul"
         assert len(on_gpu) == regions
 
