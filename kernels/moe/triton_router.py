@@ -1,13 +1,16 @@
 """MoE routing (sigmoid scores, correction-biased top-k, gather, renormalize, scale) as one Triton launch;
 the torch reference takes ~10. One program routes one token: it holds the row of E scores in registers
-and takes the k largest by repeated arg-max, so the ids come out in the reference's order (descending
-biased score, ties to the lower expert id, see `naive.select_experts`). The sigmoid is torch's formula
-with IEEE exp and division (not Triton's approximate ones), so the scores, and therefore the ids, equal
-the reference's on CUDA bit for bit.
+and takes the k largest by repeated max over one int64 key a lane, (the score's bits in an order-keeping
+integer form) << 32 | (BLOCK_E - 1 - id): one reduction a pick, whose winner is the highest score and, among
+equal scores, the lower expert id, the reference's order (`naive.select_experts`). A warp or two hold the row,
+so a pick is shuffles within warps, not a round trip through shared memory (16 picks of 896 experts took
+8 us with a two-value arg-max over four warps). The weights are the picked experts' scores, recomputed
+from their logits after the picks. The sigmoid is torch's formula with IEEE exp and division (not Triton's
+approximate ones), so the scores, and therefore the ids, equal the reference's on CUDA bit for bit.
 
-Non-finite biased scores keep the reference's order too: the compiled arg-max's comparisons drop NaN
-(and a taken -inf would be taken again), so NaN ranks as +inf, above every number, as in torch's descending
-sort, and -inf as the lowest finite float; ids stay distinct and in [0, E), weights of NaN scores stay NaN."""
+Non-finite biased scores keep the reference's order too: NaN ranks as +inf, above every number, as in
+torch's descending sort, and -inf as the lowest finite float; ids stay distinct and in [0, E), weights of
+NaN scores stay NaN."""
 
 from __future__ import annotations
 
@@ -19,8 +22,10 @@ from torch import Tensor
 
 from .._backend import device_of
 
-_LOWEST = tl.constexpr(-3.4028234663852886e38)  # -FLT_MAX: below every finite score, above a taken lane
+_LOWEST = tl.constexpr(-3.4028234663852886e38)  # -FLT_MAX: below every finite score
+_NO_KEY = tl.constexpr(-(2**63))  # a taken or padding lane: below every expert's key
 MAX_EXPERTS, MAX_TOP_K = 1024, 32  # one row of scores in one program's registers (K3: 896 experts, top 16)
+NUM_WARPS = 2  # 1024 keys: 16 a thread
 
 
 def supports(router_logits: Tensor, top_k: int) -> bool:
@@ -28,36 +33,44 @@ def supports(router_logits: Tensor, top_k: int) -> bool:
 
 
 @triton.jit
-def _router_kernel(logits, bias, weights_out, ids_out, E, stride_l, scaling, TOP_K: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    tok = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_E)
-    ok = offs < E
-    x = tl.load(logits + tok * stride_l + offs, mask=ok, other=0.0).to(tl.float32)
+def _sigmoid(logits_ptr, LIBDEVICE_EXP: tl.constexpr):
+    """torch.sigmoid of the loaded logits, bit for bit: 1 / (1 + exp(-x)) with IEEE exp and division."""
+    x = logits_ptr.to(tl.float32)
     if LIBDEVICE_EXP:  # CUDA's expf, which torch.sigmoid uses (tl.exp is an approximation there)
         e = libdevice.exp(-x)
     else:  # the interpreter, which has no libdevice: numpy's exp
         e = tl.exp(-x)
-    scores = tl.math.div_rn(1.0, 1.0 + e)  # torch.sigmoid's formula, with its IEEE division
-    choice = scores
+    return tl.math.div_rn(1.0, 1.0 + e)
+
+
+@triton.jit
+def _router_kernel(logits, bias, weights_out, ids_out, E, stride_l, scaling, TOP_K: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
+                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    ok = offs < E
+    choice = _sigmoid(tl.load(logits + tok * stride_l + offs, mask=ok, other=0.0), LIBDEVICE_EXP)
     if HAS_BIAS:
-        choice = scores + tl.load(bias + offs, mask=ok, other=0.0).to(tl.float32)
-    choice = tl.where(choice != choice, float("inf"), tl.maximum(choice, _LOWEST))  # the sort's order, no NaN
-    choice = tl.where(ok, choice, -float("inf"))  # taken and padding lanes lose to every expert left
+        choice = choice + tl.load(bias + offs, mask=ok, other=0.0).to(tl.float32)
+    choice = tl.where(choice != choice, float("inf"), tl.maximum(choice, _LOWEST)) + 0.0  # no NaN, no -0.0
+    bits = choice.to(tl.int32, bitcast=True)
+    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)  # signed-int order == float order
+    key = tl.where(ok, (ordered << 32) | (BLOCK_E - 1 - offs), _NO_KEY)  # padding lanes lose to every expert
     slots = tl.arange(0, BLOCK_K)
-    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
     ids = tl.zeros([BLOCK_K], dtype=tl.int64)
     for j in tl.static_range(TOP_K):
-        best = tl.argmax(choice, axis=0, tie_break_left=True)
-        picked = offs == best
-        weights = tl.where(slots == j, tl.sum(tl.where(picked, scores, 0.0), axis=0), weights)
-        ids = tl.where(slots == j, best.to(tl.int64), ids)
-        choice = tl.where(picked, -float("inf"), choice)
+        best = tl.max(key, axis=0)
+        ids = tl.where(slots == j, BLOCK_E - 1 - (best & 0xFFFFFFFF), ids)
+        key = tl.where(key == best, _NO_KEY, key)  # keys are distinct (the id is in them): one lane is taken
+    picked = slots < TOP_K
+    weights = _sigmoid(tl.load(logits + tok * stride_l + ids, mask=picked, other=0.0), LIBDEVICE_EXP)
+    weights = tl.where(picked, weights, 0.0)
     if RENORMALIZE:
         weights = weights / (tl.sum(weights, axis=0) + 1e-20)
     out = tok * TOP_K + slots
-    tl.store(weights_out + out, weights * scaling, mask=slots < TOP_K)
-    tl.store(ids_out + out, ids, mask=slots < TOP_K)
+    tl.store(weights_out + out, weights * scaling, mask=picked)
+    tl.store(ids_out + out, ids, mask=picked)
 
 
 def select_experts(router_logits: Tensor, correction_bias: Tensor | None, top_k: int, renormalize: bool,
@@ -73,6 +86,6 @@ def select_experts(router_logits: Tensor, correction_bias: Tensor | None, top_k:
         _router_kernel[(T,)](
             logits, bias, weights, ids, E, logits.stride(0), scaling_factor, TOP_K=top_k,
             HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize, LIBDEVICE_EXP=logits.is_cuda,
-            BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k), num_warps=4,
+            BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k), num_warps=NUM_WARPS,
         )
     return weights, ids
