@@ -67,8 +67,8 @@ _MAX_VIEW_WORDS = _P1 - 2
 
 class Piece(NamedTuple):  # a NamedTuple: a K3 rank's request makes 162 of them per checksum pass
     """`count` 16-bit words at word position `offset` of a region's view, read from the contiguous
-    tensor `source` in runs of `run` words: run k starts at word `first + runs[k] * run_stride` of
-    `source` (the last run is cut at `count`). One run (`runs == (0,)`) for a slot's KDA state; a
+    tensor `source` in runs of `run` words: run k starts at word `first + runs[k] * run` of `source`
+    (the last run is cut at `count`). One run (`runs == (0,)`) for a slot's KDA state; a
     request's MLA blocks for an MLA layer, so neither path gathers them into a new tensor first."""
 
     region: str
@@ -77,7 +77,6 @@ class Piece(NamedTuple):  # a NamedTuple: a K3 rank's request makes 162 of them 
     count: int
     offset: int
     run: int
-    run_stride: int = 0
     runs: tuple[int, ...] = (0,)
 
 
@@ -222,8 +221,7 @@ def _piece(
     size = source.numel() * source.element_size()
     if at < 0 or min(used) < 0 or at + max(used) * run_bytes + min(run_bytes, nbytes) > size:
         raise ValueError(f"region {region!r}: bytes [{at}, +{nbytes}) in runs {runs} lie outside its {size}-byte tensor")
-    words = run_bytes // _WORD
-    return Piece(region, source, at // _WORD, nbytes // _WORD, offset // _WORD, words, words, used)
+    return Piece(region, source, at // _WORD, nbytes // _WORD, offset // _WORD, run_bytes // _WORD, used)
 
 
 def _checksum_pieces(pieces: list[Piece]) -> dict[str, str]:
@@ -273,9 +271,9 @@ def _words(piece: Piece) -> torch.Tensor:
     raw = piece.source.reshape(-1).view(torch.uint8)
     words = raw[: raw.numel() - raw.numel() % _WORD].view(torch.int16)
     if len(piece.runs) == 1:
-        start = piece.first + piece.runs[0] * piece.run_stride
+        start = piece.first + piece.runs[0] * piece.run
         return words[start : start + piece.count]
-    rows = words.as_strided((max(piece.runs) + 1, piece.run), (piece.run_stride, 1), words.storage_offset() + piece.first)
+    rows = words.as_strided((max(piece.runs) + 1, piece.run), (piece.run, 1), words.storage_offset() + piece.first)
     ids = torch.as_tensor(piece.runs, dtype=torch.long, device=words.device)
     return rows.index_select(0, ids).reshape(-1)[: piece.count]
 

@@ -36,7 +36,7 @@ from k3serve.transfer.checksum import _P1, _P2, _R, _SHIFT, Piece
 TILE = 1 << 14  # words one program sums
 BLOCK = 1 << 10  # words one step of a program loads
 _DIGIT = 11  # R^q0 from three tables of 2^11 powers
-_COLUMNS = 8  # int64 per piece in the table (see `piece_lanes`)
+_COLUMNS = 7  # int64 per piece in the table (see `piece_lanes`)
 
 
 def _check_bounds() -> None:
@@ -48,11 +48,12 @@ def _check_bounds() -> None:
 @triton.jit(do_not_specialize=["num_pieces"])  # one compiled kernel for any piece count (of one SEARCH_STEPS)
 def _piece_lanes_kernel(
     anchor,  # int16 pointer: every word is at anchor + a word offset
-    table,  # int64 [num_pieces, 8] then the run ids: see `piece_lanes`
+    table,  # int64 [num_pieces, COLUMNS] then the run ids: see `piece_lanes`
     powers,  # int64 [3, 2^DIGIT]: R^i, R^(i * 2^DIGIT), R^(i * 2^(2 * DIGIT)) mod p2
     sums,  # int64 [num_pieces, 2]: lane sums of each piece's tiles (not yet reduced)
     num_pieces,
     SEARCH_STEPS: tl.constexpr,
+    COLUMNS: tl.constexpr,
     TILE: tl.constexpr,
     BLOCK: tl.constexpr,
     DIGIT: tl.constexpr,
@@ -65,23 +66,22 @@ def _piece_lanes_kernel(
     hi = lo + num_pieces
     for _ in range(SEARCH_STEPS):
         mid = (lo + hi) // 2
-        right = tl.load(table + mid * 8) <= tile
+        right = tl.load(table + mid * COLUMNS) <= tile
         lo = tl.where(right, mid, lo)
         hi = tl.where(right, hi, mid)
-    row = table + lo * 8
+    row = table + lo * COLUMNS
     first = tl.load(row + 1)  # word offset from the anchor of the piece's first run, at run id 0
     count = tl.load(row + 2)  # words in the piece
     offset = tl.load(row + 3)  # the piece's first word's position in the view
-    run = tl.load(row + 4)  # words a run
-    run_stride = tl.load(row + 5)  # words from run id r to run id r + 1 in the source
-    runs_at = tl.load(row + 6)  # where the piece's run ids start in `table`
-    tiles_per_run = tl.load(row + 7)
+    run = tl.load(row + 4)  # words a run, and from run id r to run id r + 1 in the source
+    runs_at = tl.load(row + 5)  # where the piece's run ids start in `table`
+    tiles_per_run = tl.load(row + 6)
     in_piece = tile - tl.load(row)
     k = in_piece // tiles_per_run
     in_run = (in_piece - k * tiles_per_run) * TILE
     start = k * run + in_run  # the tile's first word in the piece
     valid = tl.minimum(tl.minimum(run - in_run, count - start), TILE)
-    src = anchor + (first + tl.load(table + runs_at + k) * run_stride + in_run)
+    src = anchor + (first + tl.load(table + runs_at + k) * run + in_run)
     q0 = offset + start
 
     i = tl.arange(0, BLOCK)
@@ -114,7 +114,7 @@ def piece_lanes(pieces: Sequence[Piece]) -> list[tuple[int, int]]:
     """(lane 1, lane 2) of every piece, all of one device: one launch, one host sync.
 
     Table row of a piece (int64): first tile, first word (from the anchor), words, view position,
-    words a run, run stride, where its run ids start in the table, tiles a run; run ids follow the rows."""
+    words a run, where its run ids start in the table, tiles a run; run ids follow the rows."""
     _check_bounds()
     device = pieces[0].source.device
     if any(piece.source.device != device for piece in pieces):
@@ -135,7 +135,7 @@ def piece_lanes(pieces: Sequence[Piece]) -> list[tuple[int, int]]:
         tiles_per_run = -(-piece.run // TILE)
         full_runs, rest = divmod(piece.count, piece.run)
         first = (piece.source.data_ptr() - anchor_ptr) // 2 + piece.first
-        rows += [tiles, first, piece.count, piece.offset, piece.run, piece.run_stride, runs_at, tiles_per_run]
+        rows += [tiles, first, piece.count, piece.offset, piece.run, runs_at, tiles_per_run]
         tiles += full_runs * tiles_per_run + -(-rest // TILE)
     lanes = [(0, 0)] * len(pieces)
     if not tiles:
@@ -145,7 +145,7 @@ def piece_lanes(pieces: Sequence[Piece]) -> list[tuple[int, int]]:
     with device_of(anchor):  # CPU tensors: the Triton interpreter (tests)
         _piece_lanes_kernel[(tiles,)](
             anchor, table, powers, sums, len(summed),
-            SEARCH_STEPS=max(1, len(summed).bit_length()), TILE=TILE, BLOCK=BLOCK, DIGIT=_DIGIT,
+            SEARCH_STEPS=max(1, len(summed).bit_length()), COLUMNS=_COLUMNS, TILE=TILE, BLOCK=BLOCK, DIGIT=_DIGIT,
             SHIFT=_SHIFT, P1=_P1, P2=_P2, num_warps=4,
         )  # fmt: skip
     for i, (a, b) in zip(summed, sums.tolist()):
