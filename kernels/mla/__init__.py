@@ -158,10 +158,8 @@ def mla_decode_paged(
 
         if triton_decode.supports(q_latent, q_pe, kv_cache):
             last_backend["mla_decode_paged"] = "triton"
-            o, lse = triton_decode.mla_decode_paged(q_latent.to(kv_cache.dtype).contiguous(),
-                                                    q_pe.to(kv_cache.dtype).contiguous(), kv_cache, block_tables,
-                                                    seq_lens, scale, max_seq_len)
-            return o.to(q_latent.dtype), lse
+            return triton_decode.mla_decode_paged(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale,
+                                                  max_seq_len)
     last_backend["mla_decode_paged"] = "naive"
     return naive.mla_decode_paged(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale, kv_lora_rank)
 

@@ -33,9 +33,10 @@ def _pow2(x: int) -> bool:
 
 def supports(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor) -> bool:
     """Cache in bf16/fp16 (queries are cast to it), power-of-2 L, R and block size, each >= 16 (the
-    smallest tl.dot operand), unit inner stride."""
+    smallest tl.dot operand), unit inner strides."""
     L, R, block_size = q_latent.shape[-1], q_pe.shape[-1], kv_cache.shape[1]
-    shapes = all(_pow2(d) and d >= 16 for d in (L, R, block_size)) and kv_cache.stride(-1) == 1
+    unit = all(t.stride(-1) == 1 for t in (q_latent, q_pe, kv_cache))
+    shapes = all(_pow2(d) and d >= 16 for d in (L, R, block_size)) and unit
     return kv_cache.dtype in DTYPES and shapes and q_latent.shape[0] > 0
 
 
@@ -62,6 +63,7 @@ def _decode_kernel(
 
     q = tl.load(q_latent + n * stride_qn + heads[:, None] * stride_qh + offs_l[None, :], mask=h_ok[:, None], other=0.0)
     qp = tl.load(q_pe + n * stride_pn + heads[:, None] * stride_ph + offs_r[None, :], mask=h_ok[:, None], other=0.0)
+    q, qp = q.to(kv_cache.dtype.element_ty), qp.to(kv_cache.dtype.element_ty)  # the queries round to the cache dtype
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -157,7 +159,8 @@ def merge_attn_states(outputs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
 def mla_decode_paged(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
                      scale: float, max_seq_len: int, num_splits: int | None = None, waves: int | None = None,
                      num_warps: int = 4, num_stages: int | None = None) -> tuple[Tensor, Tensor]:
-    """q_latent [N, H, L], q_pe [N, H, R] -> (o_latent [N, H, L], lse [N, H] fp32). max_seq_len sizes the grid;
+    """q_latent [N, H, L], q_pe [N, H, R] (any float dtype and head/sequence strides, rounded to the cache dtype
+    in the kernel) -> (o_latent [N, H, L] in q_latent's dtype, lse [N, H] fp32). max_seq_len sizes the grid;
     num_splits None picks enough splits for about `waves` waves of programs. waves, num_warps and num_stages
     are the knobs `benchmarks/gpu_mla.py --sweep` times; the defaults are its winners on an H200 (2026-11-30):
     one wave once 64+ (sequence, head group) pairs fill the GPU by themselves, else two (long splits beat a
@@ -174,8 +177,7 @@ def mla_decode_paged(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, block_tab
         num_splits = max(1, min(want, triton.cdiv(max_pages, 2)))  # at least two pages per split
     pages_per_split = triton.cdiv(max_pages, num_splits)
     num_splits = triton.cdiv(max_pages, pages_per_split)
-    block_tables = block_tables.to(device=q_latent.device, dtype=torch.int32)
-    seq_lens = seq_lens.to(device=q_latent.device, dtype=torch.int32)
+    block_tables, seq_lens = block_tables.to(q_latent.device), seq_lens.to(q_latent.device)  # int32 or int64
     o = q_latent.new_empty(N, H, L)
     lse = torch.empty(N, H, dtype=torch.float32, device=q_latent.device)
     direct = num_splits == 1
