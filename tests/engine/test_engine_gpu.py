@@ -31,7 +31,7 @@ import torch
 from k3serve.engine.llm import LLM
 from k3serve.engine.outputs import RequestOutput
 from k3serve.engine.sampling_params import SamplingParams
-from k3serve.kernels import _backend, attn_res, kda, mla, moe, norm
+from k3serve.kernels import _backend, attn_res, conv, kda, mla, moe, norm
 from k3serve.model.checkpoint import make_checkpoint
 from k3serve.model.presets import K3_TINY_GPU
 
@@ -154,7 +154,7 @@ class _NaiveCounter:
 def test_bf16_cuda_runs_gpu_kernels(
     checkpoint: Path, prompts: list[list[int]], cpu_fp32: list[RequestOutput], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for table in (kda.last_backend, mla.last_backend, moe.last_backend):
+    for table in (kda.last_backend, mla.last_backend, moe.last_backend, conv.last_backend):
         table.clear()
     with monkeypatch.context() as m:
         counter = _NaiveCounter(m)
@@ -163,6 +163,7 @@ def test_bf16_cuda_runs_gpu_kernels(
     assert counter.calls == {name: 0 for name in counter.calls}, f"reference ops ran: {counter.calls}"
     assert backends.get("chunk_kda") == "fla" and backends.get("kda_decode") == "triton", backends
     assert backends.get("mla_decode_paged") == "triton" and backends.get("fused_experts") == "triton", backends
+    assert conv.last_backend == {"causal_conv1d": "triton"}, "the last step decodes: its conv is one Triton launch"
 
     with _backend.reference_kernels():
         reference = _generate(checkpoint, prompts, "cuda", "bfloat16")
