@@ -36,6 +36,9 @@ def _kda_decode_kernel(
     h = tl.program_id(0) % H
     offs_k = tl.arange(0, K)
     offs_v = tl.program_id(1) * BV + tl.arange(0, BV)
+    slot = tl.load(state_indices + n).to(tl.int64)
+    tile = state + slot * stride_sn + h * stride_sh + offs_k[:, None] * V + offs_v[None, :]
+    s = tl.load(tile)  # first: the state stream is the step's cost; the normalizations below overlap it
     bq = tl.load(q + n * stride_qn + h * stride_qh + offs_k).to(tl.float32)
     bk = tl.load(k + n * stride_kn + h * stride_kh + offs_k).to(tl.float32)
     if L2NORM:
@@ -47,9 +50,7 @@ def _kda_decode_kernel(
     if BETA_SIGMOID:
         bb = tl.sigmoid(bb)
     bv = tl.load(v + n * stride_vn + h * stride_vh + offs_v).to(tl.float32)
-    slot = tl.load(state_indices + n).to(tl.int64)
-    tile = state + slot * stride_sn + h * stride_sh + offs_k[:, None] * V + offs_v[None, :]
-    s = tl.load(tile) * decay[:, None]
+    s = s * decay[:, None]
     u = bb * (bv - tl.sum(bk[:, None] * s, 0))
     s = s + bk[:, None] * u[None, :]
     tl.store(tile, s)
