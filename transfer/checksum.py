@@ -63,6 +63,7 @@ _WORD = 2  # bytes
 _ROW = 1024  # words per matrix row: |row sums| < 2^42, exact in float64
 _BATCH_WORDS = 1 << 22  # words per matmul: float64 temporaries of 32 MiB at most
 _MAX_VIEW_WORDS = _P1 - 2
+_DIGIT = 11  # R^q as a product over the three 11-bit digits of q (< 2^33: past any view); _ROW <= 2^_DIGIT
 
 
 class Piece(NamedTuple):  # a NamedTuple: a K3 rank's request makes 162 of them per checksum pass
@@ -312,11 +313,12 @@ def _row_sums(batch: list[_Words]) -> tuple[list[_Words], list[int], list[list[i
         flat[at : at + n].copy_(piece.words)
         if n % _ROW:
             flat[at + n : at + -(-n // _ROW) * _ROW].zero_()  # zero words add nothing to the raw sums
-    tables = _tables(device)
-    sums = (tables.weights @ matrix.t()).to(torch.int64)  # [4, rows], exact (weights first: 2x faster on CPU)
-    lane1 = (sums[1] + tables.row_start[:rows] * sums[0]).remainder_(_P1)
+    powers = _powers(device)
+    sums = (_position_weights(powers) @ matrix.t()).to(torch.int64)  # [4, rows], exact (weights first: 2x faster on CPU)
+    row_start = torch.arange(0, rows * _ROW, _ROW, dtype=torch.int64, device=device)
+    lane1 = (sums[1] + row_start * sums[0]).remainder_(_P1)
     lane2 = (sums[2].remainder(_P2) + sums[3].remainder(_P2) * 65536).remainder_(_P2)
-    lane2 = (lane2 * tables.row_power[:rows]).remainder_(_P2)
+    lane2 = (lane2 * _power_at(row_start, powers)).remainder_(_P2)
     per_row = torch.stack([sums[0], lane1, lane2], dim=1)
     cumulative = torch.cat([per_row.new_zeros(1, 3), per_row.cumsum(0)])  # < 2^43: exact
     bounds = torch.as_tensor(starts + [rows], device=device)
@@ -324,36 +326,40 @@ def _row_sums(batch: list[_Words]) -> tuple[list[_Words], list[int], list[list[i
     return batch, starts, per_piece
 
 
-@dataclass(frozen=True)
-class _Tables:
-    weights: torch.Tensor  # [4, _ROW] float64: 1, j + 1, R^j mod p2 split in 16-bit halves
-    row_start: torch.Tensor  # [rows] int64: g * _ROW
-    row_power: torch.Tensor  # [rows] int64: R^(g * _ROW) mod p2
+_POWERS: dict[torch.device, torch.Tensor] = {}
+_POWERS_LOCK = threading.Lock()
 
 
-_TABLES: dict[torch.device, _Tables] = {}
-_TABLES_LOCK = threading.Lock()
+def _powers(device: torch.device) -> torch.Tensor:
+    """int64 [3, 2^_DIGIT] on `device`: R^(i * 2^(level * _DIGIT)) mod p2 at [level, i], built once per
+    device. The one table of powers of R: both paths read R^q from it (`_power_at`, and the same in the kernel)."""
+    with _POWERS_LOCK:
+        powers = _POWERS.get(device)
+        if powers is None:
+            levels = []
+            for level in range(3):
+                step, power, row = pow(_R, 1 << (level * _DIGIT), _P2), 1, []
+                for _ in range(1 << _DIGIT):
+                    row.append(power)
+                    power = power * step % _P2
+                levels.append(row)
+            powers = _POWERS[device] = torch.tensor(levels, dtype=torch.int64, device=device)
+        return powers
 
 
-def _tables(device: torch.device) -> _Tables:
-    """The position weights, built once per device."""
-    with _TABLES_LOCK:
-        tables = _TABLES.get(device)
-        if tables is None or len(tables.row_start) < _BATCH_WORDS // _ROW:  # sized by the batch in use
-            powers = [pow(_R, j, _P2) for j in range(_ROW)]
-            columns = [[1] * _ROW, [j + 1 for j in range(_ROW)], [p & 0xFFFF for p in powers], [p >> 16 for p in powers]]
-            weights = torch.tensor(columns, dtype=torch.float64)
-            max_rows = _BATCH_WORDS // _ROW
-            step = pow(_R, _ROW, _P2)
-            row_power = [1]
-            for _ in range(max_rows - 1):
-                row_power.append(row_power[-1] * step % _P2)
-            tables = _TABLES[device] = _Tables(
-                weights.to(device),
-                (torch.arange(max_rows, dtype=torch.int64) * _ROW).to(device),
-                torch.tensor(row_power, dtype=torch.int64).to(device),
-            )
-        return tables
+def _power_at(q: torch.Tensor, powers: torch.Tensor) -> torch.Tensor:
+    """R^q mod p2 for int64 positions 0 <= q < 2^(3 * _DIGIT): one power of `_powers` a digit of q (each
+    product of two residues < 2^62)."""
+    mask = (1 << _DIGIT) - 1
+    power = powers[0][q & mask] * powers[1][(q >> _DIGIT) & mask] % _P2
+    return power * powers[2][q >> (2 * _DIGIT)] % _P2
+
+
+def _position_weights(powers: torch.Tensor) -> torch.Tensor:
+    """[4, _ROW] float64 (exact): 1, j + 1, and R^j mod p2 split in 16-bit halves, for j < _ROW."""
+    r_j = powers[0, :_ROW]
+    j = torch.arange(1, _ROW + 1, dtype=torch.int64, device=powers.device)
+    return torch.stack([torch.ones_like(j), j, r_j & 0xFFFF, r_j >> 16]).to(torch.float64)
 
 
 def _format(lane1: int, lane2: int) -> str:

@@ -23,7 +23,6 @@ Every tile's lanes are < 2^31 and a piece has fewer tiles than words (< 2^31), s
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 
 import torch
@@ -31,11 +30,10 @@ import triton
 import triton.language as tl
 
 from k3serve.kernels._backend import device_of
-from k3serve.transfer.checksum import _P1, _P2, _R, _SHIFT, Piece
+from k3serve.transfer.checksum import _DIGIT, _P1, _P2, _SHIFT, Piece, _powers
 
 TILE = 1 << 14  # words one program sums
 BLOCK = 1 << 10  # words one step of a program loads
-_DIGIT = 11  # R^q0 from three tables of 2^11 powers
 _COLUMNS = 7  # int64 per piece in the table (see `piece_lanes`)
 
 
@@ -49,7 +47,7 @@ def _check_bounds() -> None:
 def _piece_lanes_kernel(
     anchor,  # int16 pointer: every word is at anchor + a word offset
     table,  # int64 [num_pieces, COLUMNS] then the run ids: see `piece_lanes`
-    powers,  # int64 [3, 2^DIGIT]: R^i, R^(i * 2^DIGIT), R^(i * 2^(2 * DIGIT)) mod p2
+    powers,  # int64 [3, 2^DIGIT] (`checksum._powers`): R^i, R^(i * 2^DIGIT), R^(i * 2^(2 * DIGIT)) mod p2
     sums,  # int64 [num_pieces, 2]: lane sums of each piece's tiles (not yet reduced)
     num_pieces,
     SEARCH_STEPS: tl.constexpr,
@@ -119,7 +117,8 @@ def piece_lanes(pieces: Sequence[Piece]) -> list[tuple[int, int]]:
     device = pieces[0].source.device
     if any(piece.source.device != device for piece in pieces):
         raise ValueError("all pieces of one checksum pass must live on one device")
-    anchor, powers = _device_tables(device)
+    powers = _powers(device)
+    anchor = powers.view(torch.int16)  # any int16 tensor of the device anchors the word offsets: a cached one
     anchor_ptr = anchor.data_ptr()
     summed = [i for i, piece in enumerate(pieces) if piece.count]
     rows: list[int] = []
@@ -151,24 +150,3 @@ def piece_lanes(pieces: Sequence[Piece]) -> list[tuple[int, int]]:
     for i, (a, b) in zip(summed, sums.tolist()):
         lanes[i] = (a % _P1, b % _P2)
     return lanes
-
-
-_TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-_TABLES_LOCK = threading.Lock()
-
-
-def _device_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The anchor and the power tables of a device, built once."""
-    with _TABLES_LOCK:
-        tables = _TABLES.get(device)
-        if tables is None:
-            size = 1 << _DIGIT
-            powers = []
-            for level in range(3):
-                step, power = pow(_R, 1 << (level * _DIGIT), _P2), 1
-                for _ in range(size):
-                    powers.append(power)
-                    power = power * step % _P2
-            anchor = torch.zeros(8, dtype=torch.int16, device=device)
-            tables = _TABLES[device] = (anchor, torch.tensor(powers, dtype=torch.int64, device=device))
-        return tables

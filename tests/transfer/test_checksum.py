@@ -110,6 +110,15 @@ def test_swapped_elements_change_lane_1(dtype: torch.dtype) -> None:
     assert _lane1(region_checksum(words[[1, 0, 2, 3]])) != _lane1(region_checksum(words))
 
 
+def test_powers_of_r_come_from_one_table_per_device() -> None:
+    """Both paths read R^q (q up to past the largest view position) from one cached table a device."""
+    p2, r = 2**31 - 19, 0x5DEECE6E
+    table = checksum._powers(torch.device("cpu"))
+    assert checksum._powers(torch.device("cpu")) is table
+    q = [0, 1, 1023, 2047, 2048, 2**22 - 1, 2**22, checksum._MAX_VIEW_WORDS, 2**33 - 1]
+    assert checksum._power_at(torch.tensor(q), table).tolist() == [pow(r, x, p2) for x in q]
+
+
 def test_views_off_the_word_grid_are_refused() -> None:
     with pytest.raises(ValueError, match="2-byte words"):
         region_checksum(torch.zeros(4), offset=3)
