@@ -93,7 +93,6 @@ class ForwardBatch:
     checkpoint_offsets: torch.Tensor | None  # [N] int64, new tokens after which to checkpoint KDA, -1 none
     checkpoint_slot_ids: torch.Tensor | None  # [N] int64, slot receiving that checkpoint, -1 none
     num_decode: int  # leading sequences with exactly one new token
-    cu_seqlens_list: list[int]  # host copy of cu_seqlens, for python-side splitting
     pad_slot: int | None = None  # slot of padding rows (may repeat in slot_ids; their outputs are ignored)
     # Host (CPU) copies of the index tensors, for the prefill work that reads indices on the host (the
     # short conv's per-sequence loop, the KDA chunk plan, the conv window at a checkpoint): reading the
@@ -119,16 +118,12 @@ class ForwardBatch:
 
     @property
     def num_seqs(self) -> int:
-        return len(self.cu_seqlens_list) - 1
+        return self.cu_seqlens.shape[0] - 1
 
     @property
     def num_decode_tokens(self) -> int:
-        return self.cu_seqlens_list[self.num_decode]
-
-    @property
-    def last_token_indices(self) -> torch.Tensor:
-        """[N] row of each sequence's last new token (where its next-token logits come from)."""
-        return self.cu_seqlens[1:] - 1
+        """Rows of the decode sequences, first in the batch: one token each."""
+        return self.num_decode
 
     @property
     def conv_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +139,7 @@ class ForwardBatch:
         alone, so the first KDA layer builds it (from host lists, one asynchronous copy) and every
         later layer of the forward reuses it."""
         if self._kda_plan is None or self._kda_plan.chunk_size != chunk_size:
-            cu = self.cu_seqlens_list
+            cu = self.cu_seqlens_host.tolist()
             offsets = None if self.checkpoint_offsets_host is None else self.checkpoint_offsets_host.tolist()
             self._kda_plan = plan_chunks([b - a for a, b in zip(cu[:-1], cu[1:])], True, offsets, chunk_size,
                                          self.cu_seqlens.device)
@@ -216,7 +211,6 @@ class ForwardBatch:
             checkpoint_offsets=None if checkpoint_offsets is None else tensor(checkpoint_offsets),
             checkpoint_slot_ids=None if checkpoint_slot_ids is None else tensor(checkpoint_slot_ids),
             num_decode=num_decode,
-            cu_seqlens_list=cu,
             **host,
         )
 
@@ -333,6 +327,5 @@ class StaticDecodeInputs:
             checkpoint_offsets=None,
             checkpoint_slot_ids=None,
             num_decode=num_rows,
-            cu_seqlens_list=list(range(num_rows + 1)),
             pad_slot=self.pad_slot,
         )

@@ -130,10 +130,11 @@ class KimiDeltaAttention(Sharded):
         Offsets and slots are read from the batch's host copies (no device read-back)."""
         width = conv.shape[-1]
         offsets, targets = batch.checkpoint_offsets_host.tolist(), batch.checkpoint_slot_ids_host.tolist()
+        starts = batch.cu_seqlens_host.tolist()
         for n, (off, dst, slot) in enumerate(zip(offsets, targets, batch.slot_ids_host.tolist())):
             if off < 0:
                 continue
-            end = batch.cu_seqlens_list[n] + off
-            recent = qkv_in[max(end - width, batch.cu_seqlens_list[n]) : end].to(conv.dtype)  # [<= W-1, 3P]
+            end = starts[n] + off
+            recent = qkv_in[max(end - width, starts[n]) : end].to(conv.dtype)  # [<= W-1, 3P]
             window = torch.cat([conv[slot].transpose(0, 1), recent])[-width:]  # oldest first
             conv[dst] = window.transpose(0, 1)

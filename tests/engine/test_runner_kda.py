@@ -124,6 +124,7 @@ def test_batch_keeps_host_copies_of_what_prefill_reads_on_the_host() -> None:
     batch = ForwardBatch.build([[1], [2, 3, 4], [5, 6]], [4, 0, 2], [[0], [1], [2]], [3, 0, 5], BLOCK,
                                checkpoint_offsets=[-1, 2, 1], checkpoint_slot_ids=[-1, 6, 7])
     assert batch.cu_seqlens_host.tolist() == batch.cu_seqlens.tolist() == [0, 1, 4, 6]
+    assert (batch.num_seqs, batch.num_decode, batch.num_decode_tokens) == (3, 1, 1)
     assert batch.slot_ids_host.tolist() == [3, 0, 5]
     assert batch.seq_lens_host.tolist() == batch.seq_lens.tolist()
     assert batch.checkpoint_offsets_host.tolist() == [-1, 2, 1]
@@ -133,6 +134,6 @@ def test_batch_keeps_host_copies_of_what_prefill_reads_on_the_host() -> None:
     assert batch.kda_chunk_plan(64).seq_lens == (1, 3, 2)
     without_host = {name: getattr(batch, name) for name in (
         "token_ids", "positions", "cu_seqlens", "num_computed", "seq_lens", "block_tables", "slot_mapping",
-        "slot_ids", "checkpoint_offsets", "checkpoint_slot_ids", "num_decode", "cu_seqlens_list")}
+        "slot_ids", "checkpoint_offsets", "checkpoint_slot_ids", "num_decode")}
     with pytest.raises(ValueError, match="needs the host copies"):
         ForwardBatch(**without_host)
