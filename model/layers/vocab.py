@@ -37,11 +37,6 @@ class VocabShard:
         rows = -(-vocab_size // tp.world_size)
         return cls(vocab_size, rows, tp.rank * rows)
 
-    @property
-    def real_rows(self) -> int:
-        """Rows of this rank that are vocab entries (the rest is padding)."""
-        return max(0, min(self.rows, self.vocab_size - self.start))
-
 
 class VocabParallel(Sharded):
     """A [vocab, hidden] table of which this rank holds its `shard` of rows. The checkpoint's tensor is
