@@ -33,7 +33,7 @@ class DenseMLP(Sharded):
 
     gate and up run as one GEMM over their stacked weights, unless `stack_gate_up` is False: then the
     owner stacks them with its own projections of the same input (SparseMoE's shared experts) and calls
-    `output` with their results."""
+    `output` with their results (`forward` still works: gate and up as GEMMs of their own)."""
 
     def __init__(self, hidden: int, intermediate: int, act: Activation, tp: TensorParallel, dtype: torch.dtype,
                  stack_gate_up: bool = True):
@@ -52,6 +52,8 @@ class DenseMLP(Sharded):
             self.gate_up_weight = stack_rows(self.gate_up_weight, [self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is None:  # stacked by the owner, with its own projections
+            return self.output(self.gate_proj(x), self.up_proj(x))
         return self.output(*project(x, self.gate_up_weight, [self.gate_proj.weight.shape[0]] * 2))
 
     def output(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

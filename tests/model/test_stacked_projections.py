@@ -14,6 +14,7 @@ import torch
 
 from k3serve.engine.cuda_graphs import DecodeGraphs
 from k3serve.engine.scheduler_output import ScheduledSeq
+from k3serve.kernels.moe import silu_glu
 from k3serve.model.batch import ModelCache
 from k3serve.model.checkpoint import make_checkpoint
 from k3serve.model.layers.common import Linear
@@ -183,6 +184,19 @@ def _reload_under_a_captured_graph(tmp_path: Path, device: str, capture: bool) -
     stale = _decode_graphs(first, device, capture=False).run([seq])
     torch.testing.assert_close(replayed, expected, rtol=2e-2, atol=2e-2)  # bf16: as the graph-vs-eager tests
     assert not torch.allclose(replayed, stale, rtol=2e-2, atol=2e-2), "the graph read the weights of the first load"
+
+
+def test_a_dense_mlp_computes_down_of_act_of_gate_and_up_stacked_or_not() -> None:
+    """stack_gate_up=False (the owner stacks gate and up, as SparseMoE does its shared experts): `forward`
+    gives what the stacked MLP gives, down(silu(gate x) * up x)."""
+    gen = torch.Generator().manual_seed(0)
+    gate, up, down, x = (torch.randn(*shape, generator=gen) for shape in [(16, 8), (16, 8), (8, 16), (5, 8)])
+    want = (torch.nn.functional.silu(x @ gate.t()) * (x @ up.t())) @ down.t()
+    for stacked in (True, False):
+        mlp = DenseMLP(8, 16, silu_glu, TensorParallel(), torch.float32, stack_gate_up=stacked)
+        for linear, weight in [(mlp.gate_proj, gate), (mlp.up_proj, up), (mlp.down_proj, down)]:
+            linear.weight.copy_(weight)
+        torch.testing.assert_close(mlp(x), want, msg=f"stack_gate_up={stacked}")
 
 
 @pytest.mark.gpu
