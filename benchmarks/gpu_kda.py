@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -37,7 +38,8 @@ TOL = 1e-2
 PREFILL_REP_MS = 300
 
 
-def _inputs(T: int, H: int, dev):
+def kda_inputs(T: int, H: int, dev):
+    """bf16 q, k, v; the K3 bounded gate g in (LB, 0) fp32; beta in (0, 1): one sequence of T tokens."""
     q, k, v = (torch.randn(1, T, H, K, device=dev, dtype=torch.bfloat16) for _ in range(3))
     f = torch.randn(1, T, H, K, device=dev)
     A_log, dt_bias = torch.rand(H, device=dev) * 2 - 1, torch.randn(H * K, device=dev)
@@ -45,7 +47,7 @@ def _inputs(T: int, H: int, dev):
     return q, k, v, kda_gate(f, A_log, dt_bias, LB), beta
 
 
-def _best_of_interleaved(fns: dict, dev, rounds: int = 2) -> dict[str, float]:
+def best_of_interleaved(fns: dict, dev, rounds: int = 2) -> dict[str, float]:
     """us per call: each fn timed `rounds` times, in turn, the best median kept (a 2% question needs
     both sides measured under the same clocks and neighbours)."""
     best: dict[str, float] = {}
@@ -56,8 +58,30 @@ def _best_of_interleaved(fns: dict, dev, rounds: int = 2) -> dict[str, float]:
     return best
 
 
+def fla_calls(inputs: tuple, h0: torch.Tensor, cut: int) -> tuple[Callable[[], tuple], Callable[[], tuple]]:
+    """fla's public chunk_kda over one sequence (q, k, v, g, beta; fp32 initial state h0; the K3 bounded
+    gate), and the same split at `cut` into two calls, the second resumed from the first's final state
+    (returns o_head, o_rest, final, state_at_cut). cu_seqlens live on the device, made once here: fla
+    caches its chunk indices by tensor identity, so these are fla at its best."""
+    from fla.ops.kda import chunk_kda as fla_chunk
+
+    T, dev = inputs[0].shape[1], h0.device
+    fla_args = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=LB)
+    cu, cu_head, cu_rest = (torch.tensor(c, device=dev) for c in ([0, T], [0, cut], [0, T - cut]))
+
+    def whole() -> tuple:
+        return fla_chunk(*inputs, initial_state=h0, cu_seqlens=cu, **fla_args)
+
+    def split() -> tuple:
+        o_head, state = fla_chunk(*(t[:, :cut] for t in inputs), initial_state=h0, cu_seqlens=cu_head, **fla_args)
+        o_rest, final = fla_chunk(*(t[:, cut:] for t in inputs), initial_state=state, cu_seqlens=cu_rest, **fla_args)
+        return o_head, o_rest, final, state
+
+    return whole, split
+
+
 def prefill_row(T: int, H: int, dev, ceil) -> tuple[dict, dict]:
-    q, k, v, g, beta = _inputs(T, H, dev)
+    q, k, v, g, beta = kda_inputs(T, H, dev)
     h0 = torch.randn(1, H, K, V, device=dev)
     cut = T // 2 + 17  # a checkpoint in the middle of a chunk
     host_cu, host_off = torch.tensor([0, T]), torch.tensor([cut])
@@ -82,23 +106,11 @@ def prefill_row(T: int, H: int, dev, ceil) -> tuple[dict, dict]:
     fns = {"ours": lambda: ours(host_cu, None), "ours_ckpt": lambda: ours(host_cu, host_off),
            "ours_ckpt_dev": lambda: ours(dev_cu, dev_off)}
     if dev.type == "cuda":
-        from fla.ops.kda import chunk_kda as fla_chunk
-
-        fla_args = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=LB)
-        cu_head, cu_rest = torch.tensor([0, cut], device=dev), torch.tensor([0, T - cut], device=dev)
-
-        def fla_plain():
-            return fla_chunk(q, k, v, g, beta, initial_state=h0, cu_seqlens=dev_cu, **fla_args)
-
-        def fla_split():
-            _, s = fla_chunk(*(t[:, :cut] for t in (q, k, v, g, beta)), initial_state=h0, cu_seqlens=cu_head,
-                             **fla_args)
-            return fla_chunk(*rest, initial_state=s, cu_seqlens=cu_rest, **fla_args)
-
+        fla_plain, fla_split = fla_calls((q, k, v, g, beta), h0, cut)
         check("fla chunk_kda", rel_err(ref_o, fla_plain()[0]), TOL)
-        check("fla split", rel_err(ref_final, fla_split()[1]), TOL)
+        check("fla split", rel_err(ref_final, fla_split()[2]), TOL)
         fns = {"fla": fla_plain, **fns, "fla_split": fla_split}
-    us = _best_of_interleaved(fns, dev)
+    us = best_of_interleaved(fns, dev)
 
     bytes_moved = T * H * (3 * K * 2 + K * 4 + 4 + V * 2) + 2 * H * K * V * 4
     C = 64
@@ -121,7 +133,7 @@ def decode_row(N: int, H: int, dev, ceil) -> dict:
     num_slots = 2 * N + 3
     pool = torch.randn(num_slots, H, K, V, device=dev)
     slots = torch.randperm(num_slots, device=dev)[:N]
-    _, _, _, g, beta, *_ = (t[0] if t.dim() > 1 else t for t in _inputs(N, H, dev))
+    _, _, _, g, beta, *_ = (t[0] if t.dim() > 1 else t for t in kda_inputs(N, H, dev))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     proj = torch.randn(N, H * (2 * K + V), device=dev, dtype=dtype)
     q, k, v = (t.reshape(N, H, -1) for t in proj.split([H * K, H * K, H * V], dim=-1))

@@ -11,9 +11,10 @@ mid-chunk checkpoint needs what fla's own call frees (the keys, the in-chunk gat
     -> checkpoints (triton_checkpoint.py): h[j] advanced by the m tokens of chunk j before the offset
 
 With or without checkpoints the same kernels run with the same dtypes (one autotune), and nothing
-reads a device value back: a checkpointed prefill costs one extra small launch. Chunk states in
-bf16 are what fla's products see anyway; the checkpoint's decay and in-chunk sum run in fp32
-(tests/kernels/test_kda_gpu.py bounds a resumed prefill's error by the unsplit one's).
+reads a device value back: a checkpointed prefill costs one extra small launch (no zero-fill: the
+checkpoint kernel writes the rows without a checkpoint too). Chunk states in bf16 are what fla's
+products see anyway; the checkpoint's decay and in-chunk sum run in fp32 (tests/kernels/test_kda_gpu.py
+bounds a resumed prefill's error by the unsplit one's).
 """
 
 from __future__ import annotations
@@ -79,8 +80,7 @@ def chunk_kda(
         o = chunk_gla_fwd_o_gk(q=q, v=v_new, g=gc, A=Aqk, h=h, scale=scale, cu_seqlens=cu, chunk_size=BT,
                                chunk_indices=chunk_indices)
         checkpoints = None
-        if plan.checkpoints is not None:
-            checkpoints = final_state.new_zeros(plan.num_seqs, H, K, V)
-            checkpoint_states(h.flatten(0, 1), k.flatten(0, 1), gc.flatten(0, 1), v_new.flatten(0, 1),
-                              plan.checkpoints, checkpoints, BT)
+        if plan.checkpoints is not None:  # every row written by the kernel, zeros included
+            checkpoints = final_state.new_empty(plan.num_seqs, H, K, V)
+            checkpoint_states(h, k, gc, v_new, plan.checkpoints, checkpoints, BT)
     return o.to(q.dtype), final_state, checkpoints

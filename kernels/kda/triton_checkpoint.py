@@ -6,9 +6,10 @@ The state after m tokens of chunk j (naive._advance, G = in-chunk cumsum of g in
 
 h[j] is fla's chunk-start state (bf16, as fla keeps it: it rounds the state to bf16 for every
 product anyway); the decay and the in-chunk sum run in fp32, so a checkpoint is as exact as a
-state fla itself would carry across that chunk. A program owns one (checkpoint, head, BV columns).
-One launch, no host sync: the torch form of this sum costs ~15 small launches, which measured
-as several percent of an 8K-token prefill."""
+state fla itself would carry across that chunk. A program owns one (sequence, head, BV columns) of
+the output and writes it whole: the checkpoint, or zeros for a sequence without one (m = 0), so the
+output is allocated empty and the call costs this one launch. No host sync: the torch form of this
+sum costs ~15 small launches, which measured as several percent of an 8K-token prefill."""
 
 from __future__ import annotations
 
@@ -22,39 +23,41 @@ BV = 64
 @triton.jit
 def _checkpoint_kernel(h, k, gc, v_new, plan, out, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    i_v, i_w, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    row = tl.load(plan + i_w * 4).to(tl.int64)  # output row (sequence)
-    tok0 = tl.load(plan + i_w * 4 + 1).to(tl.int64)  # first token row of the chunk
-    m = tl.load(plan + i_w * 4 + 2).to(tl.int64)  # its tokens before the checkpoint, 1..BT
-    chunk = tl.load(plan + i_w * 4 + 3).to(tl.int64)  # row of its start state in h
+    i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tok0 = tl.load(plan + i_n * 3).to(tl.int64)  # first token row of the chunk
+    m = tl.load(plan + i_n * 3 + 1).to(tl.int64)  # its tokens before the checkpoint, 1..BT; 0: none
+    chunk = tl.load(plan + i_n * 3 + 2).to(tl.int64)  # row of its start state in h
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    o_t = tl.arange(0, BT)
-    m_k, m_v, m_t = o_k < K, o_v < V, o_t < m
+    m_k, m_v = o_k < K, o_v < V
     m_kv = m_k[:, None] & m_v[None, :]
-    m_tk = m_t[:, None] & m_k[None, :]
-    g_last = tl.load(gc + ((tok0 + m - 1) * H + i_h) * K + o_k, mask=m_k, other=0.0)
-    b_h = tl.load(h + ((chunk * H + i_h) * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.0)
-    b_s = b_h.to(tl.float32) * tl.exp2(g_last)[:, None]
-    rows = tok0 + o_t
-    b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-    b_g = tl.load(gc + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_kd = tl.where(m_tk, b_k * tl.exp2(g_last[None, :] - b_g), 0.0)
-    b_vn = tl.load(v_new + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
-                   other=0.0).to(tl.float32)
-    b_s += tl.dot(tl.trans(b_kd), b_vn, input_precision="ieee")
-    tl.store(out + ((row * H + i_h) * K + o_k[:, None]) * V + o_v[None, :], b_s, mask=m_kv)
+    p_out = out + ((i_n * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
+    if m > 0:
+        o_t = tl.arange(0, BT)
+        m_t = o_t < m
+        m_tk = m_t[:, None] & m_k[None, :]
+        g_last = tl.load(gc + ((tok0 + m - 1) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+        b_h = tl.load(h + ((chunk * H + i_h) * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.0)
+        b_s = b_h.to(tl.float32) * tl.exp2(g_last)[:, None]
+        rows = tok0 + o_t
+        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_g = tl.load(gc + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_kd = tl.where(m_tk, b_k * tl.exp2(g_last[None, :] - b_g), 0.0)
+        b_vn = tl.load(v_new + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                       other=0.0).to(tl.float32)
+        b_s += tl.dot(tl.trans(b_kd), b_vn, input_precision="ieee")
+        tl.store(p_out, b_s, mask=m_kv)
+    else:
+        tl.store(p_out, tl.zeros([BK, BV], dtype=tl.float32), mask=m_kv)
 
 
 def checkpoint_states(h: Tensor, k: Tensor, gc: Tensor, v_new: Tensor, plan: Tensor, out: Tensor,
                       chunk_size: int) -> None:
-    """out[plan[w, 0]] = state after plan[w, 2] tokens of the chunk starting at token row plan[w, 1],
-    whose start state is h[plan[w, 3]]. h [rows, H, K, V]; k, gc [tokens, H, K]; v_new [tokens, H, V];
-    out [N, H, K, V] fp32; all contiguous."""
-    W, (H, K, V) = plan.shape[0], h.shape[1:]
-    if W == 0:
-        return
-    grid = (triton.cdiv(V, BV), W, H)
+    """out[n] = state after plan[n, 1] tokens of the chunk starting at token row plan[n, 0], whose start
+    state is chunk row plan[n, 2] of h; zeros where plan[n, 1] = 0. out [N, H, K, V] fp32, every element
+    written; h [..., H, K, V] (its leading dims flatten to chunk rows), k, gc [..., H, K] and v_new
+    [..., H, V] (leading dims flatten to token rows); all contiguous."""
+    N, H, K, V = out.shape
+    grid = (triton.cdiv(V, BV), N, H)
     _checkpoint_kernel[grid](h, k, gc, v_new, plan, out, H=H, K=K, V=V, BT=chunk_size,
                              BK=triton.next_power_of_2(K), BV=BV, num_warps=4)
-

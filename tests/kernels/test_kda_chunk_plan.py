@@ -1,7 +1,8 @@
 """The host-built index plan of a chunked KDA call (kernels/kda/chunk_plan.py): fla's chunk indices
-and offsets, and one checkpoint row (sequence, first token row of the chunk, tokens of it before the
-offset, chunk row in the states) per sequence that asks for one. The plan validates its host lists,
-and `chunk_kda` given a plan uses it instead of reading the sequence tensors, once it fits the call."""
+and offsets, and one checkpoint row per sequence (first token row of the chunk holding the offset,
+tokens of it before the offset, chunk row in the states; 0 tokens for a sequence without one). The
+plan validates its host lists, and `chunk_kda` given a plan uses it instead of reading the sequence
+tensors, once it fits the call."""
 
 from __future__ import annotations
 
@@ -27,22 +28,33 @@ def test_checkpoint_rows_mid_chunk_on_an_edge_at_the_end_and_none() -> None:
     lens = [150, 64, 40, 200]
     plan = plan_chunks(lens, True, [77, 64, -1, 200], 64, CPU)
     assert plan.checkpoints.tolist() == [
-        [0, 64, 13, 1],  # 77 = chunk 1 (tokens 64..127) + 13 of its tokens
-        [1, 150, 64, 3],  # 64 = all of the sequence's only chunk, which starts at row 150
-        [3, 254 + 192, 8, 5 + 3],  # 200 = chunk 3 of the last sequence + 8 tokens
+        [64, 13, 1],  # 77 = chunk 1 (tokens 64..127) + 13 of its tokens
+        [150, 64, 3],  # 64 = all of the sequence's only chunk, which starts at row 150
+        [214, 0, 4],  # none: 0 tokens (the zero state), at the sequence's first chunk
+        [254 + 192, 8, 5 + 3],  # 200 = chunk 3 of the last sequence + 8 tokens
     ]
 
 
-def test_no_checkpoint_asked_gives_an_empty_table() -> None:
+def test_no_checkpoint_asked_gives_zero_token_rows() -> None:
     plan = plan_chunks([100, 30], True, [-1, -1], 32, CPU)
-    assert plan.checkpoints.shape == (0, 4)
+    assert plan.checkpoints.tolist() == [[0, 0, 0], [100, 0, 4]]
+
+
+def test_index_tensors_start_16_byte_aligned_for_any_sequence_count() -> None:
+    """fla's kernels are compiled per pointer alignment; tensors of their own would be aligned, so the
+    packed ones must be too (two sequences: an odd cu_seqlens length before the chunk indices)."""
+    for lens in ([100], [100, 30], [5, 6, 7]):
+        plan = plan_chunks(lens, True, [-1] * len(lens), 64, CPU)
+        for t in (plan.cu_seqlens, plan.chunk_indices, plan.chunk_offsets, plan.checkpoints):
+            assert t.data_ptr() % 16 == 0, (lens, t)
+        assert plan.chunk_offsets.tolist() == [0, *torch.tensor(lens).add(63).div(64, rounding_mode="floor").cumsum(0)]
 
 
 def test_equal_length_rows_need_no_indices() -> None:
     plan = plan_chunks([100, 100], False, [100, 33], 64, CPU)
     assert plan.cu_seqlens is None and plan.chunk_indices is None and plan.chunk_offsets is None
     assert plan.num_chunks == 4
-    assert plan.checkpoints.tolist() == [[0, 64, 36, 1], [1, 100, 33, 2]]
+    assert plan.checkpoints.tolist() == [[64, 36, 1], [100, 33, 2]]
 
 
 def test_plan_validates_its_host_lists() -> None:

@@ -13,7 +13,7 @@ pytestmark = needs_triton
 def _checkpoints_match_reference() -> None:
     """Three packed sequences (chunk size 64 and 32), checkpoints mid-chunk in a sequence's second chunk,
     on a chunk edge (m = chunk size), in a partly filled last chunk, and none; K3's head size 128, 2 heads.
-    Rows without a checkpoint stay zero."""
+    The kernel writes every output row: a row without a checkpoint comes out zero over NaN garbage."""
     import math
 
     import torch
@@ -43,7 +43,7 @@ def _checkpoints_match_reference() -> None:
             token0, chunk0 = token0 + length, chunk0 + num_chunks[n]
 
         plan = plan_chunks(seq_lens, True, offsets, chunk, torch.device("cpu"))
-        out = torch.zeros(len(seq_lens), H, K, V)
+        out = torch.full((len(seq_lens), H, K, V), float("nan"))  # as uninitialized as torch.empty may be
         checkpoint_states(h, k, gc, v_new, plan.checkpoints, out, chunk)
 
         for n, ((token0, chunk0), p) in enumerate(zip(firsts, offsets)):
