@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from k3serve.kernels.linear import linear
 from k3serve.kernels.norm import rms_norm
 
 
@@ -55,7 +56,7 @@ class Linear(Sharded):
         self.weight = self.add_param("weight", (out_features, in_features), dtype, tp_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight)
+        return linear(x.to(self.weight.dtype), self.weight)
 
 
 def stack_rows(current: torch.Tensor | None, linears: Sequence[Linear]) -> torch.Tensor:
@@ -91,7 +92,7 @@ def _rows_of(stacked: torch.Tensor, weights: list[torch.Tensor]) -> bool:
 
 def project(x: torch.Tensor, stacked: torch.Tensor, sizes: Sequence[int]) -> tuple[torch.Tensor, ...]:
     """The outputs of the projections stacked in `stacked` (`stack_rows`), as column slices of one GEMM."""
-    return torch.nn.functional.linear(x.to(stacked.dtype), stacked).split(list(sizes), dim=-1)
+    return linear(x.to(stacked.dtype), stacked).split(list(sizes), dim=-1)
 
 
 class RMSNorm(Sharded):

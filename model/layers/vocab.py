@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from k3serve.kernels.linear import linear
 from k3serve.model.layers.common import Sharded
 from k3serve.model.parallel import TensorParallel
 
@@ -68,7 +69,7 @@ class ParallelLMHead(VocabParallel):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, shard.rows] in the weights' dtype: the logits of this rank's vocab rows (padding rows give 0)."""
-        return torch.nn.functional.linear(hidden.to(self.weight.dtype), self.weight)
+        return linear(hidden.to(self.weight.dtype), self.weight)
 
     def gather(self, local: torch.Tensor) -> torch.Tensor | None:
         """[rows, vocab_size] fp32 in vocab order on rank 0 (padding cut off); None on the other ranks. Every

@@ -1,0 +1,130 @@
+"""The projections of a K3 decode step (one rank at TP8, hidden 7168) at 1-16 rows: the Triton skinny GEMM
+(kernels/linear/triton_skinny.py, tiles timed for each shape) against cuBLAS, both replayed from CUDA graphs.
+
+    python benchmarks/gpu_linear.py [--out gpu_linear.json] [--smoke]
+
+ours = triton_skinny.linear (what kernels.linear.linear runs for these shapes; `dispatch` says what it picks
+for the shape); anchor = F.linear (cuBLAS), same run. Floor = weight bytes / measured copy bandwidth (the
+weight streams once; x and the output are noise). The router rows (fp32 logits) compare ours from the bf16
+weight with today's path, an fp32 GEMV over an fp32 copy of the weight, and torch.mm(out_dtype=fp32).
+--smoke: tiny shapes on the CPU through the Triton interpreter (fp16: it cannot multiply bf16), one tiling."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from _gpu_common import (ceilings, check, device, device_name, floor_us, graph_ms, parse_args, print_table, rel_err,
+                         time_ms)
+
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+sys.path[:0] = [str(TESTS / "kernels"), str(TESTS)]  # the shapes (_linear_cases.py), the interpreter fix
+
+from _linear_cases import k3_rank_weights  # noqa: E402
+
+SMOKE_WEIGHTS = [("smoke", 96, 256), ("smoke split", 40, 512)]
+ROWS = (1, 2, 4, 8, 16)
+TOL = 1e-2  # bf16 output rounding, relative to the fp32 sums of the exact products
+
+
+def _device_us(fn, dev: torch.device) -> float | None:
+    """Graph-replayed us on CUDA (None if the capture failed), host-timed on the smoke's CPU."""
+    ms = graph_ms(fn, dev) if dev.type == "cuda" else time_ms(fn, dev)
+    return None if ms is None else ms * 1e3
+
+
+def _ratio(us: float | None, floor: float) -> str:
+    return "-" if us is None else f"{us / floor:.2f}"
+
+
+def _ours(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype):
+    """(call, tiles) of our kernel: the tiles timed for the shape on CUDA; under the interpreter the most split
+    candidate (the ticket path, where the shape splits)."""
+    from k3serve.kernels.linear import triton_skinny
+
+    out = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype, device=x.device)
+    if x.is_cuda:
+        tiles = triton_skinny.tiles_for(x, w, out)
+        return (lambda: triton_skinny.linear(x, w, out_dtype)), str(tiles)
+    tiles = max(triton_skinny.candidates(*w.shape, 132), key=lambda t: t.splits)
+    return (lambda: triton_skinny.launch(x, w, out, tiles)), str(tiles)
+
+
+def _inputs(N: int, K: int, T: int, dev: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(T, K, device=dev).to(dtype), (torch.randn(N, K, device=dev) / K**0.5).to(dtype)
+
+
+def _row(name: str, N: int, K: int, T: int, dev: torch.device, ceil: dict, dtype: torch.dtype) -> dict:
+    from k3serve.kernels import linear as linear_op
+
+    x, w = _inputs(N, K, T, dev, dtype)
+    ours, tiles = _ours(x, w, dtype)
+    check(f"{name} T{T}", rel_err(linear_op.naive.linear(x, w, torch.float32), ours()), TOL)
+    linear_op.linear(x, w)
+    floor = floor_us(w.numel() * w.element_size(), 2 * T * N * K, ceil)
+    ours_us, cublas_us = _device_us(ours, dev), _device_us(lambda: F.linear(x, w), dev)
+    return dict(weight=name, shape=f"{N}x{K}", T=T, ours=ours_us, cublas=cublas_us, floor=floor,
+                ours_x_floor=_ratio(ours_us, floor), cublas_x_floor=_ratio(cublas_us, floor),
+                ours_TBps="-" if ours_us is None else f"{w.numel() * w.element_size() / ours_us / 1e6:.2f}",
+                tiles=tiles, dispatch=linear_op.last_backend["linear"])
+
+
+def _router_row(N: int, K: int, T: int, dev: torch.device, ceil: dict, dtype: torch.dtype) -> dict:
+    """fp32 logits from bf16 x: ours on the bf16 weight vs x.float() @ w_fp32.t() (today) and torch.mm."""
+    from k3serve.kernels.linear import naive
+
+    x, w = _inputs(N, K, T, dev, dtype)
+    w32 = w.float()
+    ours, tiles = _ours(x, w, torch.float32)
+    check(f"router T{T}", rel_err(naive.linear(x, w, torch.float32), ours()), 1e-5)
+    floor = floor_us(w.numel() * w.element_size(), 2 * T * N * K, ceil)
+    ours_us, fp32_us = _device_us(ours, dev), _device_us(lambda: x.float() @ w32.t(), dev)
+    mm_us = _device_us(lambda: torch.mm(x, w.t(), out_dtype=torch.float32), dev) if dev.type == "cuda" else None
+    return dict(weight="MoE router, fp32 logits", shape=f"{N}x{K}", T=T, ours=ours_us, fp32_gemv=fp32_us,
+                mm_out_fp32=mm_us, floor=floor, ours_x_floor=_ratio(ours_us, floor),
+                fp32_gemv_x_floor=_ratio(fp32_us, floor), mm_x_floor=_ratio(mm_us, floor), tiles=tiles)
+
+
+def _use_interpreter() -> None:
+    """The smoke on a machine without CUDA: Triton's interpreter (set before triton is first imported), with
+    the tests' fix for numpy >= 2.4 scalars (tests/_triton_interpret.py)."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    from _triton_interpret import _fix_scalar_index
+
+    _fix_scalar_index()
+
+
+def main() -> None:
+    args = parse_args(__doc__)
+    dev = device(args.smoke)
+    if dev.type == "cpu":
+        _use_interpreter()
+    torch.manual_seed(0)
+    ceil = ceilings(dev, args.smoke)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float16
+    if args.smoke:
+        weights, router, rows_of_x = SMOKE_WEIGHTS, ("smoke router", 32, 512), (1, 11)
+    else:
+        weights, rows_of_x = k3_rank_weights(), ROWS
+        router = next(w for w in weights if w[0] == "MoE router")
+    rows = [_row(name, N, K, T, dev, ceil, dtype) for name, N, K in weights for T in rows_of_x]
+    columns = ["weight", "shape", "T", "ours", "cublas", "floor", "ours_x_floor", "cublas_x_floor", "ours_TBps",
+               "tiles", "dispatch"]
+    print_table("Skinny GEMM, out = x @ W^T in bf16 (us, CUDA-graph replay)", columns, rows, ceil, dev)
+    router_rows = [_router_row(*router[1:], T, dev, ceil, dtype) for T in rows_of_x]
+    router_columns = ["weight", "shape", "T", "ours", "fp32_gemv", "mm_out_fp32", "floor", "ours_x_floor",
+                      "fp32_gemv_x_floor", "mm_x_floor", "tiles"]
+    print_table("Router logits in fp32 (us, CUDA-graph replay; floor = the bf16 weight's bytes)", router_columns,
+                router_rows, ceil, dev)
+    if args.out is not None:
+        args.out.write_text(json.dumps({"device": device_name(dev), "ceilings": ceil, "rows": rows,
+                                        "router_rows": router_rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

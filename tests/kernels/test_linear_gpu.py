@@ -1,0 +1,102 @@
+"""linear on the device: decode-sized x (1..16 rows) against K3's per-rank weights at TP8 runs the Triton
+skinny GEMM and gives the fp32 sums of the exact products (cuBLAS with fp32 output: naive.py), rounded
+once to the output dtype; split-K included (the router's 896 rows), in a CUDA graph too. Larger batches,
+small weights and fp32 stay on cuBLAS."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k3serve.kernels import linear as linear_op
+from k3serve.kernels.linear import MIN_TRITON_WEIGHT, linear, naive
+
+from _close import assert_close
+from _linear_cases import k3_rank_weights
+
+pytestmark = pytest.mark.gpu
+
+K3_RANK_WEIGHTS = k3_rank_weights()
+STREAMED = [(name, N, K) for name, N, K in K3_RANK_WEIGHTS if N * K >= MIN_TRITON_WEIGHT]
+ROUTER = next(w for w in K3_RANK_WEIGHTS if w[0] == "MoE router")
+
+
+def _weight(N: int, K: int) -> torch.Tensor:
+    return (torch.randn(N, K, device="cuda") / K**0.5).bfloat16()
+
+
+def _check(case: str, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """Against the fp32 sums of the exact products: fp32 out within fp32 summation error (scaled to the
+    output), bf16 out within that plus its one rounding (2^-8 relative)."""
+    ref = naive.linear(x, w, torch.float32)
+    atol = 1e-5 * ref.abs().max().item()
+    rtol = 2**-8 if out.dtype == torch.bfloat16 else 1e-5
+    assert_close(case, ref, out.float(), atol, rtol)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16 out", "fp32 out"])
+@pytest.mark.parametrize("T", [1, 2, 4, 8, 16], ids=lambda T: f"T{T}")
+@pytest.mark.parametrize(("name", "N", "K"), STREAMED, ids=[name for name, _, _ in STREAMED])
+def test_k3_rank_weights_run_triton_and_match(name: str, N: int, K: int, T: int, out_dtype: torch.dtype) -> None:
+    w = _weight(N, K)
+    x = torch.randn(T, K, device="cuda").bfloat16()
+    linear_op.last_backend.clear()
+    out = linear(x, w, out_dtype)
+    assert linear_op.last_backend["linear"] == "triton" and out.shape == (T, N) and out.dtype == out_dtype
+    _check(f"{name} T{T}", x, w, out)
+    assert torch.equal(linear(x, w, out_dtype), out), "a second call differs (split-K is deterministic)"
+
+
+def test_leading_dims_and_strided_rows() -> None:
+    """x [2, 3, K] and x a column slice of a wider activation (row stride != K) run the kernel in place."""
+    w = _weight(3648, 7168)
+    x3 = torch.randn(2, 3, 7168, device="cuda").bfloat16()
+    out = linear(x3, w)
+    assert linear_op.last_backend["linear"] == "triton" and out.shape == (2, 3, 3648)
+    _check("leading dims", x3.reshape(6, 7168), w, out.reshape(6, 3648))
+    sliced = torch.randn(5, 9000, device="cuda").bfloat16()[:, 100:7268]
+    out = linear(sliced, w)
+    assert linear_op.last_backend["linear"] == "triton"
+    _check("strided rows", sliced, w, out)
+
+
+@pytest.mark.parametrize(("name", "N", "K"), [STREAMED[0], ROUTER], ids=["KDA stacked", "router"])
+def test_cuda_graph_replays_with_new_inputs(name: str, N: int, K: int) -> None:
+    """Captured after one eager call (the tiles are timed then), the graph replays the kernel on whatever
+    x holds, the split-K tickets reset by each replay."""
+    w = _weight(N, K)
+    x = torch.randn(4, K, device="cuda").bfloat16()
+    linear(x, w, torch.float32)  # eager: times the tiles, allocates the tickets
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        linear(x, w, torch.float32)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = linear(x, w, torch.float32)
+    for step in range(3):
+        x.copy_(torch.randn(4, K, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(f"{name} replay {step}", x, w, out)
+
+
+@pytest.mark.parametrize(
+    ("rows", "N", "K", "dtype"),
+    [(17, 6284, 7168, torch.bfloat16), (4, 1536, 128, torch.bfloat16), (4, 896, 7168, torch.float32)],
+    ids=["17 rows", "small weight (KDA f_b_proj)", "fp32"],
+)
+def test_outside_the_skinny_cases_cublas_runs(rows: int, N: int, K: int, dtype: torch.dtype) -> None:
+    w = torch.randn(N, K, device="cuda").to(dtype)
+    x = torch.randn(rows, K, device="cuda").to(dtype)
+    out = linear(x, w)
+    assert linear_op.last_backend["linear"] == "naive"
+    assert torch.equal(out, F.linear(x, w))
+
+
+def test_non_contiguous_weight_runs_cublas() -> None:
+    w = _weight(7168, 3648).t()
+    x = torch.randn(2, 7168, device="cuda").bfloat16()
+    assert torch.equal(linear(x, w), F.linear(x, w)) and linear_op.last_backend["linear"] == "naive"
