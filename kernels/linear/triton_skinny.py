@@ -34,7 +34,7 @@ from .._backend import device_of
 from . import MAX_TRITON_ROWS
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "N", "blocks_per_split"])  # no binary of its own per row count or N
 def _skinny_kernel(x, w, out, partials, tickets, T, N, K, stride_x, blocks_per_split,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                    SPLIT: tl.constexpr, EVEN_K: tl.constexpr):
