@@ -5,10 +5,13 @@ The state after m tokens of chunk j (naive._advance, G = in-chunk cumsum of g in
     S = exp2(G_m) ⊙ h[j] + Σ_{i<m} (exp2(G_m - G_i) ⊙ k_i) v_new_i^T
 
 h[j] is fla's chunk-start state (bf16, as fla keeps it: it rounds the state to bf16 for every
-product anyway); the decay and the in-chunk sum run in fp32, so a checkpoint is as exact as a
-state fla itself would carry across that chunk. A program owns one (sequence, head, BV columns) of
-the output and writes it whole: the checkpoint, or zeros for a sequence without one (m = 0), so the
-output is allocated empty and the call costs this one launch. No host sync: the torch form of this
+product anyway); the decay and the in-chunk sum run in fp32 (the sum on tensor cores as 3xTF32, whose
+error is fp32's: the decayed keys are split into a TF32 head and tail, v_new is bf16 and exact in TF32),
+so a checkpoint is as exact as a state fla itself would carry across that chunk. A program owns one
+(sequence, head, BK rows, BV columns) tile of the output and writes it whole: the checkpoint, or zeros
+for a sequence without one (m = 0), so the output is allocated empty and the call costs this one
+launch. (An fp32 FMA form with [128, 64] tiles took 120 us at 12 heads on an H200, a quarter of the
+whole prefill; small tiles and 3xTF32 keep it a few us.) No host sync: the torch form of this
 sum costs ~15 small launches, which measured as several percent of an 8K-token prefill."""
 
 from __future__ import annotations
@@ -17,17 +20,18 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-BV = 64
+BK, BV = 32, 64
 
 
 @triton.jit
 def _checkpoint_kernel(h, k, gc, v_new, plan, out, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_v, i_n = tl.program_id(0), tl.program_id(1)
+    i_h, i_k = tl.program_id(2) // tl.cdiv(K, BK), tl.program_id(2) % tl.cdiv(K, BK)
     tok0 = tl.load(plan + i_n * 3).to(tl.int64)  # first token row of the chunk
     m = tl.load(plan + i_n * 3 + 1).to(tl.int64)  # its tokens before the checkpoint, 1..BT; 0: none
     chunk = tl.load(plan + i_n * 3 + 2).to(tl.int64)  # row of its start state in h
-    o_k = tl.arange(0, BK)
+    o_k = i_k * BK + tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
     m_kv = m_k[:, None] & m_v[None, :]
@@ -45,7 +49,7 @@ def _checkpoint_kernel(h, k, gc, v_new, plan, out, H: tl.constexpr, K: tl.conste
         b_kd = tl.where(m_tk, b_k * tl.exp2(g_last[None, :] - b_g), 0.0)
         b_vn = tl.load(v_new + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
                        other=0.0).to(tl.float32)
-        b_s += tl.dot(tl.trans(b_kd), b_vn, input_precision="ieee")
+        b_s += tl.dot(tl.trans(b_kd), b_vn, input_precision="tf32x3")
         tl.store(p_out, b_s, mask=m_kv)
     else:
         tl.store(p_out, tl.zeros([BK, BV], dtype=tl.float32), mask=m_kv)
@@ -58,6 +62,5 @@ def checkpoint_states(h: Tensor, k: Tensor, gc: Tensor, v_new: Tensor, plan: Ten
     written; h [..., H, K, V] (its leading dims flatten to chunk rows), k, gc [..., H, K] and v_new
     [..., H, V] (leading dims flatten to token rows); all contiguous."""
     N, H, K, V = out.shape
-    grid = (triton.cdiv(V, BV), N, H)
-    _checkpoint_kernel[grid](h, k, gc, v_new, plan, out, H=H, K=K, V=V, BT=chunk_size,
-                             BK=triton.next_power_of_2(K), BV=BV, num_warps=4)
+    grid = (triton.cdiv(V, BV), N, H * triton.cdiv(K, BK))
+    _checkpoint_kernel[grid](h, k, gc, v_new, plan, out, H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, num_warps=4)
