@@ -37,8 +37,8 @@ def cache_sizes(config: ModelConfig, tp_size: int, dtype: torch.dtype) -> CacheS
 
 def weight_bytes(config: ModelConfig, tp_size: int, dtype: torch.dtype) -> int:
     """Bytes of rank 0's weights, counted on the meta device (nothing is allocated): the loaded tensors
-    plus what `process_weights_after_loading` derives from them (e.g. K3's fp32 router weights, ~1.4 GiB
-    a rank), each storage once (a derived tensor may be a view of its source)."""
+    plus what `process_weights_after_loading` derives from them (e.g. the MLA layers' fp32 W_UK / W_UV, 4 MiB
+    a layer at K3 TP8), each storage once (a derived tensor may be a view of its source)."""
     from k3serve.model.model import KimiForCausalLM
     from k3serve.model.parallel import TensorParallel
 
