@@ -100,13 +100,12 @@ def _router(config: ServeConfig, prefill: list, decode: list, engine_kwargs: dic
 
 
 def _start_local(config: ServeConfig, engine_kwargs: dict) -> Deployment:
-    """Workers in this process; the ranks > 0 of a TP engine (prefill or decode) in child processes.
-    One machine: every address is 127.0.0.1 (the workers' defaults)."""
-    import multiprocessing
-
+    """Workers in this process; the ranks > 0 of a TP engine (prefill or decode) in child processes,
+    watched while they start (`cluster/local_followers.py`). One machine: every address is 127.0.0.1
+    (the workers' defaults). A start that fails part-way stops every worker and process started so far."""
+    from k3serve.cluster.local_followers import start_tp_engine
     from k3serve.decode import rank as decode_rank
     from k3serve.decode.worker import DecodeWorker
-    from k3serve.engine.tp_group import TPGroup, leader_store
     from k3serve.prefill import rank as prefill_rank
     from k3serve.prefill.worker import PrefillWorker
 
@@ -116,41 +115,37 @@ def _start_local(config: ServeConfig, engine_kwargs: dict) -> Deployment:
     prefill_args = EngineArgs(**{**engine_kwargs, "enforce_eager": True}, tensor_parallel_size=config.prefill_tp)
     decode_args = EngineArgs(**engine_kwargs, tensor_parallel_size=config.decode_tp)
     stops: list[Callable[[], None]] = []
-    ctx = multiprocessing.get_context("spawn")
 
-    def tp_group(tp: int, target: Callable, follower_args: Callable[[int, str], tuple]) -> TPGroup | None:
-        """Rank 0's group of a TP engine; ranks > 0 start first, in child processes."""
+    def start(name: str, tp: int, build: Callable, follower: Callable,
+              follower_args: Callable[[int, str], tuple]) -> Any:
+        """Rank 0's worker `build(group)` of one engine (its followers first when TP > 1); its stops added."""
         if tp == 1:
-            return None
-        store, init = leader_store(tp, LOOPBACK)
-        for rank in range(1, tp):
-            proc = ctx.Process(target=target, args=follower_args(rank, init), daemon=True)
-            proc.start()
-            stops.append(lambda p=proc: _join_or_kill(p))
-        return TPGroup(0, tp, init, store=store)
+            worker = build(None)
+        else:
+            worker, followers = start_tp_engine(name, tp, LOOPBACK, follower, follower_args, build)
+            stops.append(followers.stop)  # after the worker's shutdown, which releases them
+        stops.append(worker.shutdown)
+        return worker
 
-    prefill = []
-    for i in range(config.prefill_replicas):
-        group = tp_group(config.prefill_tp, prefill_rank.follower_main,
-                         lambda rank, init: (rank, prefill_args, init, config.transfer))
-        worker = PrefillWorker(prefill_args, name=f"prefill-{i}", group=group, **prefill_kw)
-        stops.append(worker.shutdown)
-        prefill.append(worker)
-    decode = []
-    for i in range(config.decode_replicas):
-        group = tp_group(config.decode_tp, decode_rank.follower_main,
-                         lambda rank, init: (rank, decode_args, init, config.transfer, LOOPBACK, config.prefill_tp))
-        worker = DecodeWorker(decode_args, name=f"decode-{i}", group=group, **decode_kw)
-        stops.append(worker.shutdown)
-        decode.append(worker)
-    router, metrics = _router(config, prefill, decode, engine_kwargs)
+    try:
+        prefill = [
+            start(f"prefill-{i}", config.prefill_tp,
+                  lambda group, name=f"prefill-{i}": PrefillWorker(prefill_args, name=name, group=group, **prefill_kw),
+                  prefill_rank.follower_main, lambda rank, init: (rank, prefill_args, init, config.transfer))
+            for i in range(config.prefill_replicas)
+        ]
+        decode = [
+            start(f"decode-{i}", config.decode_tp,
+                  lambda group, name=f"decode-{i}": DecodeWorker(decode_args, name=name, group=group, **decode_kw),
+                  decode_rank.follower_main,
+                  lambda rank, init: (rank, decode_args, init, config.transfer, LOOPBACK, config.prefill_tp))
+            for i in range(config.decode_replicas)
+        ]
+        router, metrics = _router(config, prefill, decode, engine_kwargs)
+    except BaseException:
+        _run_stops(stops)
+        raise
     return Deployment(router, metrics, config, stops)
-
-
-def _join_or_kill(process, timeout_s: float = 30.0) -> None:
-    process.join(timeout_s)
-    if process.is_alive():
-        process.kill()
 
 
 def _start_ray(config: ServeConfig, engine_kwargs: dict) -> Deployment:

@@ -6,6 +6,8 @@ before rank 0 is constructed (the group forms when all have joined).
 
 from __future__ import annotations
 
+from typing import Callable
+
 from k3serve.decode.handoff import HandshakeOnly, make_receiver
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.follower import join_engine
@@ -15,16 +17,19 @@ from k3serve.transfer.control import DecodeControlServer
 
 def follower_main(
     rank: int, args: EngineArgs, init_method: str, transfer: str, host: str = "127.0.0.1", prefill_tp: int = 1,
-    transfer_options: dict | None = None, num_threads: int | None = None,
+    transfer_options: dict | None = None, num_threads: int | None = None, on_started: Callable[[], None] | None = None,
 ) -> None:
     """`host`: this node's address (control server, group sockets; the transfer agent's, via
-    `transfer_options`)."""
+    `transfer_options`). `on_started`: called once this rank is ready to follow (the local launcher waits
+    for it)."""
     group, runner, config = join_engine(rank, args, init_method, num_threads, host)
     try:
         receiver = make_receiver(args, runner, config, rank, transfer, transfer_options,
                                  prefill_tp)
         server = DecodeControlServer(HandshakeOnly(receiver), receiver.compat_hash, host=host).start()
         try:
+            if on_started is not None:
+                on_started()
             follow_forever(group, {
                 "step": lambda output, want: runner.execute(output, want),
                 "addresses": lambda: group.gather(server.address),
