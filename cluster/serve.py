@@ -246,6 +246,8 @@ def _start_ray_replicas(
     group's address on its own node, the followers (decode ones answer handshakes) are started
     with it, then rank 0 forms the group. A TP replica is not restarted piecewise
     (`max_restarts=0`). Every rank chooses its own node's address (`advertise_host` overrides it).
+    A follower whose run ends while the replicas start (it failed) fails the start at once, naming it,
+    rather than leaving its rank 0 to wait out the group's join timeout.
     Every actor started is appended to `actors`, every placement group's removal to `stops`."""
     leaders: dict[str, Any] = {}
     up: dict[str, Any] = {}  # name -> ref that resolves once the replica is up
@@ -267,38 +269,47 @@ def _start_ray_replicas(
               f"placing its TP ranks (one {device} each: has the cluster that many free?)", _PLACEMENT_TIMEOUT_S)
     inits = _wait_all({name: leaders[name].tp_init_method.remote() for name in groups},
                       "starting rank 0 (it answers its TP group's address)", _RANK0_TIMEOUT_S)
+    runs: dict[str, Any] = {}  # "<replica> rank <r>" -> its follower's run, which ends only at rank 0's "stop"
     for name, init in inits.items():
         pool = replicas[name][0]
         kwargs = {**engine_kwargs, "tensor_parallel_size": pool.tp}
         for rank in range(1, pool.tp):
             follower = pool.follower.options(**_in_bundle(config, groups[name], rank)).remote()
             actors.append(follower)
-            follower.run.remote(rank, kwargs, init, config.transfer, config.advertise_host,
-                                **pool.follower_kwargs)  # returns when rank 0 says "stop"
+            runs[f"{name} rank {rank}"] = follower.run.remote(rank, kwargs, init, config.transfer,
+                                                              config.advertise_host, **pool.follower_kwargs)
         up[name] = leaders[name].start.remote()
-    _wait_all(up, "starting", None)  # no limit: loading a large model's weights takes what it takes
+    _wait_all(up, "starting", None, runs)  # no limit: loading a large model's weights takes what it takes
     return leaders
 
 
-def _wait_all(refs: dict[str, Any], what: str, timeout_s: float | None) -> dict[str, Any]:
+def _wait_all(
+    refs: dict[str, Any], what: str, timeout_s: float | None, must_not_end: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The value of every named Ray ref, waited for together. The first that fails, or those still
-    pending after `timeout_s`, raise a RuntimeError naming their replicas."""
+    pending after `timeout_s`, raise a RuntimeError naming their replicas; so does any ref of
+    `must_not_end` that ends first (how it failed, when it did)."""
     import ray
 
-    name_of = {ref: name for name, ref in refs.items()}
+    watched = must_not_end or {}
+    name_of = {ref: name for name, ref in (refs | watched).items()}
     pending, values = list(refs.values()), {}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while pending:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        ready, _ = ray.wait(pending + list(watched.values()), num_returns=1, timeout=left)
         if not ready:
             names = ", ".join(sorted(name_of[ref] for ref in pending))
             raise RuntimeError(f"{names}: {what}: not done within {timeout_s:g} s")
         (ref,) = ready
         try:
-            values[name_of[ref]] = ray.get(ref)
+            value = ray.get(ref)
         except Exception as e:
             raise RuntimeError(f"{name_of[ref]}: {what} failed: {e}") from e
+        if ref not in pending:
+            raise RuntimeError(f"{name_of[ref]}: {what}: it ended before its engine started")
+        pending.remove(ref)
+        values[name_of[ref]] = value
     return values
 
 

@@ -35,3 +35,11 @@ class FailsToLoad:
 
 def _missing_library(name: str) -> None:
     raise ImportError(f"{name}: cannot open shared object file")
+
+
+class RankActorFailingToStart:
+    """A Ray TP follower (in place of `cluster.actors.DecodeRankActor`, made a Ray actor by the test) whose
+    run fails as it starts."""
+
+    def run(self, rank: int, *args, **kwargs) -> None:
+        raise RuntimeError(f"rank {rank} found no device to run on")
