@@ -1,144 +1,215 @@
 """MXFP4 (w4a16) routed experts for decode, when each expert has only a few rows: GEMV on the CUDA cores.
 
 With 1-5 rows per expert a tensor-core tile of 16 rows is mostly padding, and converting the upcast
-weights into the operand layout costs more than the math. Here one program = (active expert slot a,
-BLOCK_N output columns[, a 1/SPLIT_K share of the reduction for the down projection]) keeps fp32
-accumulators for ROWS rows of its expert and streams the expert's packed tile once per ROWS rows:
+weights into the operand layout costs more than the math. Here a tile = (active expert, BLOCK_N output
+columns[, a 1/SPLIT_K share of the reduction: down projection]); its program keeps fp32 accumulators for
+ROWS rows of the expert and streams the tile's packed weights once per ROWS rows:
 
-    tile  [4, BLOCK_N, BLOCK_K/32] int32 words   one thread loads one MX group (16 bytes, one scale);
-          the next K block's words are loaded before this block's math (a register prefetch)
-    dots  per word, codes S and S+4 (S = 0..3) against their x, one FMA per code; the 4 words of a
-          group are summed in the thread and scaled once; the sum over groups waits until the end
-          of the row chunk (no cross-thread reduction inside the K loop)
+    words  [4, G, BLOCK_N] int32, G = BLOCK_K/32 MX groups: a thread loads one MX group (16 bytes, one
+           scale) of each of its C columns (Triton puts the lanes on the groups first, so a thread repeats
+           columns); the blocks PREFETCH ahead are loaded, raw, before this block's math
+    x      a thread's 32 activations of a group are loaded (16 bytes at a time) and converted once, for its
+           C columns and, in the up kernel, both gate and up
+    dots   one FMA per code; the 4 words of a group are summed in the thread and scaled once; the sum over
+           the groups waits until the end of the tile
 
-Decode: codes S and S + 4 of a word sit at the same place in its two 16-bit halves, so two shifts and
-two masks build both fp16 bit patterns (sign to bit 15, exponent and mantissa to bits 9..11), whose
-values are exactly code · 2^-14 (the +-0.5 codes are fp16 subnormals, which the fp16 -> fp32
-conversion keeps; no fp32 subnormal is ever formed). The E8M0 scale 2^(s-127) times 2^14 is applied
-as two normal fp32 powers of two, 2^((s>>1)-56) · 2^(s-(s>>1)-57), exact for every s in [0, 254];
-s = 255 (E8M0 NaN) yields NaN.
+Persistent programs: a launch has as many programs as fit on the SMs (`programs`, PROGRAMS_PER_SM); they
+walk the tiles of the experts hit, whose number comes from the routing on the device. No program of an idle
+expert slot is launched (the grid used to be every slot an expert could take: at T = 1 most of 16 idle),
+and the grid, known on the host, keeps the call CUDA-graph capturable without a host sync.
 
-The up kernel fuses the GLU and writes h [pairs, I] in fp32 with its columns permuted within each MX
-group (`_h_column`), so the down kernel reads the x of a code position as 16-byte vectors; the down
-kernel weights by the top-k weight and adds into out fp32 [T, D] with atomics (which also sum the
-split-K shares). Routing (`route_kernel`: triton_moe.route in one program) and both kernels take no host
-sync: grids come from host-known T, programs past num_active exit; the call is CUDA-graph capturable.
+Decode (`_decode_word`): an fp16 pair (codes i and i + 4 of a word, one per 16-bit half) with each code's
+magnitude bits at 9..11 and its sign at 15 is exactly code · 2^-14 (the +-0.5 codes are fp16 subnormals,
+which the fp16 -> fp32 conversion keeps; no fp32 subnormal is ever formed); 12 integer ops build the 4
+pairs of a word. The E8M0 scale 2^(s-127) times 2^14 is applied as two normal fp32 powers of two,
+2^((s>>1)-56) · 2^(s-(s>>1)-57), exact for every s in [0, 254]; s = 255 (E8M0 NaN) yields NaN.
 
-Cost on sm_90 (ptxas of triton 3.6, counted in the SASS of the K loop): ~6.4 instructions per weight
-element for up, ~6.0 for down at ROWS 1; the issue limit (4 warp-instructions per clock per SM) then
-allows ~60-65% of H200 HBM bandwidth, the decode being 2 integer ops + 1 conversion + 1 FMA per code.
+PTX (on the GPU; Triton's interpreter runs the same math in plain Triton, and test_moe_gemv_ptx.py executes
+the PTX on CPU): the decode, the scale bytes and the activations. Loads issued as inline asm are no layout
+anchors for Triton, so each thread loads exactly what it multiplies (no shared-memory exchange, no barrier
+in the K loop) and x comes 16 bytes at a time; and the decoded fp16 halves go straight to fp32 (plain
+Triton lets LLVM pair halves of different columns first, one PRMT more per pair).
+
+The up kernel zeroes out, fuses the GLU and writes h [pairs, I] in fp32; the down kernel weights by the
+top-k weight and adds into out fp32 [T, D] with atomics (which also sum the split-K shares). Routing
+(`route_kernel`: triton_moe.route in one program) and both kernels take no host sync.
+
+Cost on sm_90 (ptxas of triton 3.6, the SASS of the K loop, benchmarks/moe_gemv_sass.py): 4.3-4.5
+instructions per weight element at ROWS 1 (4.6-4.75 with PREFETCH 2), of which 1.5 decode, 1 fp16 -> fp32,
+1 FMA; the kernels before this design took 6.4 (up) and 6.0 (down). At 4 warp-instructions per clock per
+SM the issue limit is then ~90% of H200 HBM bandwidth (it was ~62%).
 """
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 
 from .triton_moe import _tanh
 
 _NAN_SCALE = tl.constexpr(255)  # the E8M0 NaN encoding
+PTX = not triton.knobs.runtime.interpret  # inline PTX on the GPU; the interpreter runs plain Triton
+
+
+_DECODE_PTX = tl.constexpr(
+    "{ .reg .b32 t, e, o, p, q; .reg .b16 l, h; shl.b32 t, $8, 3; "
+    "lop3.b32 e, $8, t, 0x07070707, 0xE4; lop3.b32 o, $8, t, 0x70707070, 0xE4; "
+    "shl.b32 p, e, 9; and.b32 p, p, 0x8E008E00; mov.b32 {l, h}, p; cvt.f32.f16 $0, l; cvt.f32.f16 $4, h; "
+    "shl.b32 p, o, 5; and.b32 p, p, 0x8E008E00; mov.b32 {l, h}, p; cvt.f32.f16 $1, l; cvt.f32.f16 $5, h; "
+    "shl.b32 p, e, 1; and.b32 p, p, 0x8E008E00; mov.b32 {l, h}, p; cvt.f32.f16 $2, l; cvt.f32.f16 $6, h; "
+    "shr.b32 p, $8, 3; and.b32 p, p, 0x0E000E00; and.b32 q, $8, 0x80008000; or.b32 p, p, q; "
+    "mov.b32 {l, h}, p; cvt.f32.f16 $3, l; cvt.f32.f16 $7, h; }")
 
 
 @triton.jit
-def _decode_pair(words, S: tl.constexpr):
-    """uint32 words of 8 codes (code i at bits 4i) -> fp32 values of codes S and S + 4, exactly code · 2^-14.
-
-    Both codes sit at the same place in their 16-bit half, so two shifts and one masked merge build both
-    fp16 bit patterns (magnitude to bits 9..11, sign to bit 15 of each half)."""
-    if 9 - 4 * S >= 0:
-        magnitude = words << (9 - 4 * S)
-    else:
-        magnitude = words >> (4 * S - 9)
-    bits = (magnitude & 0x0E000E00) | ((words << (12 - 4 * S)) & 0x80008000)
+def _halves(bits):
+    """The two fp16 halves of uint32 bits as fp32."""
     low = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    high = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return low, high
+    return low, (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _decode_word(words, PTX: tl.constexpr):
+    """uint32 words of 8 codes (code i at bits 4i) -> 8 fp32 tensors, code i exactly code · 2^-14.
+
+    An fp16 pair (codes i and i+4, one per half) needs the magnitude bits at 9..11 and the sign at 15 of each
+    half. With t = words << 3, e = (words & 0x07070707) | (t & ~0x07070707) holds the even codes' magnitudes at
+    bits 0..2 of each byte and their signs at bit 6, o = (words & 0x70707070) | (t & ~0x70707070) the odd
+    codes' magnitudes at bits 4..6 and their signs at bit 2 of the byte above; the other bits of e and o fall
+    outside the mask after each pair's shift. 12 integer ops a word, one lop3 per e and o on the GPU; code 7's
+    sign would leave o's top byte, so codes 3 and 7 come from the word itself."""
+    if PTX:
+        return tl.inline_asm_elementwise(_DECODE_PTX, "=f,=f,=f,=f,=f,=f,=f,=f,r", [words],
+                                         dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+    t = words << 3
+    e = (words & 0x07070707) | (t & 0xF8F8F8F8)
+    o = (words & 0x70707070) | (t & 0x8F8F8F8F)
+    c0, c4 = _halves((e << 9) & 0x8E008E00)
+    c1, c5 = _halves((o << 5) & 0x8E008E00)
+    c2, c6 = _halves((e << 1) & 0x8E008E00)
+    c3, c7 = _halves(((words >> 3) & 0x0E000E00) | (words & 0x80008000))
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def _load_bytes(ptrs, PTX: tl.constexpr):
+    """uint8 at ptrs (valid addresses) as int32."""
+    if PTX:
+        return tl.inline_asm_elementwise("ld.global.nc.u8 $0, [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=True,
+                                         pack=1)
+    return tl.load(ptrs).to(tl.int32)
 
 
 @triton.jit
 def _scale_factors(s):
-    """E8M0 bytes -> (a, b) fp32 with a · b = 2^(s-127) · 2^14, both normal for every s <= 254; NaN for 255."""
-    s = s.to(tl.int32)
+    """E8M0 bytes (int32) -> (a, b) fp32 with a · b = 2^(s-127) · 2^14, both normal for every s <= 254; NaN for
+    255."""
     half = s >> 1
     a = ((half + 71) << 23).to(tl.float32, bitcast=True)  # 2^(half - 56)
     b = ((s - half + 70) << 23).to(tl.float32, bitcast=True)  # 2^(s - half - 57)
     return tl.where(s == _NAN_SCALE, float("nan"), a), b
 
 
-@triton.jit
-def _load_tile(word_ptrs, scale_ptrs, n_ok, g_ok):
-    """[4, BLOCK_N, G] packed words (16 bytes = one MX group per (column, group)) and the scale factors."""
-    ok = n_ok[:, None] & g_ok[None, :]
-    words = tl.load(word_ptrs, mask=ok[None, :, :], other=0).to(tl.uint32, bitcast=True)
-    a, b = _scale_factors(tl.load(scale_ptrs, mask=ok, other=127))
-    return words, a, b
+_BF16X8_PTX = tl.constexpr(
+    "{ .reg .b32 a, b, c, d; ld.global.nc.v4.b32 {a, b, c, d}, [$8]; shl.b32 $0, a, 16; and.b32 $1, a, 0xFFFF0000; "
+    "shl.b32 $2, b, 16; and.b32 $3, b, 0xFFFF0000; shl.b32 $4, c, 16; and.b32 $5, c, 0xFFFF0000; "
+    "shl.b32 $6, d, 16; and.b32 $7, d, 0xFFFF0000; }")
+_F32X8_PTX = tl.constexpr(
+    "{ ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$8]; ld.global.nc.v4.b32 {$4, $5, $6, $7}, [$8+16]; }")
 
 
 @triton.jit
-def _row_dots(words, a, b, x_row, x_offs, CODE_STEP: tl.constexpr):
-    """[BLOCK_N, G]: each MX group of the tile dotted with one row of x, times its scale.
-
-    x_row points at the row's first element of this K block; code S of word w pairs with x at
-    x_offs[w, g] + S·CODE_STEP, code S + 4 with 4 further on (x as it comes: x_offs = 8w + 32g,
-    CODE_STEP 1; h as the up kernel stores it: x_offs = w + 32g, CODE_STEP 8, so the 4 words' x are
-    adjacent). The x loads have no mask (a mask costs a register zeroing per value): the caller points
-    them at valid memory (see _x_offsets), and masked-off groups have all-zero words. The products keep
-    the tile's layout (word index first: Triton puts threads on the last dims, so a group's 16 bytes
-    stay in one thread)."""
-    part = tl.zeros(words.shape, tl.float32)
-    for S in tl.static_range(4):
-        low, high = _decode_pair(words, S)
-        x_low = tl.load(x_row + x_offs + S * CODE_STEP).to(tl.float32)
-        x_high = tl.load(x_row + x_offs + S * CODE_STEP + 4).to(tl.float32)
-        part = part + low * x_low[:, None, :]  # two steps: each contracts into one FMA
-        part = part + high * x_high[:, None, :]
-    return tl.sum(part, axis=0) * a * b
+def _load_x8(ptrs, PTX: tl.constexpr):
+    """The 8 activations at ptrs + 0..7 (bf16 or fp32; ptrs 16-byte aligned) as 8 fp32 tensors shaped like ptrs:
+    x_i meets code i of the word (`_decode_word`)."""
+    if PTX:
+        if ptrs.dtype.element_ty == tl.bfloat16:
+            x0, x1, x2, x3, x4, x5, x6, x7 = tl.inline_asm_elementwise(
+                _BF16X8_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,l", [ptrs], dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+        else:
+            x0, x1, x2, x3, x4, x5, x6, x7 = tl.inline_asm_elementwise(
+                _F32X8_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,l", [ptrs], dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+        return (x0.to(tl.float32, bitcast=True), x1.to(tl.float32, bitcast=True), x2.to(tl.float32, bitcast=True),
+                x3.to(tl.float32, bitcast=True), x4.to(tl.float32, bitcast=True), x5.to(tl.float32, bitcast=True),
+                x6.to(tl.float32, bitcast=True), x7.to(tl.float32, bitcast=True))
+    return (tl.load(ptrs).to(tl.float32), tl.load(ptrs + 1).to(tl.float32), tl.load(ptrs + 2).to(tl.float32),
+            tl.load(ptrs + 3).to(tl.float32), tl.load(ptrs + 4).to(tl.float32), tl.load(ptrs + 5).to(tl.float32),
+            tl.load(ptrs + 6).to(tl.float32), tl.load(ptrs + 7).to(tl.float32))
 
 
 @triton.jit
-def _x_offsets(offs, g_ok):
-    """offs [4, G] with the groups past the end of K sent back to group 0 of the block: in bounds, and
-    their weights are zero."""
-    return tl.where(g_ok[None, :], offs, offs % 32)
+def _group_dots(words, x8, PTX: tl.constexpr):
+    """[G, BLOCK_N]: each MX group of the tile dotted with one row of x (x8: the row's x per code position of a
+    word, each [4, G]), not yet scaled. Each product is added on its own (it contracts into one FMA)."""
+    c0, c1, c2, c3, c4, c5, c6, c7 = _decode_word(words, PTX)
+    x0, x1, x2, x3, x4, x5, x6, x7 = x8
+    part = c0 * x0[:, :, None]
+    part = part + c1 * x1[:, :, None]
+    part = part + c2 * x2[:, :, None]
+    part = part + c3 * x3[:, :, None]
+    part = part + c4 * x4[:, :, None]
+    part = part + c5 * x5[:, :, None]
+    part = part + c6 * x6[:, :, None]
+    part = part + c7 * x7[:, :, None]
+    return tl.sum(part, axis=0)
 
 
 @triton.jit
 def _row_offset(row_index, stride, r_ok, R: tl.constexpr):
     """Offset of row R of the chunk, or of its row 0 (always valid) where R is past the expert's rows:
     that row's sums are computed but never stored. The stride multiplies last, so the compiler sees its
-    divisibility (the down kernel's h loads become 16-byte vectors)."""
+    divisibility (the x loads stay 16-byte vectors)."""
     pick = tl.arange(0, row_index.shape[0]) == tl.where(tl.sum(tl.where(
         tl.arange(0, row_index.shape[0]) == R, r_ok.to(tl.int32), 0)) > 0, R, 0)
     return tl.sum(tl.where(pick, row_index, 0)) * stride
 
 
 @triton.jit
-def _tile_offsets(e, N, stride_pe, stride_pn, stride_se, stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """This program's columns, their mask, and the offsets of the first K block of expert e: words
-    [4, BLOCK_N, G] (in int32 words) and scales [BLOCK_N, G]."""
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_g = tl.arange(0, BLOCK_K // 32)
-    words = (e * stride_pe + tl.arange(0, 4)[:, None, None] + offs_n[None, :, None] * stride_pn
-             + offs_g[None, None, :] * 4)
-    scales = e * stride_se + offs_n[:, None] * stride_sn + offs_g[None, :]
-    return offs_n, offs_n < N, words, scales
+def _tile(tile, n_blocks, N, expert_starts, expert_counts, active_experts, stride_pe, stride_pn, stride_se,
+          stride_sn, BLOCK_N: tl.constexpr, G: tl.constexpr):
+    """Tile `tile` (active slot tile // n_blocks, column block tile % n_blocks): its expert's first sorted pair
+    and row count, its columns and their mask, and the offsets of its first K block: words [4, G, BLOCK_N] (in
+    int32 words) and scales [G, BLOCK_N] (of a valid column: past N, column N - 1)."""
+    e = tl.load(active_experts + tile // n_blocks).to(tl.int64)
+    offs_n = (tile % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_g = tl.arange(0, G)
+    words = (e * stride_pe + tl.arange(0, 4)[:, None, None] + offs_g[None, :, None] * 4
+             + offs_n[None, None, :] * stride_pn)
+    scales = e * stride_se + offs_g[:, None] + tl.minimum(offs_n, N - 1)[None, :] * stride_sn
+    return tl.load(expert_starts + e), tl.load(expert_counts + e), offs_n, offs_n < N, words, scales
 
 
 @triton.jit
-def _h_column(n):
-    """Where the up kernel stores column n of h: within each 32-group, n = 8w + 4·half + S goes to
-    8S + 4·half + w, so that the down kernel's x for code S of words 0..3 are 4 adjacent floats."""
-    i = n % 32
-    return n - i + (i % 4) * 8 + ((i % 8) // 4) * 4 + i // 8
+def _load_block(word_ptrs, scale_ptrs, k0, K, n_ok, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PTX: tl.constexpr):
+    """Words and E8M0 scale bytes of the K block at k0 (word_ptrs, scale_ptrs: of the tile's first block), raw:
+    a prefetch holds them in registers until the block's turn. Without EVEN_K, groups past K load zero words
+    and the scale of the column's group 0 (finite unless the column is NaN anyway); k0 itself is always a
+    block inside K (the caller clamps its prefetch)."""
+    G: tl.constexpr = scale_ptrs.shape[0]
+    if EVEN_K:
+        scale_at = scale_ptrs + k0 // 32
+        if EVEN_N:
+            words = tl.load(word_ptrs + k0 // 8)
+        else:
+            words = tl.load(word_ptrs + k0 // 8, mask=n_ok[None, None, :], other=0)
+    else:
+        g_ok = k0 + tl.arange(0, G) * 32 < K
+        scale_at = scale_ptrs + tl.where(g_ok, k0 // 32, -tl.arange(0, G))[:, None]
+        words = tl.load(word_ptrs + k0 // 8, mask=g_ok[None, :, None] & n_ok[None, None, :], other=0)
+    return words.to(tl.uint32, bitcast=True), _load_bytes(scale_at, PTX)
 
 
 @triton.jit
-def _expert_rows(sorted_pairs, expert_starts, expert_counts, active_experts, num_active):
-    """(expert, first sorted pair, row count) of this program's active slot; count 0 past num_active."""
-    a = tl.program_id(0)
-    e = tl.load(active_experts + a).to(tl.int64)
-    count = tl.where(a < tl.load(num_active), tl.load(expert_counts + e), 0)
-    return e, tl.load(expert_starts + e), count
+def _x_block(x_ptrs, k0, K, EVEN_K: tl.constexpr):
+    """x_ptrs [4, G] (word w of group g of the first K block) moved to the block at k0; groups past K read
+    group 0 of the block (in bounds; their words are zero)."""
+    if EVEN_K:
+        return x_ptrs + k0
+    g_ok = k0 + tl.arange(0, x_ptrs.shape[1]) * 32 < K
+    return x_ptrs + tl.where(g_ok, k0, k0 - tl.arange(0, x_ptrs.shape[1]) * 32)[None, :]
 
 
 @triton.jit
@@ -167,104 +238,177 @@ def route_kernel(topk_ids, num_pairs, expert_start, num_local, sorted_pairs, exp
 
 
 def configs_up() -> list[triton.Config]:
-    """(BLOCK_N, BLOCK_K, ROWS, warps). Threads cover (column, group) pairs, a thread holds
-    BLOCK_N·BLOCK_K/32/threads groups per weight: 1 keeps the up kernel at ~80 registers (sm_90, triton
-    3.6), 2 (or ROWS 2) at ~165; ROWS 4 spills. ROWS 2 pays when most experts have 2+ rows (T 64 and up).
-    One stage: the software pipeliner leaves these loads alone; the K loop prefetches by hand."""
-    shapes = [(8, 512, 1, 4), (16, 256, 1, 4), (8, 256, 1, 2), (4, 256, 1, 1), (16, 512, 1, 4), (8, 512, 2, 4),
-              (16, 256, 2, 4)]
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "ROWS": r}, num_warps=w, num_stages=1)
-            for n, k, r, w in shapes]
+    """(BLOCK_N, ROWS, warps, PREFETCH, programs per SM), BLOCK_K 512. A warp's lanes cover 16 groups and 2
+    columns, its warps more columns, and a thread repeats the rest (C = BLOCK_N / (2 warps): 2 or 4), sharing
+    its x over them. PREFETCH 2 keeps twice the bytes in flight for ~0.3 more instructions an element (register
+    moves); ROWS 2 pays when most experts have 2+ rows. Programs per SM = how many fit (registers, sm_90, triton
+    3.6; benchmarks/moe_gemv_sass.py checks it): a persistent grid must not wait for a second wave."""
+    shapes = [(4, 1, 1, 1, 14), (4, 1, 1, 2, 12), (8, 1, 1, 1, 9), (8, 1, 2, 1, 8), (8, 1, 2, 2, 6),
+              (16, 1, 4, 1, 4), (4, 2, 1, 1, 12), (8, 2, 2, 1, 6)]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": 512, "ROWS": r, "PREFETCH": pf, "PROGRAMS_PER_SM": p},
+                          num_warps=w, num_stages=1) for n, r, w, pf, p in shapes]
 
 
 def configs_down() -> list[triton.Config]:
-    """As configs_up plus SPLIT_K: with 1-3 experts hit, K shares put more programs on the SMs."""
-    shapes = [(8, 512, 1, 4, 2), (16, 256, 1, 4, 2), (8, 256, 1, 2, 4), (4, 256, 1, 1, 2), (16, 512, 1, 4, 1),
-              (8, 512, 2, 4, 1), (16, 256, 2, 4, 2)]
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "ROWS": r, "SPLIT_K": sk}, num_warps=w, num_stages=1)
-            for n, k, r, w, sk in shapes]
+    """As configs_up plus SPLIT_K (after PREFETCH): K shares put more tiles on the SMs when few experts are hit."""
+    shapes = [(4, 1, 1, 1, 1, 25), (4, 1, 1, 2, 1, 25), (4, 1, 1, 2, 2, 25), (8, 1, 1, 1, 1, 12),
+              (8, 1, 2, 2, 1, 12), (16, 1, 4, 2, 1, 6), (4, 2, 1, 1, 1, 16), (8, 2, 2, 1, 1, 8)]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": 512, "ROWS": r, "PREFETCH": pf, "SPLIT_K": sk,
+                           "PROGRAMS_PER_SM": p}, num_warps=w, num_stages=1) for n, r, w, pf, sk, p in shapes]
 
 
-@triton.autotune(configs=configs_up(), key=["rows_bucket", "I", "D"])
+_EVEN = {"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
+         "EVEN_N": lambda args: args["N"] % args["BLOCK_N"] == 0}
+
+
+@triton.autotune(configs=configs_up(), key=["rows_bucket", "N", "K"])
+@triton.heuristics(_EVEN)
 @triton.jit
 def gemv_up_kernel(
-    x, w1p, w1s, w3p, w3s, h, sorted_pairs, expert_starts, expert_counts, active_experts, num_active,
-    top_k, I, D, beta, linear_beta, rows_bucket,
+    x, w1p, w1s, w3p, w3s, h, out, sorted_pairs, expert_starts, expert_counts, active_experts, num_active,
+    top_k, N, K, beta, linear_beta, rows_bucket, out_numel,
     stride_x, stride_pe, stride_pn, stride_se, stride_sn, stride_h,
-    ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+    ACT: tl.constexpr, PTX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+    PREFETCH: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):
-    """w1p / w3p: the packed banks as int32 words (strides in words)."""
-    e, start, count = _expert_rows(sorted_pairs, expert_starts, expert_counts, active_experts, num_active)
-    offs_n, n_ok, words, scales = _tile_offsets(e, I, stride_pe, stride_pn, stride_se, stride_sn, BLOCK_N, BLOCK_K)
-    offs_g = tl.arange(0, BLOCK_K // 32)
-    x_offs = tl.arange(0, 4)[:, None] * 8 + offs_g[None, :] * 32  # [4, G]: code 0 of each word
+    """h[pair, :N] = act(x[token] W1[e]^T, x[token] W3[e]^T); w1p / w3p: the packed banks as int32 words (strides
+    in words), K = D the latent width. Also zeroes out (out_numel fp32), which the down kernel adds into: one
+    memset launch less. PROGRAMS_PER_SM sizes the grid only (see `programs`)."""
+    for z in range(tl.program_id(0) * 1024, out_numel, tl.num_programs(0) * 1024):
+        tl.store(out + z + tl.arange(0, 1024), 0.0, mask=z + tl.arange(0, 1024) < out_numel)
+    G: tl.constexpr = BLOCK_K // 32
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    last = tl.cdiv(K, BLOCK_K) * BLOCK_K - BLOCK_K  # the last K block
+    x_offs = tl.arange(0, 4)[:, None] * 8 + tl.arange(0, G)[None, :] * 32  # [4, G]: the x of word 0 of each word
     row = tl.arange(0, ROWS)
-    for m0 in range(0, count, ROWS):
-        r_ok = m0 + row < count
-        pair = tl.load(sorted_pairs + start + m0 + row, mask=r_ok, other=0)
-        tokens = (pair // top_k).to(tl.int64)
-        acc_g = tl.zeros([ROWS, BLOCK_N, BLOCK_K // 32], tl.float32)
-        acc_u = tl.zeros([ROWS, BLOCK_N, BLOCK_K // 32], tl.float32)
-        w1, a1, b1 = _load_tile(w1p + words, w1s + scales, n_ok, offs_g * 32 < D)
-        w3, a3, b3 = _load_tile(w3p + words, w3s + scales, n_ok, offs_g * 32 < D)
-        for k0 in range(0, D, BLOCK_K):  # the next block's words are loaded before this one's math
-            g_ok = k0 + offs_g * 32 < D  # D % 32 == 0: whole groups in or out
-            next_ok = k0 + BLOCK_K + offs_g * 32 < D
-            w1_next, a1_next, b1_next = _load_tile(w1p + words + (k0 + BLOCK_K) // 8,
-                                                   w1s + scales + (k0 + BLOCK_K) // 32, n_ok, next_ok)
-            w3_next, a3_next, b3_next = _load_tile(w3p + words + (k0 + BLOCK_K) // 8,
-                                                   w3s + scales + (k0 + BLOCK_K) // 32, n_ok, next_ok)
-            x_safe = _x_offsets(x_offs, g_ok)
-            for R in tl.static_range(ROWS):
-                x_row = x + _row_offset(tokens, stride_x, r_ok, R) + k0
-                here = row[:, None, None] == R
-                acc_g = tl.where(here, acc_g + _row_dots(w1, a1, b1, x_row, x_safe, 1)[None], acc_g)
-                acc_u = tl.where(here, acc_u + _row_dots(w3, a3, b3, x_row, x_safe, 1)[None], acc_u)
-            w1, a1, b1 = w1_next, a1_next, b1_next
-            w3, a3, b3 = w3_next, a3_next, b3_next
-        gate = tl.sum(acc_g, axis=2)
-        up = tl.sum(acc_u, axis=2)
-        if ACT == 1:  # SiTU-GLU
-            act = beta * _tanh(gate / beta) * tl.sigmoid(gate) * (linear_beta * _tanh(up / linear_beta))
-        else:  # SwiGLU
-            act = gate * tl.sigmoid(gate) * up
-        dst = h + (start + m0 + row)[:, None].to(tl.int64) * stride_h + _h_column(offs_n)[None, :]
-        tl.store(dst, act.to(h.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
+    for tile in range(tl.program_id(0), tl.load(num_active) * n_blocks, tl.num_programs(0)):
+        start, count, offs_n, n_ok, words, scales = _tile(tile, n_blocks, N, expert_starts, expert_counts,
+                                                          active_experts, stride_pe, stride_pn, stride_se,
+                                                          stride_sn, BLOCK_N, G)
+        for m0 in range(0, count, ROWS):
+            r_ok = m0 + row < count
+            pair = tl.load(sorted_pairs + start + m0 + row, mask=r_ok, other=0)
+            tokens = (pair // top_k).to(tl.int64)
+            acc_g = tl.zeros([ROWS, G, BLOCK_N], tl.float32)
+            acc_u = tl.zeros([ROWS, G, BLOCK_N], tl.float32)
+            w1, s1 = _load_block(w1p + words, w1s + scales, 0, K, n_ok, EVEN_K, EVEN_N, PTX)
+            w3, s3 = _load_block(w3p + words, w3s + scales, 0, K, n_ok, EVEN_K, EVEN_N, PTX)
+            if PREFETCH == 2:
+                w1_b, s1_b = _load_block(w1p + words, w1s + scales, tl.minimum(BLOCK_K, last), K, n_ok, EVEN_K,
+                                         EVEN_N, PTX)
+                w3_b, s3_b = _load_block(w3p + words, w3s + scales, tl.minimum(BLOCK_K, last), K, n_ok, EVEN_K,
+                                         EVEN_N, PTX)
+            for k0 in range(0, K, BLOCK_K):  # the blocks PREFETCH ahead are loaded before this one's math
+                k_ahead = tl.minimum(k0 + PREFETCH * BLOCK_K, last)  # past the end: the last block again (cached)
+                w1_c, s1_c = _load_block(w1p + words, w1s + scales, k_ahead, K, n_ok, EVEN_K, EVEN_N, PTX)
+                w3_c, s3_c = _load_block(w3p + words, w3s + scales, k_ahead, K, n_ok, EVEN_K, EVEN_N, PTX)
+                a1, b1 = _scale_factors(s1)
+                a3, b3 = _scale_factors(s3)
+                for R in tl.static_range(ROWS):
+                    x8 = _load_x8(_x_block(x + _row_offset(tokens, stride_x, r_ok, R) + x_offs, k0, K, EVEN_K), PTX)
+                    here = row[:, None, None] == R
+                    acc_g = tl.where(here, acc_g + (_group_dots(w1, x8, PTX) * a1 * b1)[None], acc_g)
+                    acc_u = tl.where(here, acc_u + (_group_dots(w3, x8, PTX) * a3 * b3)[None], acc_u)
+                if PREFETCH == 2:
+                    w1, s1, w3, s3, w1_b, s1_b, w3_b, s3_b = w1_b, s1_b, w3_b, s3_b, w1_c, s1_c, w3_c, s3_c
+                else:
+                    w1, s1, w3, s3 = w1_c, s1_c, w3_c, s3_c
+            gate = tl.sum(acc_g, axis=1)
+            up = tl.sum(acc_u, axis=1)
+            if ACT == 1:  # SiTU-GLU
+                act = beta * _tanh(gate / beta) * tl.sigmoid(gate) * (linear_beta * _tanh(up / linear_beta))
+            else:  # SwiGLU
+                act = gate * tl.sigmoid(gate) * up
+            dst = h + (start + m0 + row)[:, None].to(tl.int64) * stride_h + offs_n[None, :]
+            tl.store(dst, act.to(h.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
 
 
-@triton.autotune(configs=configs_down(), key=["rows_bucket", "I", "D"], reset_to_zero=["out"])
+@triton.autotune(configs=configs_down(), key=["rows_bucket", "N", "K"], reset_to_zero=["out"])
+@triton.heuristics(_EVEN)
 @triton.jit
 def gemv_down_kernel(
     h, w2p, w2s, out, topk_weights, sorted_pairs, expert_starts, expert_counts, active_experts, num_active,
-    top_k, D, I, rows_bucket,
+    top_k, N, K, rows_bucket,
     stride_h, stride_pe, stride_pn, stride_se, stride_sn, stride_out,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr,
+    PTX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr,
+    PREFETCH: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):
-    """w2p: the packed bank as int32 words (strides in words)."""
-    e, start, count = _expert_rows(sorted_pairs, expert_starts, expert_counts, active_experts, num_active)
-    offs_n, n_ok, words, scales = _tile_offsets(e, D, stride_pe, stride_pn, stride_se, stride_sn, BLOCK_N, BLOCK_K)
-    offs_g = tl.arange(0, BLOCK_K // 32)
-    h_offs = tl.arange(0, 4)[:, None] + offs_g[None, :] * 32  # h columns in the up kernel's order
+    """out[token, :N] += topk_weight[pair] · h[pair] W2[e]^T; w2p: the packed bank as int32 words (strides in
+    words), N = D, K = I. A tile is (active slot, column block, K share)."""
+    G: tl.constexpr = BLOCK_K // 32
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    h_offs = tl.arange(0, 4)[:, None] * 8 + tl.arange(0, G)[None, :] * 32
     row = tl.arange(0, ROWS)
-    for m0 in range(0, count, ROWS):
-        r_ok = m0 + row < count
-        pair = tl.load(sorted_pairs + start + m0 + row, mask=r_ok, other=0)
-        h_rows = (start + m0 + row).to(tl.int64)
-        acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K // 32], tl.float32)
-        k_first = tl.program_id(2) * BLOCK_K
-        w2, a2, b2 = _load_tile(w2p + words + k_first // 8, w2s + scales + k_first // 32, n_ok,
-                                k_first + offs_g * 32 < I)
-        for k0 in range(k_first, I, SPLIT_K * BLOCK_K):  # the next block's words come before this one's math
-            g_ok = k0 + offs_g * 32 < I
-            k_next = k0 + SPLIT_K * BLOCK_K
-            w2_next, a2_next, b2_next = _load_tile(w2p + words + k_next // 8, w2s + scales + k_next // 32, n_ok,
-                                                   k_next + offs_g * 32 < I)
-            h_safe = _x_offsets(h_offs, g_ok)
-            for R in tl.static_range(ROWS):
-                h_row = h + _row_offset(h_rows, stride_h, r_ok, R) + k0
-                here = row[:, None, None] == R
-                acc = tl.where(here, acc + _row_dots(w2, a2, b2, h_row, h_safe, 8)[None], acc)
-            w2, a2, b2 = w2_next, a2_next, b2_next
-        y = tl.sum(acc, axis=2) * tl.load(topk_weights + pair, mask=r_ok, other=0.0)[:, None]
-        tok = (pair // top_k).to(tl.int64)
-        tl.atomic_add(out + tok[:, None] * stride_out + offs_n[None, :], y, mask=r_ok[:, None] & n_ok[None, :])
+    for tile in range(tl.program_id(0), tl.load(num_active) * n_blocks * SPLIT_K, tl.num_programs(0)):
+        start, count, offs_n, n_ok, words, scales = _tile(tile // SPLIT_K, n_blocks, N, expert_starts,
+                                                          expert_counts, active_experts, stride_pe, stride_pn,
+                                                          stride_se, stride_sn, BLOCK_N, G)
+        share = tile % SPLIT_K
+        k_first = share * BLOCK_K
+        blocks = tl.cdiv(K, BLOCK_K)  # the share's last block; a share past K has none (its loop is empty)
+        last = tl.minimum(share + tl.maximum(blocks - 1 - share, 0) // SPLIT_K * SPLIT_K, blocks - 1) * BLOCK_K
+        for m0 in range(0, count, ROWS):
+            r_ok = m0 + row < count
+            pair = tl.load(sorted_pairs + start + m0 + row, mask=r_ok, other=0)
+            h_rows = (start + m0 + row).to(tl.int64)
+            acc = tl.zeros([ROWS, G, BLOCK_N], tl.float32)
+            w2, s2 = _load_block(w2p + words, w2s + scales, tl.minimum(k_first, last), K, n_ok, EVEN_K, EVEN_N, PTX)
+            if PREFETCH == 2:
+                w2_b, s2_b = _load_block(w2p + words, w2s + scales, tl.minimum(k_first + SPLIT_K * BLOCK_K, last), K,
+                                         n_ok, EVEN_K, EVEN_N, PTX)
+            for k0 in range(k_first, K, SPLIT_K * BLOCK_K):  # the blocks PREFETCH ahead come before this one's math
+                k_ahead = tl.minimum(k0 + PREFETCH * SPLIT_K * BLOCK_K, last)
+                w2_c, s2_c = _load_block(w2p + words, w2s + scales, k_ahead, K, n_ok, EVEN_K, EVEN_N, PTX)
+                a2, b2 = _scale_factors(s2)
+                for R in tl.static_range(ROWS):
+                    x8 = _load_x8(_x_block(h + _row_offset(h_rows, stride_h, r_ok, R) + h_offs, k0, K, EVEN_K), PTX)
+                    here = row[:, None, None] == R
+                    acc = tl.where(here, acc + (_group_dots(w2, x8, PTX) * a2 * b2)[None], acc)
+                if PREFETCH == 2:
+                    w2, s2, w2_b, s2_b = w2_b, s2_b, w2_c, s2_c
+                else:
+                    w2, s2 = w2_c, s2_c
+            y = tl.sum(acc, axis=1) * tl.load(topk_weights + pair, mask=r_ok, other=0.0)[:, None]
+            tok = (pair // top_k).to(tl.int64)
+            tl.atomic_add(out + tok[:, None] * stride_out + offs_n[None, :], y, mask=r_ok[:, None] & n_ok[None, :])
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def programs(device: torch.device, tiles: int, per_sm: int) -> int:
+    """Grid of a persistent kernel: per_sm programs per SM (an interpreter run: 3, so programs take several
+    tiles), never more than the tiles there can be."""
+    slots = per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 3
+    return max(1, min(tiles, slots))
+
+
+def experts(x, w1, w3, w2, h, out, topk_weights, routing, top_k: int, act: tuple[int, float, float],
+            rows_bucket: int) -> None:
+    """Launch the up and down kernels (the caller, triton_moe.fused_experts, has routed and allocated):
+    x [T, D] bf16, MXFP4 w1/w3 [E, I, D] and w2 [E, D, I], h fp32 [T*k, I], out fp32 [T, D] contiguous (its
+    content does not matter: the up kernel zeroes it). The PTX x loads are 16-byte vectors, so an x that
+    starts off a 16-byte boundary runs the plain Triton path."""
+    pairs, starts, counts, active, num_active = routing
+    kind, beta, linear_beta = act
+    E, I, D = w1.shape[0], w1.shape[1], w1.shape[2]
+    max_active = min(E, pairs.numel())
+    ptx = PTX and x.data_ptr() % 16 == 0 and (x.shape[0] == 1 or x.stride(0) % 8 == 0)
+    p1, p3, p2 = (w.packed.view(torch.int32) for w in (w1, w3, w2))  # 8 codes a word; raises if misaligned
+    s1, s3, s2 = w1.scales, w3.scales, w2.scales
+    up_grid = lambda meta: (programs(x.device, max_active * triton.cdiv(I, meta["BLOCK_N"]),  # noqa: E731
+                                     meta["PROGRAMS_PER_SM"]),)
+    down_grid = lambda meta: (programs(x.device, max_active * triton.cdiv(D, meta["BLOCK_N"])  # noqa: E731
+                                       * meta["SPLIT_K"], meta["PROGRAMS_PER_SM"]),)
+    gemv_up_kernel[up_grid](
+        x, p1, s1, p3, s3, h, out, pairs, starts, counts, active, num_active, top_k, I, D, beta, linear_beta,
+        rows_bucket, out.numel(), x.stride(0), p1.stride(0), p1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
+        ACT=kind, PTX=ptx,
+    )
+    gemv_down_kernel[down_grid](
+        h, p2, s2, out, topk_weights, pairs, starts, counts, active, num_active, top_k, D, I, rows_bucket,
+        h.stride(0), p2.stride(0), p2.stride(1), s2.stride(0), s2.stride(1), out.stride(0), PTX=ptx,
+    )

@@ -233,34 +233,35 @@ def fused_experts(x: Tensor, weights, topk_weights: Tensor, topk_ids: Tensor, ac
         path = "gemv" if T <= GEMV_MAX_TOKENS else "dot"
     last_path = path
     x = x.contiguous()
-    out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
     if T * top_k == 0:
-        return out
+        return torch.zeros(T, D, dtype=torch.float32, device=x.device)
+    empty_or_zeros = torch.empty if path == "gemv" else torch.zeros  # the GEMV up kernel zeroes out itself
+    out = empty_or_zeros(T, D, dtype=torch.float32, device=x.device)
     small = T * top_k <= ROUTE_SMALL_MAX_PAIRS
     pairs, starts, counts, active, num_active = (route_small if small else route)(topk_ids, expert_start, E)
     h_dtype = torch.float32 if path == "gemv" else x.dtype  # CUDA cores read fp32 without a conversion
     h = torch.empty(T * top_k, I, dtype=h_dtype, device=x.device)
     tw = topk_weights.reshape(-1).float().contiguous()
+    rows_bucket = min(triton.next_power_of_2(T * top_k), 4096)  # autotune key: decode and prefill differ
+    routing = (pairs, starts, counts, active, num_active)
+    if path == "gemv":
+        from .triton_gemv import experts
+
+        with device_of(x):
+            experts(x, w1, w3, w2, h, out, tw, routing, top_k, (act, beta, linear_beta), rows_bucket)
+        return out
     max_active = min(E, T * top_k)
     p1, s1, p3, s3, p2, s2 = w1.packed, w1.scales, w3.packed, w3.scales, w2.packed, w2.scales
-    rows_bucket = min(triton.next_power_of_2(T * top_k), 4096)  # autotune key: decode and prefill differ
-    if path == "gemv":
-        from .triton_gemv import gemv_down_kernel as down, gemv_up_kernel as up
-
-        p1, p3, p2 = (p.view(torch.int32) for p in (p1, p3, p2))  # 8 codes a word; raises if misaligned
-        tiles = {}
-    else:
-        up, down, tiles = _up_kernel, _down_kernel, {"BLOCK_M": 16}
     up_grid = lambda meta: (max_active, triton.cdiv(I, meta["BLOCK_N"]))  # noqa: E731
-    down_grid = lambda meta: (max_active, triton.cdiv(D, meta["BLOCK_N"]), meta.get("SPLIT_K", 1))  # noqa: E731
+    down_grid = lambda meta: (max_active, triton.cdiv(D, meta["BLOCK_N"]))  # noqa: E731
     with device_of(x):
-        up[up_grid](
-            x, p1, s1, p3, s3, h, pairs, starts, counts, active, num_active, top_k, I, D, beta, linear_beta,
+        _up_kernel[up_grid](
+            x, p1, s1, p3, s3, h, *routing, top_k, I, D, beta, linear_beta,
             rows_bucket, x.stride(0), p1.stride(0), p1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
-            ACT=act, **tiles,
+            ACT=act, BLOCK_M=16,
         )
-        down[down_grid](
-            h, p2, s2, out, tw, pairs, starts, counts, active, num_active, top_k, D, I, rows_bucket,
-            h.stride(0), p2.stride(0), p2.stride(1), s2.stride(0), s2.stride(1), out.stride(0), **tiles,
+        _down_kernel[down_grid](
+            h, p2, s2, out, tw, *routing, top_k, D, I, rows_bucket,
+            h.stride(0), p2.stride(0), p2.stride(1), s2.stride(0), s2.stride(1), out.stride(0), BLOCK_M=16,
         )
     return out

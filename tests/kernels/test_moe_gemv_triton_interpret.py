@@ -5,17 +5,23 @@ exactly, including E8M0 scales at both ends of the range."""
 
 from __future__ import annotations
 
+import pytest
+
 from _triton_interpret import needs_triton, run_in_interpreter
 
 pytestmark = needs_triton
 
 
-def _experts_match_reference() -> None:
+TILINGS = ("ROWS 2, split-K 2", "one K block past the row", "whole blocks, prefetch 2")
+
+
+def _experts_match_reference(tiling: str) -> None:
     """Rank 1 of 3 (experts 4..7 of 12): expert 5 takes every token (9 rows: full chunks of ROWS and a
     partial one), expert 7 none, the last token lives wholly on other ranks. I = 96 and D = 160 leave
     tails in N (BLOCK_N 64) and in K (BLOCK_K 128 and 512 are not divisors); scales 0, 1 and 240
-    (2^-127 .. 2^113) sit in the fp32 case's bank. Two tilings: ROWS 2 with split-K 2, and ROWS 1 with
-    one K block longer than the whole row."""
+    (2^-127 .. 2^113) sit in the fp32 cases' bank. Three tilings, each on 3 persistent programs that walk
+    several tiles: ROWS 2 with split-K 2 (the second share has no block), ROWS 1 with one K block longer
+    than the whole row, and whole blocks (BLOCK_K 32: 5 up and 3 down, split 2 and 1) prefetched 2 ahead."""
     import torch
     import triton
 
@@ -37,22 +43,25 @@ def _experts_match_reference() -> None:
     extreme.w3.scales[1, :, 0] = 0  # expert 5 (local 1), group 0 of every row: 2^-127
     extreme.w3.scales[1, :8, 1] = 1
     extreme.w1.scales[1, 8:16, 2] = 240  # gate values ~2^113: SiTU saturates, still finite
-    cases = (({"BLOCK_N": 64, "BLOCK_K": 128, "ROWS": 2}, 2, extreme, SITU, torch.float32, 1e-5),
-             ({"BLOCK_N": 16, "BLOCK_K": 512, "ROWS": 1}, 1, weights, silu_glu, torch.bfloat16, 1e-2))
-    for tiles, split_k, bank, activation, dtype, tol in cases:
-        triton_gemv.gemv_up_kernel.configs = [triton.Config(tiles)]  # no driver to benchmark
-        triton_gemv.gemv_down_kernel.configs = [triton.Config({**tiles, "SPLIT_K": split_k})]
-        case = f"{tiles}, SPLIT_K {split_k}, {dtype}"
-        out = triton_moe.fused_experts(x.to(dtype), bank, topk_weights, topk_ids, activation, E)
-        assert triton_moe.last_path == "gemv", case
-        ref = naive.fused_experts(x.to(dtype), bank, topk_weights, topk_ids, activation, E)
-        assert out.dtype == torch.float32 and torch.isfinite(out).all(), case
-        assert_rel_rms(f"out, {case}", ref, out, tol)
-        assert (out[T - 1] == 0).all(), case
+    cases = dict(zip(TILINGS, (
+        ({"BLOCK_N": 64, "BLOCK_K": 128, "ROWS": 2, "PREFETCH": 2}, 2, extreme, SITU, torch.float32, 1e-5),
+        ({"BLOCK_N": 16, "BLOCK_K": 512, "ROWS": 1, "PREFETCH": 1}, 1, weights, silu_glu, torch.bfloat16, 1e-2),
+        ({"BLOCK_N": 32, "BLOCK_K": 32, "ROWS": 1, "PREFETCH": 2}, 2, extreme, SITU, torch.float32, 1e-5))))
+    tiles, split_k, bank, activation, dtype, tol = cases[tiling]
+    tiles = {**tiles, "PROGRAMS_PER_SM": 1}  # the interpreter's grid: 3 programs (triton_gemv.programs)
+    triton_gemv.gemv_up_kernel.configs = [triton.Config(tiles)]  # no driver to benchmark
+    triton_gemv.gemv_down_kernel.configs = [triton.Config({**tiles, "SPLIT_K": split_k})]
+    out = triton_moe.fused_experts(x.to(dtype), bank, topk_weights, topk_ids, activation, E)
+    assert triton_moe.last_path == "gemv"
+    ref = naive.fused_experts(x.to(dtype), bank, topk_weights, topk_ids, activation, E)
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert_rel_rms(f"out, {tiling}", ref, out, tol)
+    assert (out[T - 1] == 0).all()
 
 
-def test_gemv_experts_match_reference_under_interpreter() -> None:
-    run_in_interpreter(__file__, "_experts_match_reference")
+@pytest.mark.parametrize("tiling", TILINGS)
+def test_gemv_experts_match_reference_under_interpreter(tiling: str) -> None:
+    run_in_interpreter(__file__, "_experts_match_reference", tiling)
 
 
 def _nan_scale_is_loud() -> None:
@@ -67,8 +76,9 @@ def _nan_scale_is_loud() -> None:
     weights = ExpertWeights(random_mxfp4(2, 64, 64, device="cpu"), random_mxfp4(2, 64, 64, device="cpu"),
                             random_mxfp4(2, 64, 64, device="cpu"))
     weights.w2.scales[1, 3, 0] = 0xFF
-    triton_gemv.gemv_up_kernel.configs = [triton.Config({"BLOCK_N": 16, "BLOCK_K": 64, "ROWS": 1})]
-    triton_gemv.gemv_down_kernel.configs = [triton.Config({"BLOCK_N": 16, "BLOCK_K": 64, "ROWS": 1, "SPLIT_K": 1})]
+    tiles = {"BLOCK_N": 16, "BLOCK_K": 64, "ROWS": 1, "PREFETCH": 1, "PROGRAMS_PER_SM": 1}
+    triton_gemv.gemv_up_kernel.configs = [triton.Config(tiles)]
+    triton_gemv.gemv_down_kernel.configs = [triton.Config({**tiles, "SPLIT_K": 1})]
     out = triton_moe.fused_experts(torch.randn(2, 64), weights, torch.ones(2, 1), torch.tensor([[0], [1]]),
                                    silu_glu, 0, path="gemv")
     assert torch.isfinite(out[0]).all() and out[1, 3].isnan() and torch.isfinite(out[1, :3]).all()

@@ -104,3 +104,32 @@ def test_unknown_activation_falls_back() -> None:
     ids, w = torch.zeros(3, 1, dtype=torch.int64, device="cuda"), torch.ones(3, 1, device="cuda")
     fused_experts(x, weights, w, ids, lambda g, u: g * u, 0)
     assert moe.last_backend["fused_experts"] == "naive"
+
+
+@pytest.mark.parametrize("T", [1, 16], ids=lambda t: f"T{t}")
+def test_gemv_path_is_fp32_exact_at_k3_shapes(T: int) -> None:
+    """The GEMV pair computes in fp32 on exactly decoded weights (inline PTX decode, scale and 16-byte x loads on
+    the GPU), so with bf16 activations it matches the fp32 reference to fp32 rounding: a wrong code, sign, scale or
+    x position could not hide in the bf16 tolerance of the other tests."""
+    weights = k3_bank()
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    topk_weights, topk_ids = _routing(T, 0)
+    topk_ids[0, 0] = 5  # at least one pair on this rank
+    out = triton_moe.fused_experts(x, weights, topk_weights, topk_ids, SITU, 0, path="gemv")
+    assert_rel_rms("out", naive.fused_experts(x, weights, topk_weights, topk_ids, SITU, 0), out, 1e-5)
+
+
+def test_gemv_nan_scale_and_misaligned_x() -> None:
+    """E8M0 0xFF is NaN on the PTX path too (K = 64: a block with groups past K), and an x that starts off a
+    16-byte boundary (a view one element in) runs the plain Triton loads and matches the reference."""
+    weights = ExpertWeights(*(random_mxfp4(2, *s) for s in ((64, 128), (64, 128), (128, 64))))
+    weights.w2.scales[1, 3, 0] = 0xFF
+    x = torch.randn(2, 128, device="cuda", dtype=torch.bfloat16)
+    ids, w = torch.tensor([[0], [1]], device="cuda"), torch.ones(2, 1, device="cuda")
+    out = triton_moe.fused_experts(x, weights, w, ids, silu_glu, 0, path="gemv")
+    assert torch.isfinite(out[0]).all() and out[1, 3].isnan() and torch.isfinite(out[1, :3]).all()
+    shifted = torch.randn(2 * 128 + 1, device="cuda", dtype=torch.bfloat16)[1:].view(2, 128)
+    assert shifted.data_ptr() % 16 != 0
+    ids = torch.tensor([[0], [0]], device="cuda")
+    out = triton_moe.fused_experts(shifted, weights, w, ids, silu_glu, 0, path="gemv")
+    assert_rel_rms("misaligned x", naive.fused_experts(shifted, weights, w, ids, silu_glu, 0), out, 1e-5)
