@@ -6,7 +6,7 @@ Compiles every autotune config (at K3 shapes: D 3584, I 3072, so no K or column 
 target with the ptxas that ships with triton, and prints its registers per thread, local-memory stack
 (spills), how many of its programs fit on an SM (registers, warps, shared memory) against the
 PROGRAMS_PER_SM it launches, and the SASS instructions of the K loop per weight element (each serving
-ROWS rows), with the loop's instruction mix. At ~32 weight elements per SM per clock (4.2 TB/s of MXFP4
+ROWS rows; with ROWS > 1 then the loop of an expert's last rows, singly), with the first loop's mix. At ~32 weight elements per SM per clock (4.2 TB/s of MXFP4
 on 132 SMs at 1.98 GHz) and 128 thread-instructions per SM per clock, a loop that spends N instructions
 per element reaches at most 4/N of HBM bandwidth."""
 
@@ -53,8 +53,9 @@ def fitting_programs(registers: int, shared: int, num_warps: int) -> int:
     return min(SM90_PROGRAMS, SM90_WARPS // num_warps, by_registers, by_shared)
 
 
-def loop_cost(cubin: bytes) -> tuple[str, list[str]]:
-    """(resource usage line, opcodes of the innermost loop that loads from global memory)."""
+def loop_costs(cubin: bytes) -> tuple[str, list[list[str]]]:
+    """(resource usage line, opcodes of each innermost loop that loads from global memory: the K loops, largest
+    first; a ROWS > 1 kernel has one for ROWS rows and one for an expert's last rows, singly)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
@@ -71,14 +72,14 @@ def loop_cost(cubin: bytes) -> tuple[str, list[str]]:
         elif m := address.search(line):
             labels.setdefault(label, int(m.group(1), 16))
             code.append((int(m.group(1), 16), m.group(2), line))
-    loops = []
+    spans = []  # (first, last address) of each backward branch's loop
     for at, _, line in code:
         target = re.search(r"BRA.*\.L_x_(\d+)", line)
         if target and labels.get(target.group(1), at + 1) < at:
-            body = [op for a, op, _ in code if labels[target.group(1)] <= a <= at]
-            if "LDG" in body:
-                loops.append(body)
-    return usage, min(loops, key=len)
+            spans.append((labels[target.group(1)], at))
+    innermost = [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
+    loops = [[op for at, op, _ in code if a <= at <= b] for a, b in innermost]
+    return usage, sorted((body for body in loops if "LDG" in body), key=len, reverse=True)
 
 
 def main() -> None:
@@ -89,15 +90,15 @@ def main() -> None:
             tiles = config.kwargs
             even = {"EVEN_K": k % tiles["BLOCK_K"] == 0, "EVEN_N": n % tiles["BLOCK_N"] == 0}
             compiled = compile_sm90(kernel.fn.fn, args, {**tiles, **extra, **even, "PTX": True}, config.num_warps)
-            usage, body = loop_cost(compiled.asm["cubin"])
+            usage, loops = loop_costs(compiled.asm["cubin"])
             registers = int(re.search(r"REG:(\d+)", usage).group(1))
             fits = fitting_programs(registers, compiled.metadata.shared, config.num_warps)
             per_thread = matrices * tiles["BLOCK_N"] * tiles["BLOCK_K"] / (32 * config.num_warps)
-            mix = ", ".join(f"{op} {count}" for op, count in collections.Counter(body).most_common(8))
+            costs = ", ".join(f"{len(body) / per_thread:.2f}" for body in loops)
+            mix = ", ".join(f"{op} {count}" for op, count in collections.Counter(loops[0]).most_common(8))
             print(f"{name} {tiles} warps {config.num_warps}: {usage.split()[0]} {usage.split()[1]}, "
                   f"{fits} fit{'' if fits >= tiles['PROGRAMS_PER_SM'] else ' (FEWER THAN LAUNCHED)'}, "
-                  f"{len(body) / per_thread:.2f} SASS/element  [{mix}]")
-
+                  f"{costs} SASS/element  [{mix}]")
 
 if __name__ == "__main__":
     main()

@@ -40,7 +40,7 @@ SMOKE = {"E": 4, "I": 128, "D": 256, "TOP_K": 4, "TOTAL": 8, "TOKENS": (1, 3)}
 TOL = 1e-4  # fp32 math on exactly decoded weights: ~3e-7 against the fp32 reference
 PHASES = ("head", "new", "plain")
 EXTRA_UP = [(4, 1, 2, 1, 14), (16, 1, 2, 1, 4)]  # BLOCK_N, ROWS, warps, PREFETCH, programs per SM (they fit)
-EXTRA_DOWN = [(4, 1, 1, 1, 2, 25), (8, 1, 1, 1, 2, 12), (8, 1, 2, 1, 1, 12)]  # ..., PREFETCH, SPLIT_K, programs
+EXTRA_DOWN = [(4, 1, 1, 1, 2, 21), (8, 1, 1, 1, 2, 12), (8, 1, 2, 1, 1, 12)]  # ..., PREFETCH, SPLIT_K, programs
 
 
 def bank(s: dict, dev):

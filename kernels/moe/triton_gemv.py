@@ -158,16 +158,6 @@ def _group_dots(words, x8, PTX: tl.constexpr):
 
 
 @triton.jit
-def _row_offset(row_index, stride, r_ok, R: tl.constexpr):
-    """Offset of row R of the chunk, or of its row 0 (always valid) where R is past the expert's rows:
-    that row's sums are computed but never stored. The stride multiplies last, so the compiler sees its
-    divisibility (the x loads stay 16-byte vectors)."""
-    pick = tl.arange(0, row_index.shape[0]) == tl.where(tl.sum(tl.where(
-        tl.arange(0, row_index.shape[0]) == R, r_ok.to(tl.int32), 0)) > 0, R, 0)
-    return tl.sum(tl.where(pick, row_index, 0)) * stride
-
-
-@triton.jit
 def _tile(tile, n_blocks, N, expert_starts, expert_counts, active_experts, stride_pe, stride_pn, stride_se,
           stride_sn, BLOCK_N: tl.constexpr, G: tl.constexpr):
     """Tile `tile` (active slot tile // n_blocks, column block tile % n_blocks): its expert's first sorted pair
@@ -241,17 +231,18 @@ def configs_up() -> list[triton.Config]:
     """(BLOCK_N, ROWS, warps, PREFETCH, programs per SM), BLOCK_K 512. A warp's lanes cover 16 groups and 2
     columns, its warps more columns, and a thread repeats the rest (C = BLOCK_N / (2 warps): 2 or 4), sharing
     its x over them. PREFETCH 2 keeps twice the bytes in flight for ~0.3 more instructions an element (register
-    moves); ROWS 2 pays when most experts have 2+ rows. Programs per SM = how many fit (registers, sm_90, triton
-    3.6; benchmarks/moe_gemv_sass.py checks it): a persistent grid must not wait for a second wave."""
+    moves); ROWS 2 streams an expert's weights once for two of its rows (an odd last row goes alone: no FMA for
+    a missing row). Programs per SM = how many fit (registers, sm_90, triton 3.6; benchmarks/moe_gemv_sass.py
+    checks it): a persistent grid must not wait for a second wave."""
     shapes = [(4, 1, 1, 1, 14), (4, 1, 1, 2, 12), (8, 1, 1, 1, 9), (8, 1, 2, 1, 8), (8, 1, 2, 2, 6),
-              (16, 1, 4, 1, 4), (4, 2, 1, 1, 12), (8, 2, 2, 1, 6)]
+              (16, 1, 4, 1, 4), (4, 2, 1, 1, 12), (8, 2, 2, 1, 5)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": 512, "ROWS": r, "PREFETCH": pf, "PROGRAMS_PER_SM": p},
                           num_warps=w, num_stages=1) for n, r, w, pf, p in shapes]
 
 
 def configs_down() -> list[triton.Config]:
     """As configs_up plus SPLIT_K (after PREFETCH): K shares put more tiles on the SMs when few experts are hit."""
-    shapes = [(4, 1, 1, 1, 1, 25), (4, 1, 1, 2, 1, 25), (4, 1, 1, 2, 2, 25), (8, 1, 1, 1, 1, 12),
+    shapes = [(4, 1, 1, 1, 1, 28), (4, 1, 1, 2, 1, 23), (4, 1, 1, 2, 2, 25), (8, 1, 1, 1, 1, 12),
               (8, 1, 2, 2, 1, 12), (16, 1, 4, 2, 1, 6), (4, 2, 1, 1, 1, 16), (8, 2, 2, 1, 1, 8)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": 512, "ROWS": r, "PREFETCH": pf, "SPLIT_K": sk,
                            "PROGRAMS_PER_SM": p}, num_warps=w, num_stages=1) for n, r, w, pf, sk, p in shapes]
@@ -276,51 +267,63 @@ def gemv_up_kernel(
     memset launch less. PROGRAMS_PER_SM sizes the grid only (see `programs`)."""
     for z in range(tl.program_id(0) * 1024, out_numel, tl.num_programs(0) * 1024):
         tl.store(out + z + tl.arange(0, 1024), 0.0, mask=z + tl.arange(0, 1024) < out_numel)
-    G: tl.constexpr = BLOCK_K // 32
     n_blocks = tl.cdiv(N, BLOCK_N)
-    last = tl.cdiv(K, BLOCK_K) * BLOCK_K - BLOCK_K  # the last K block
-    x_offs = tl.arange(0, 4)[:, None] * 8 + tl.arange(0, G)[None, :] * 32  # [4, G]: the x of word 0 of each word
-    row = tl.arange(0, ROWS)
     for tile in range(tl.program_id(0), tl.load(num_active) * n_blocks, tl.num_programs(0)):
         start, count, offs_n, n_ok, words, scales = _tile(tile, n_blocks, N, expert_starts, expert_counts,
                                                           active_experts, stride_pe, stride_pn, stride_se,
-                                                          stride_sn, BLOCK_N, G)
-        for m0 in range(0, count, ROWS):
-            r_ok = m0 + row < count
-            pair = tl.load(sorted_pairs + start + m0 + row, mask=r_ok, other=0)
-            tokens = (pair // top_k).to(tl.int64)
-            acc_g = tl.zeros([ROWS, G, BLOCK_N], tl.float32)
-            acc_u = tl.zeros([ROWS, G, BLOCK_N], tl.float32)
-            w1, s1 = _load_block(w1p + words, w1s + scales, 0, K, n_ok, EVEN_K, EVEN_N, PTX)
-            w3, s3 = _load_block(w3p + words, w3s + scales, 0, K, n_ok, EVEN_K, EVEN_N, PTX)
-            if PREFETCH == 2:
-                w1_b, s1_b = _load_block(w1p + words, w1s + scales, tl.minimum(BLOCK_K, last), K, n_ok, EVEN_K,
-                                         EVEN_N, PTX)
-                w3_b, s3_b = _load_block(w3p + words, w3s + scales, tl.minimum(BLOCK_K, last), K, n_ok, EVEN_K,
-                                         EVEN_N, PTX)
-            for k0 in range(0, K, BLOCK_K):  # the blocks PREFETCH ahead are loaded before this one's math
-                k_ahead = tl.minimum(k0 + PREFETCH * BLOCK_K, last)  # past the end: the last block again (cached)
-                w1_c, s1_c = _load_block(w1p + words, w1s + scales, k_ahead, K, n_ok, EVEN_K, EVEN_N, PTX)
-                w3_c, s3_c = _load_block(w3p + words, w3s + scales, k_ahead, K, n_ok, EVEN_K, EVEN_N, PTX)
-                a1, b1 = _scale_factors(s1)
-                a3, b3 = _scale_factors(s3)
-                for R in tl.static_range(ROWS):
-                    x8 = _load_x8(_x_block(x + _row_offset(tokens, stride_x, r_ok, R) + x_offs, k0, K, EVEN_K), PTX)
-                    here = row[:, None, None] == R
-                    acc_g = tl.where(here, acc_g + (_group_dots(w1, x8, PTX) * a1 * b1)[None], acc_g)
-                    acc_u = tl.where(here, acc_u + (_group_dots(w3, x8, PTX) * a3 * b3)[None], acc_u)
-                if PREFETCH == 2:
-                    w1, s1, w3, s3, w1_b, s1_b, w3_b, s3_b = w1_b, s1_b, w3_b, s3_b, w1_c, s1_c, w3_c, s3_c
-                else:
-                    w1, s1, w3, s3 = w1_c, s1_c, w3_c, s3_c
-            gate = tl.sum(acc_g, axis=1)
-            up = tl.sum(acc_u, axis=1)
-            if ACT == 1:  # SiTU-GLU
-                act = beta * _tanh(gate / beta) * tl.sigmoid(gate) * (linear_beta * _tanh(up / linear_beta))
-            else:  # SwiGLU
-                act = gate * tl.sigmoid(gate) * up
-            dst = h + (start + m0 + row)[:, None].to(tl.int64) * stride_h + offs_n[None, :]
-            tl.store(dst, act.to(h.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
+                                                          stride_sn, BLOCK_N, BLOCK_K // 32)
+        tile_args = (x, w1p + words, w1s + scales, w3p + words, w3s + scales, h, sorted_pairs, top_k, K, beta,
+                     linear_beta, stride_x, stride_h, offs_n, n_ok)
+        full = count // ROWS * ROWS
+        for m0 in range(0, full, ROWS):
+            _up_rows(*tile_args, start + m0, ACT, PTX, BLOCK_K, ROWS, PREFETCH, EVEN_K, EVEN_N)
+        if ROWS > 1:  # the expert's last rows, one at a time
+            for m0 in range(full, count):
+                _up_rows(*tile_args, start + m0, ACT, PTX, BLOCK_K, 1, PREFETCH, EVEN_K, EVEN_N)
+
+
+@triton.jit
+def _up_rows(x, w1_words, w1_scales, w3_words, w3_scales, h, sorted_pairs, top_k, K, beta, linear_beta, stride_x,
+             stride_h, offs_n, n_ok, first, ACT: tl.constexpr, PTX: tl.constexpr, BLOCK_K: tl.constexpr,
+             NR: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """h of sorted pairs first .. first + NR - 1 (rows of the tile's expert) at the tile's columns, streaming the
+    tile's weights once (w*_words, w*_scales: pointers into its first K block)."""
+    G: tl.constexpr = BLOCK_K // 32
+    last = tl.cdiv(K, BLOCK_K) * BLOCK_K - BLOCK_K  # the last K block
+    x_offs = tl.arange(0, 4)[:, None] * 8 + tl.arange(0, G)[None, :] * 32  # [4, G]: the x of each word's code 0
+    row = tl.arange(0, NR)
+    tokens = (tl.load(sorted_pairs + first + row) // top_k).to(tl.int64)
+    acc_g = tl.zeros([NR, G, offs_n.shape[0]], tl.float32)
+    acc_u = tl.zeros([NR, G, offs_n.shape[0]], tl.float32)
+    w1, s1 = _load_block(w1_words, w1_scales, 0, K, n_ok, EVEN_K, EVEN_N, PTX)
+    w3, s3 = _load_block(w3_words, w3_scales, 0, K, n_ok, EVEN_K, EVEN_N, PTX)
+    if PREFETCH == 2:
+        w1_b, s1_b = _load_block(w1_words, w1_scales, tl.minimum(BLOCK_K, last), K, n_ok, EVEN_K, EVEN_N, PTX)
+        w3_b, s3_b = _load_block(w3_words, w3_scales, tl.minimum(BLOCK_K, last), K, n_ok, EVEN_K, EVEN_N, PTX)
+    for k0 in range(0, K, BLOCK_K):  # the blocks PREFETCH ahead are loaded before this one's math
+        k_ahead = tl.minimum(k0 + PREFETCH * BLOCK_K, last)  # past the end: the last block again (cached)
+        w1_c, s1_c = _load_block(w1_words, w1_scales, k_ahead, K, n_ok, EVEN_K, EVEN_N, PTX)
+        w3_c, s3_c = _load_block(w3_words, w3_scales, k_ahead, K, n_ok, EVEN_K, EVEN_N, PTX)
+        a1, b1 = _scale_factors(s1)
+        a3, b3 = _scale_factors(s3)
+        for R in tl.static_range(NR):  # the stride multiplies last: the compiler sees its divisibility
+            x_row = x + tl.sum(tl.where(row == R, tokens, 0)) * stride_x
+            x8 = _load_x8(_x_block(x_row + x_offs, k0, K, EVEN_K), PTX)
+            here = row[:, None, None] == R
+            acc_g = tl.where(here, acc_g + (_group_dots(w1, x8, PTX) * a1 * b1)[None], acc_g)
+            acc_u = tl.where(here, acc_u + (_group_dots(w3, x8, PTX) * a3 * b3)[None], acc_u)
+        if PREFETCH == 2:
+            w1, s1, w3, s3, w1_b, s1_b, w3_b, s3_b = w1_b, s1_b, w3_b, s3_b, w1_c, s1_c, w3_c, s3_c
+        else:
+            w1, s1, w3, s3 = w1_c, s1_c, w3_c, s3_c
+    gate = tl.sum(acc_g, axis=1)
+    up = tl.sum(acc_u, axis=1)
+    if ACT == 1:  # SiTU-GLU
+        act = beta * _tanh(gate / beta) * tl.sigmoid(gate) * (linear_beta * _tanh(up / linear_beta))
+    else:  # SwiGLU
+        act = gate * tl.sigmoid(gate) * up
+    dst = h + (first + row)[:, None].to(tl.int64) * stride_h + offs_n[None, :]
+    tl.store(dst, act.to(h.dtype.element_ty), mask=n_ok[None, :])
 
 
 @triton.autotune(configs=configs_down(), key=["rows_bucket", "N", "K"], reset_to_zero=["out"])
@@ -335,42 +338,55 @@ def gemv_down_kernel(
 ):
     """out[token, :N] += topk_weight[pair] · h[pair] W2[e]^T; w2p: the packed bank as int32 words (strides in
     words), N = D, K = I. A tile is (active slot, column block, K share)."""
-    G: tl.constexpr = BLOCK_K // 32
     n_blocks = tl.cdiv(N, BLOCK_N)
-    h_offs = tl.arange(0, 4)[:, None] * 8 + tl.arange(0, G)[None, :] * 32
-    row = tl.arange(0, ROWS)
     for tile in range(tl.program_id(0), tl.load(num_active) * n_blocks * SPLIT_K, tl.num_programs(0)):
         start, count, offs_n, n_ok, words, scales = _tile(tile // SPLIT_K, n_blocks, N, expert_starts,
                                                           expert_counts, active_experts, stride_pe, stride_pn,
-                                                          stride_se, stride_sn, BLOCK_N, G)
+                                                          stride_se, stride_sn, BLOCK_N, BLOCK_K // 32)
         share = tile % SPLIT_K
-        k_first = share * BLOCK_K
         blocks = tl.cdiv(K, BLOCK_K)  # the share's last block; a share past K has none (its loop is empty)
         last = tl.minimum(share + tl.maximum(blocks - 1 - share, 0) // SPLIT_K * SPLIT_K, blocks - 1) * BLOCK_K
-        for m0 in range(0, count, ROWS):
-            r_ok = m0 + row < count
-            pair = tl.load(sorted_pairs + start + m0 + row, mask=r_ok, other=0)
-            h_rows = (start + m0 + row).to(tl.int64)
-            acc = tl.zeros([ROWS, G, BLOCK_N], tl.float32)
-            w2, s2 = _load_block(w2p + words, w2s + scales, tl.minimum(k_first, last), K, n_ok, EVEN_K, EVEN_N, PTX)
-            if PREFETCH == 2:
-                w2_b, s2_b = _load_block(w2p + words, w2s + scales, tl.minimum(k_first + SPLIT_K * BLOCK_K, last), K,
-                                         n_ok, EVEN_K, EVEN_N, PTX)
-            for k0 in range(k_first, K, SPLIT_K * BLOCK_K):  # the blocks PREFETCH ahead come before this one's math
-                k_ahead = tl.minimum(k0 + PREFETCH * SPLIT_K * BLOCK_K, last)
-                w2_c, s2_c = _load_block(w2p + words, w2s + scales, k_ahead, K, n_ok, EVEN_K, EVEN_N, PTX)
-                a2, b2 = _scale_factors(s2)
-                for R in tl.static_range(ROWS):
-                    x8 = _load_x8(_x_block(h + _row_offset(h_rows, stride_h, r_ok, R) + h_offs, k0, K, EVEN_K), PTX)
-                    here = row[:, None, None] == R
-                    acc = tl.where(here, acc + (_group_dots(w2, x8, PTX) * a2 * b2)[None], acc)
-                if PREFETCH == 2:
-                    w2, s2, w2_b, s2_b = w2_b, s2_b, w2_c, s2_c
-                else:
-                    w2, s2 = w2_c, s2_c
-            y = tl.sum(acc, axis=1) * tl.load(topk_weights + pair, mask=r_ok, other=0.0)[:, None]
-            tok = (pair // top_k).to(tl.int64)
-            tl.atomic_add(out + tok[:, None] * stride_out + offs_n[None, :], y, mask=r_ok[:, None] & n_ok[None, :])
+        tile_args = (h, w2p + words, w2s + scales, out, topk_weights, sorted_pairs, top_k, K, share * BLOCK_K, last,
+                     stride_h, stride_out, offs_n, n_ok)
+        full = count // ROWS * ROWS
+        for m0 in range(0, full, ROWS):
+            _down_rows(*tile_args, start + m0, PTX, BLOCK_K, SPLIT_K, ROWS, PREFETCH, EVEN_K, EVEN_N)
+        if ROWS > 1:  # the expert's last rows, one at a time
+            for m0 in range(full, count):
+                _down_rows(*tile_args, start + m0, PTX, BLOCK_K, SPLIT_K, 1, PREFETCH, EVEN_K, EVEN_N)
+
+
+@triton.jit
+def _down_rows(h, w2_words, w2_scales, out, topk_weights, sorted_pairs, top_k, K, k_first, last, stride_h,
+               stride_out, offs_n, n_ok, first, PTX: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+               NR: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """Adds the tile's share (K blocks k_first, k_first + SPLIT_K * BLOCK_K, .. <= last) of sorted pairs first ..
+    first + NR - 1, weighted, into out at the tile's columns, streaming the share's weights once."""
+    G: tl.constexpr = BLOCK_K // 32
+    h_offs = tl.arange(0, 4)[:, None] * 8 + tl.arange(0, G)[None, :] * 32
+    row = tl.arange(0, NR)
+    h_rows = (first + row).to(tl.int64)
+    acc = tl.zeros([NR, G, offs_n.shape[0]], tl.float32)
+    w2, s2 = _load_block(w2_words, w2_scales, tl.minimum(k_first, last), K, n_ok, EVEN_K, EVEN_N, PTX)
+    if PREFETCH == 2:
+        w2_b, s2_b = _load_block(w2_words, w2_scales, tl.minimum(k_first + SPLIT_K * BLOCK_K, last), K, n_ok, EVEN_K,
+                                 EVEN_N, PTX)
+    for k0 in range(k_first, K, SPLIT_K * BLOCK_K):  # the blocks PREFETCH ahead come before this one's math
+        k_ahead = tl.minimum(k0 + PREFETCH * SPLIT_K * BLOCK_K, last)
+        w2_c, s2_c = _load_block(w2_words, w2_scales, k_ahead, K, n_ok, EVEN_K, EVEN_N, PTX)
+        a2, b2 = _scale_factors(s2)
+        for R in tl.static_range(NR):
+            h_row = h + tl.sum(tl.where(row == R, h_rows, 0)) * stride_h
+            x8 = _load_x8(_x_block(h_row + h_offs, k0, K, EVEN_K), PTX)
+            here = row[:, None, None] == R
+            acc = tl.where(here, acc + (_group_dots(w2, x8, PTX) * a2 * b2)[None], acc)
+        if PREFETCH == 2:
+            w2, s2, w2_b, s2_b = w2_b, s2_b, w2_c, s2_c
+        else:
+            w2, s2 = w2_c, s2_c
+    pairs = tl.load(sorted_pairs + first + row)
+    y = tl.sum(acc, axis=1) * tl.load(topk_weights + pairs)[:, None]
+    tl.atomic_add(out + (pairs // top_k).to(tl.int64)[:, None] * stride_out + offs_n[None, :], y, mask=n_ok[None, :])
 
 
 @functools.cache
