@@ -6,9 +6,10 @@ Compiles every autotune config (at K3 shapes: D 3584, I 3072, so no K or column 
 target with the ptxas that ships with triton, and prints its registers per thread, local-memory stack
 (spills), how many of its programs fit on an SM (registers, warps, shared memory) against the
 PROGRAMS_PER_SM it launches, and the SASS instructions of the K loop per weight element (each serving
-ROWS rows; with ROWS > 1 then the loop of an expert's last rows, singly), with the first loop's mix. At ~32 weight elements per SM per clock (4.2 TB/s of MXFP4
-on 132 SMs at 1.98 GHz) and 128 thread-instructions per SM per clock, a loop that spends N instructions
-per element reaches at most 4/N of HBM bandwidth."""
+ROWS rows; with ROWS > 1 then the loop of an expert's last rows, singly), with the first loop's mix. At
+~32 weight elements per SM per clock (4.2 TB/s of MXFP4 on 132 SMs at 1.98 GHz) and 128
+thread-instructions per SM per clock, a loop that spends N instructions per element reaches at most 4/N
+of HBM bandwidth."""
 
 from __future__ import annotations
 

@@ -47,6 +47,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
+
+from k3serve.kernels.mxfp4 import MXFP4Tensor
 
 from .triton_moe import _tanh
 
@@ -402,17 +405,20 @@ def programs(device: torch.device, tiles: int, per_sm: int) -> int:
     return max(1, min(tiles, slots))
 
 
-def experts(x, w1, w3, w2, h, out, topk_weights, routing, top_k: int, act: tuple[int, float, float],
-            rows_bucket: int) -> None:
+def experts(x: Tensor, w1: MXFP4Tensor, w3: MXFP4Tensor, w2: MXFP4Tensor, h: Tensor, out: Tensor,
+            topk_weights: Tensor, routing: tuple[Tensor, Tensor, Tensor, Tensor, Tensor], top_k: int,
+            act: tuple[int, float, float], rows_bucket: int) -> None:
     """Launch the up and down kernels (the caller, triton_moe.fused_experts, has routed and allocated):
     x [T, D] bf16, MXFP4 w1/w3 [E, I, D] and w2 [E, D, I], h fp32 [T*k, I], out fp32 [T, D] contiguous (its
-    content does not matter: the up kernel zeroes it). The PTX x loads are 16-byte vectors, so an x that
-    starts off a 16-byte boundary runs the plain Triton path."""
+    content does not matter: the up kernel zeroes it), topk_weights fp32 [T*k], routing as triton_moe.route
+    returns it, act = (ACT, beta, linear_beta). The PTX x loads are 16-byte vectors of bf16 or fp32, so an
+    x of another dtype, or one that starts off a 16-byte boundary, runs the plain Triton path."""
     pairs, starts, counts, active, num_active = routing
     kind, beta, linear_beta = act
     E, I, D = w1.shape[0], w1.shape[1], w1.shape[2]
     max_active = min(E, pairs.numel())
-    ptx = PTX and x.data_ptr() % 16 == 0 and (x.shape[0] == 1 or x.stride(0) % 8 == 0)
+    ptx = (PTX and x.dtype in (torch.bfloat16, torch.float32) and x.data_ptr() % 16 == 0
+           and (x.shape[0] == 1 or x.stride(0) % 8 == 0))
     p1, p3, p2 = (w.packed.view(torch.int32) for w in (w1, w3, w2))  # 8 codes a word; raises if misaligned
     s1, s3, s2 = w1.scales, w3.scales, w2.scales
     up_grid = lambda meta: (programs(x.device, max_active * triton.cdiv(I, meta["BLOCK_N"]),  # noqa: E731
