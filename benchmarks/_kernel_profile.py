@@ -24,13 +24,14 @@ COPIES = "host<->device copies, memsets"
 GAP_S = 0.01  # idle time before each profiled step: longer than any gap inside a step, so it tells steps apart
 # First match wins. Triton kernels carry their jit function's name (kernels/*/triton_*.py, fla).
 FAMILIES: tuple[tuple[str, re.Pattern[str]], ...] = tuple((family, re.compile(pattern)) for family, pattern in (
-    ("KDA decode (Triton)", r"^_kda_decode_kernel|fused_recurrent"),
+    ("KDA decode + short conv (Triton)", r"^_kda_decode_kernel|fused_recurrent|^_conv_decode_kernel"),
     ("MLA decode + cache write (Triton)", r"^_decode_kernel|^_merge_kernel|^_write_kernel"),
     ("MoE experts (Triton MXFP4)", r"^_up_kernel|^_down_kernel|^gemv_(up|down)_kernel|^route_kernel"),
     ("fused small ops (Triton: attn-res mix, router, gate, GLU, norms)",
      r"^_(attn_res|router|gate|glu|norm)_kernel"),
     ("KDA prefill (fla)", r"kda|l2norm|chunk_|_checkpoint_kernel"),
-    ("GEMMs (cuBLAS: projections, router, lm_head)", r"(?i)gemm|gemv|nvjet|cutlass|xmma|splitk|cublas|dot_kernel"),
+    ("GEMMs (projections, router, lm_head: Triton skinny, cuBLAS)",
+     r"(?i)^_skinny_kernel|gemm|gemv|nvjet|cutlass|xmma|splitk|cublas|dot_kernel"),
     ("reductions (norms, router top-k, sums)", r"(?i)reduce_kernel|norm|softmax|topk|sort|scan"),
     (COPIES, r"^Memcpy|^Memset"),
     ("elementwise, casts, indexing (torch)", r"(?i)elementwise|index|scatter|gather|fill|copy|cat"),
