@@ -17,7 +17,7 @@ from k3serve.kernels.linear import linear
 from k3serve.kernels.moe import ExpertWeights, fused_experts, select_experts, silu_glu, situ_glu
 from k3serve.kernels.mxfp4 import MXFP4Tensor
 from k3serve.model.config import ModelConfig
-from k3serve.model.layers.common import Linear, RMSNorm, Sharded, keep_address, project, stack_rows
+from k3serve.model.layers.common import Linear, RMSNorm, Sharded, project, stack_rows
 from k3serve.model.parallel import TensorParallel
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
