@@ -33,9 +33,10 @@ def supports(router_logits: Tensor, top_k: int) -> bool:
 
 
 @triton.jit
-def _sigmoid(logits_ptr, LIBDEVICE_EXP: tl.constexpr):
-    """torch.sigmoid of the loaded logits, bit for bit: 1 / (1 + exp(-x)) with IEEE exp and division."""
-    x = logits_ptr.to(tl.float32)
+def _sigmoid(logits, LIBDEVICE_EXP: tl.constexpr):
+    """torch.sigmoid of loaded logits (values, any float dtype), bit for bit: 1 / (1 + exp(-x)) in fp32 with
+    IEEE exp and division."""
+    x = logits.to(tl.float32)
     if LIBDEVICE_EXP:  # CUDA's expf, which torch.sigmoid uses (tl.exp is an approximation there)
         e = libdevice.exp(-x)
     else:  # the interpreter, which has no libdevice: numpy's exp
