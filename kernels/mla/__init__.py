@@ -138,9 +138,11 @@ def mla_decode_paged(
 ) -> tuple[Tensor, Tensor]:
     """Absorbed MLA decode, one query token per sequence.
 
-    q_latent [N, H, L] (= q_nope @ W_UK), q_pe [N, H, R] (on the GPU rounded to the cache dtype); scores = (q_latent·c + q_pe·k_pe) * scale over
-    the seq_lens[n] cached tokens. Returns (o_latent [N, H, L] in q_latent.dtype, lse [N, H] fp32, natural
-    log); apply W_UV to o_latent afterwards. A sequence with 0 tokens (an empty DCP shard) gives 0, -inf."""
+    q_latent [N, H, L] (= q_nope @ W_UK), q_pe [N, H, R]: any float dtype and head/sequence strides (the GPU
+    kernel rounds both to the cache dtype as it loads them; nothing is copied); block_tables and seq_lens
+    int32 or int64. scores = (q_latent·c + q_pe·k_pe) * scale over the seq_lens[n] cached tokens. Returns
+    (o_latent [N, H, L] in q_latent.dtype, lse [N, H] fp32, natural log); apply W_UV to o_latent afterwards.
+    A sequence with 0 tokens (an empty DCP shard) gives 0, -inf."""
     max_seq_len = _check_paged(kv_cache, block_tables, seq_lens)
     if q_latent.dim() != 3 or q_pe.dim() != 3 or q_pe.shape[:2] != q_latent.shape[:2]:
         raise ValueError(
