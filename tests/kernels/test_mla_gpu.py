@@ -10,7 +10,7 @@ from k3serve.kernels import mla
 from k3serve.kernels.mla import merge_attn_states, mla_decode_paged, naive
 
 from _close import assert_rel_rms
-from _mla_cases import paged_decode_case
+from _mla_cases import check_decode_takes_layer_queries, paged_decode_case
 
 pytestmark = pytest.mark.gpu
 
@@ -56,6 +56,12 @@ def test_explicit_splits_agree(num_splits: int) -> None:
     ref_o, ref_lse = naive.mla_decode_paged(q_latent, q_pe, kv, tables, lens, SCALE, L)
     assert_rel_rms("o_latent", ref_o, o, TOL)
     assert (lse - ref_lse).abs().max() < 1e-2
+
+
+def test_decode_takes_fp32_strided_queries_and_int64_tables() -> None:
+    """K3's decode inputs as the MLA layer passes them (fp32 q_latent, q_pe a slice of q, int64 tables): no copy,
+    the queries rounded to bf16 in the kernel; see `_mla_cases.check_decode_takes_layer_queries`."""
+    check_decode_takes_layer_queries(L, R, BLOCK, SCALE, torch.bfloat16, "cuda", TOL, 1e-2)
 
 
 def test_merge_with_empty_parts() -> None:

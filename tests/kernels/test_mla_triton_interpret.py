@@ -39,6 +39,14 @@ def _decode_matches_reference() -> None:
         assert (lse[~empty] - ref_lse[~empty]).abs().max() < 1e-4, case
 
 
+def _decode_takes_fp32_strided_queries_and_int64_tables() -> None:
+    import torch
+
+    from _mla_cases import check_decode_takes_layer_queries
+
+    check_decode_takes_layer_queries(L, R, BLOCK, SCALE, torch.float16, "cpu", 2e-3, 1e-4)
+
+
 def _merge_matches_reference() -> None:
     """bf16 parts (loaded and stored only, which the interpreter does exactly); 20 parts, two chunks of 16;
     80 columns, two column programs, the second partly masked; parts with lse -inf and NaN outputs add
@@ -86,6 +94,10 @@ def _cache_write_matches_reference() -> None:
 
 def test_decode_matches_reference_under_interpreter() -> None:
     run_in_interpreter(__file__, "_decode_matches_reference")
+
+
+def test_decode_takes_fp32_strided_queries_and_int64_tables_under_interpreter() -> None:
+    run_in_interpreter(__file__, "_decode_takes_fp32_strided_queries_and_int64_tables")
 
 
 def test_merge_matches_reference_under_interpreter() -> None:
