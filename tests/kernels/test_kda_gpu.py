@@ -63,6 +63,15 @@ def test_chunk_8k_varlen_checkpoints(H: int, safe_gate: bool) -> None:
     assert torch.equal(checkpoints[~wanted], torch.zeros_like(checkpoints[~wanted]))
 
 
+def test_checkpoint_kernel_is_fp32_exact() -> None:
+    """The checkpoint kernel alone, on given bf16 chunk states, keys and v_new, within 1e-5 of the fp64 reference:
+    its in-chunk sum must run as 3xTF32. The prefill tests above cannot tell: fla's bf16 states put their error
+    at a few 1e-3, where 1xTF32's ~6e-5 hides."""
+    from _kda_checkpoint_cases import check_checkpoints_match_reference  # imports triton
+
+    check_checkpoints_match_reference("cuda")
+
+
 @pytest.mark.parametrize("H", [12, 32, 96], ids=lambda h: f"H{h}")
 def test_resume_from_checkpoint_matches_unsplit_reference(H: int) -> None:
     """8192 tokens, checkpoint mid-chunk at 4113; the second half run again from the checkpoint gives
