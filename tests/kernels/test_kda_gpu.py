@@ -175,6 +175,24 @@ def test_decode_pool_in_place(H: int, N: int) -> None:
     assert torch.equal(pool[unused], ref_pool[unused])
 
 
+def test_decode_applies_the_beta_sigmoid_in_the_kernel() -> None:
+    """use_beta_sigmoid_in_kernel as the KDA layer calls it: beta's bf16 logits a column slice of the same
+    projection as q, k, v; the Triton step applies the sigmoid in fp32 and advances like the reference given
+    sigmoid(logits)."""
+    N, H = 16, 12
+    pool = torch.randn(N + 1, H, K, V, device="cuda")
+    slots = torch.randperm(N + 1, device="cuda")[:N]
+    g = _inputs(N, H)[3][0]
+    proj = torch.randn(N, H * (2 * K + V + 1), device="cuda", dtype=torch.bfloat16)
+    q, k, v, b = (t.reshape(N, H, -1) for t in proj.split([H * K, H * K, H * V, H], dim=-1))
+    ref_pool = pool.clone()
+    o = kda_decode(q, k, v, g, b[..., 0], pool, slots, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    assert kda.last_backend["kda_decode"] == "triton"
+    ref_o = naive.kda_decode(q, k, v, g, torch.sigmoid(b[..., 0].float()), ref_pool, slots, None, True)
+    assert_rel_rms("o", ref_o, o, TOL)
+    assert_rel_rms("state", ref_pool, pool, 1e-5)
+
+
 def test_prefill_then_decode_continues_the_state() -> None:
     """Prefill's fp32 final state feeds decode: 200 prefill tokens + 1 decode token == 201 tokens."""
     H = 12
