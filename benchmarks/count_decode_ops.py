@@ -29,8 +29,8 @@ from gpu_engine import CONFIGS, build_model, decode_step_fn, make_cache, rank_sl
 from k3serve.kernels.norm import naive as norm_naive  # noqa: E402
 
 _ROOT = str(Path(__file__).resolve().parents[1]) + "/"
-_FREE = {"empty", "empty_strided", "new_empty", "new_empty_strided", "detach", "detach_", "lift_fresh", "_local_scalar_dense", "is_nonzero", "item",
-         "set_"}  # host-only: no kernel launched
+_FREE = {"empty", "empty_strided", "new_empty", "new_empty_strided", "detach", "detach_", "lift_fresh",
+         "_local_scalar_dense", "is_nonzero", "item", "set_"}  # host-only: no kernel launched
 
 
 def _origin() -> tuple[str, int]:
