@@ -81,8 +81,10 @@ class MLAAttention(Sharded):
     def _decode(self, q: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         n = batch.num_decode
         q_latent = torch.einsum("nhd,hdl->nhl", q[..., : self.nope].float(), self.w_uk)
+        # q_latent fp32, q_pe a strided view in q's dtype: the reference widens both to fp32, the Triton kernel
+        # rounds both to the cache dtype as it loads them (no copies)
         o_latent, _ = mla_decode_paged(
-            q_latent, q[..., self.nope :], kv_cache,  # in q's dtype: both kernels widen it to fp32 exactly
+            q_latent, q[..., self.nope :], kv_cache,
             batch.block_tables[:n], batch.seq_lens[:n], self.scale, self.kv_lora_rank,
         )
         return torch.einsum("nhl,hvl->nhv", o_latent.float(), self.w_uv)
