@@ -93,8 +93,10 @@ class Tiles:
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): 48-160 KB of shared memory, so 1-4 programs an SM with
-# 48-128 KB of weights in flight each. BLOCK_N 32 uses mma.sync, 64 and up wgmma on sm_90.
-_BASES = ((32, 256, 4, 4), (64, 256, 4, 4), (64, 128, 4, 6), (128, 128, 4, 4), (32, 128, 4, 6))
+# 48-128 KB of weights in flight each. BLOCK_N 32 uses mma.sync, 64 wgmma on sm_90. Each won some K3 shape on
+# an H200 (benchmarks/results/h200-2026-12-01/gpu_linear.log; 32 x 128 only where linear keeps cuBLAS: the
+# 1536 x 128 f_b_proj, the router's fp32 logits); 128 x 128 in 4 stages won none.
+_BASES = ((32, 256, 4, 4), (64, 256, 4, 4), (64, 128, 4, 6), (32, 128, 4, 6))
 _MAX_PROGRAMS_PER_SM = 4  # split no further than this many programs an SM
 _MIN_BLOCKS_PER_SPLIT = 2  # each split streams at least two K blocks
 
