@@ -9,7 +9,8 @@ weight rows take the MMA's M side (swap AB) and the rows of x its N side, padded
     padding         weight rows past N and x rows past T are clamped to the last valid one (no masks on
                     the stream); their outputs are never stored
 
-Split-K, for few weight rows over a long K (the router, 896 x 7168: 28 tiles of 32 rows for 132 SMs):
+Split-K, for few weight rows over a long K (MLA's stacked q_a|kv_a|g, 3648 x 7168: 57 tiles of 64 rows for
+132 SMs, split in 2 on the H200; the router's logits are fp32 and stay on cuBLAS, see __init__.py):
 each split writes its fp32 partial tile to a workspace and takes a ticket from the tile's counter; the
 split that draws the last ticket sums the partials in split order (the same sum whichever finishes
 last), stores the tile and puts the counter back to 0 for the next call. No memset, no second launch,
