@@ -73,8 +73,9 @@ class _Rank0:
 
         if self._store is None:
             raise RuntimeError("start() without tp_init_method() first, or twice: no store for the followers to join")
-        group = TPGroup(0, self.args.tensor_parallel_size, self._init_method, host=self.host, store=self._store)
-        self._store = None  # the group holds no reference to it: its port closes now
+        group = TPGroup(0, self.args.tensor_parallel_size, self._init_method, host=self.host,
+                        store=self._store.clone())
+        self._store = None  # every rank joined (the group holds a client of it only): its port closes now
         self.worker = self.worker_cls(self.args, group=group, **self.worker_kwargs)
 
     def _agent(self) -> TransferBackend:

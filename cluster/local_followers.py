@@ -12,9 +12,9 @@ rank 0's timeout, without its cause. So every follower reports its start over a 
 
 `start_tp_engine` lets rank 0 join once every follower has arrived, joins it in a helper thread while
 it listens, builds rank 0's worker, and returns once every follower has started. The first follower to
-fail raises at once, naming the engine, the rank and the cause; the engine's processes are killed and
-its rank 0 shut down. (A follower that fails once it has arrived leaves rank 0's join, in its daemon
-thread, waiting out the join timeout for that rank; its result is dropped.)
+fail raises at once, naming the engine, the rank and the cause; the engine's processes are killed, its
+rank 0 shut down, and a join still under way aborted: the group's store, which the launcher holds (rank
+0 joins through a client of it), closes, so the join's thread fails at once and ends.
 """
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ def start_tp_engine(
     those processes once every rank has started. Stop the worker first (it releases the followers),
     then the processes. RuntimeError naming the rank when a follower fails to start."""
     store, init = leader_store(tp, host)
-    handed = [store]  # TPGroup takes the store over: no reference stays here (its port closes once all joined)
-    del store
     followers = FollowerProcesses(name, tp, follower, lambda rank: follower_args(rank, init))
     worker = None
     try:
         followers.wait_until("arrived")
-        group = followers.while_watching(lambda: TPGroup(0, tp, init, host=host, store=handed.pop()))
+        client = store.clone()  # connected here: the store can close under the join from now on (TPGroup)
+        group = followers.while_watching(lambda: TPGroup(0, tp, init, host=host, store=client))
+        store = None  # every rank joined: its port closes
         try:
             worker = build(group)
         except BaseException as e:
@@ -60,6 +60,7 @@ def start_tp_engine(
         followers.wait_until("started")
         return worker, followers
     except BaseException:
+        store = None  # a join under way fails at once, its thread ends (not at the join timeout)
         followers.kill()
         if worker is not None:
             with contextlib.suppress(Exception):  # its followers are gone: "stop" fails to reach them

@@ -28,9 +28,11 @@ never afterwards, and a TP engine's ranks live and die together (nothing re-join
 rank has joined (a barrier), rank 0 lets go of it: no listening port outlives `TPGroup()`. Each rank's
 groups hold a store *client* (gloo keeps whatever store it was given alive for as long as the group
 lives; a client's socket to the closed store is never used again), and rank 0's store itself is
-held only while joining. Joining is bounded (`_JOIN_TIMEOUT` or `timeout_s`, the longer): a rank
-that never comes fails the others' `TPGroup()` with an error naming the group, rather than
-leaving them waiting as long as a follower may idle.
+held only while joining: by `TPGroup()` when rank 0 opens it itself, else by whoever opened it with
+`leader_store`, who hands rank 0 a client of it and may drop it before the join ends to abort it
+(rank 0's join then fails at once: a launcher whose follower failed). Joining is bounded
+(`_JOIN_TIMEOUT` or `timeout_s`, the longer): a rank that never comes fails the others' `TPGroup()`
+with an error naming the group, rather than leaving them waiting as long as a follower may idle.
 """
 
 from __future__ import annotations
@@ -76,8 +78,10 @@ class TPGroup:
         store: dist.TCPStore | None = None,
     ) -> None:
         """Join (rank 0: host) the group at `init_method`; this rank's sockets listen on `host`.
-        Rank 0 passes the `store` of `leader_store` when its followers were given its address, and
-        hands it over: keep no reference to it, so that it closes when this returns (all joined)."""
+        Rank 0 passes a client of `leader_store`'s store (its `clone()`) when its followers were given
+        its address, and keeps the store until this returns, then drops it (its port closes); dropping
+        it sooner fails the join at once. (The client is connected before the join: a client would
+        retry a store that is gone for as long as the join timeout.)"""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         url = urlparse(init_method)
@@ -88,11 +92,14 @@ class TPGroup:
         self.rank, self.world_size = rank, world_size
         timeout = datetime.timedelta(seconds=timeout_s)
         join = max(timeout, _JOIN_TIMEOUT)  # every rank loads its libraries and joins
+        hosted = None  # rank 0's own store, when it was handed no client: held until every rank joined
         if rank == 0 and store is None:
-            store = dist.TCPStore(url.hostname, url.port, world_size, is_master=True, timeout=join,
-                                  wait_for_workers=False)
+            hosted = dist.TCPStore(url.hostname, url.port, world_size, is_master=True, timeout=join,
+                                   wait_for_workers=False)
         try:  # gloo waits for its peers' addresses as long as its groups' timeout: joining is bounded
-            client = dist.TCPStore(url.hostname, url.port, world_size, is_master=False, timeout=join)
+            client = store
+            if client is None:
+                client = dist.TCPStore(url.hostname, url.port, world_size, is_master=False, timeout=join)
             self.control = _gloo(dist.PrefixStore("control", client), rank, world_size, host, join)
             self.pg = _gloo(dist.PrefixStore("pg", client), rank, world_size, host, timeout)
             everyone_joined = dist.BarrierOptions()

@@ -9,6 +9,8 @@ Spec:
   no follower process is left;
 - a follower whose code does not load in its process is reported, with why, before rank 0 joins;
 - while rank 0 joins its group, a follower that dies is reported at once, rank 0's join left alone;
+- a follower failing once its code loaded, before it joined, fails the start and aborts rank 0's join
+  under way: its thread ends at once, not at the join timeout;
 - a deployment whose followers started shuts down leaving no engine thread and no process behind.
 """
 
@@ -24,7 +26,7 @@ import pytest
 
 from k3serve.cluster import serve
 from k3serve.cluster.config import ServeConfig
-from k3serve.cluster.local_followers import FollowerProcesses
+from k3serve.cluster.local_followers import FollowerProcesses, start_tp_engine
 from k3serve.decode import rank as decode_rank
 from k3serve.engine import tp_group
 from k3serve.transfer.backends import available_backends
@@ -83,6 +85,20 @@ def test_a_follower_dying_while_rank_0_joins_is_reported_at_once() -> None:
     finally:
         followers.kill()
         joining.set()
+    assert multiprocessing.active_children() == []
+
+
+def test_a_follower_failing_before_it_joins_aborts_rank_0s_join() -> None:
+    def build(group: tp_group.TPGroup) -> None:
+        raise AssertionError("rank 0 joined a group whose rank 1 never came")
+
+    with pytest.raises(RuntimeError, match=r"^decode-2: TP rank 1 failed to start: "
+                                           r"RuntimeError: rank 1 found no device to run on$"):
+        start_tp_engine("decode-2", 2, "127.0.0.1", _failing_follower.raise_at_start, lambda rank, init: (rank,), build)
+    joining = [t for t in threading.enumerate() if t.name == "decode-2-rank0-join"]  # rank 0's, if not ended yet
+    for thread in joining:
+        thread.join(10.0)
+    assert not any(t.is_alive() for t in joining), "rank 0's join waits out the join timeout for rank 1"
     assert multiprocessing.active_children() == []
 
 

@@ -38,7 +38,7 @@ def _refuses_connections(init_method: str) -> bool:
 
 def test_two_groups_in_one_process_without_their_rendezvous_port_and_followers_that_idle() -> None:
     """Once every rank has joined, nothing listens on the group's address any more (the store was
-    the rendezvous only), whether rank 0 opened it itself (world size 2) or was handed
+    the rendezvous only), whether rank 0 opened it itself (world size 2) or was handed a client of
     `leader_store`'s, as deployments do (world size 3); the groups work on regardless."""
     ctx = multiprocessing.get_context("spawn")
     sizes, procs, groups = (2, 3), [], []
@@ -48,8 +48,8 @@ def test_two_groups_in_one_process_without_their_rendezvous_port_and_followers_t
             for rank in range(1, world_size):
                 procs.append(ctx.Process(target=follower, args=(rank, world_size, init, 2.0), daemon=True))
                 procs[-1].start()
-            groups.append(TPGroup(0, world_size, init, timeout_s=2.0, store=store))
-            del store  # handed over
+            groups.append(TPGroup(0, world_size, init, timeout_s=2.0, store=None if store is None else store.clone()))
+            del store  # every rank joined
             assert _refuses_connections(init)
         for round_ in range(2):
             for group in groups:
@@ -83,7 +83,7 @@ def test_a_rank_that_never_joins_fails_rank_0_within_the_join_timeout(monkeypatc
 
     def join() -> None:
         try:
-            outcome.append(TPGroup(0, 2, init, timeout_s=1.0, store=store))
+            outcome.append(TPGroup(0, 2, init, timeout_s=1.0, store=store.clone()))
         except BaseException as e:
             outcome.append(e)
 
