@@ -62,6 +62,24 @@ def test_leading_dims_and_strided_rows() -> None:
     _check("strided rows", sliced, w, out)
 
 
+@pytest.mark.parametrize("T", [1, 16], ids=lambda T: f"T{T}")
+def test_every_split_k_candidate_matches(T: int) -> None:
+    """The split-K path whichever tiles the timing picks: every split candidate of the router-sized weight (the
+    partials, the acq_rel tickets, the last split's L2 sum) gives the reference, and again on a second call (its
+    tickets back at 0)."""
+    from k3serve.kernels.linear import triton_skinny
+
+    _, N, K = ROUTER
+    w, x = _weight(N, K), torch.randn(T, K, device="cuda").bfloat16()
+    sm_count = torch.cuda.get_device_properties(x.device).multi_processor_count
+    split = [tiles for tiles in triton_skinny.candidates(N, K, sm_count) if tiles.splits > 1]
+    assert split, "no split-K candidate for the router-sized weight"
+    for tiles in split:
+        out = triton_skinny.launch(x, w, torch.empty(T, N, dtype=torch.bfloat16, device="cuda"), tiles)
+        _check(f"{tiles} T{T}", x, w, out)
+        assert torch.equal(triton_skinny.launch(x, w, torch.empty_like(out), tiles), out), f"{tiles}: second call"
+
+
 @pytest.mark.parametrize(("name", "N", "K"), [STREAMED[0], ROUTER], ids=["KDA stacked", "router"])
 def test_cuda_graph_replays_with_new_inputs(name: str, N: int, K: int) -> None:
     """Captured after one eager call (the tiles are timed then), the graph replays the kernel on whatever
