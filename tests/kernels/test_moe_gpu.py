@@ -106,17 +106,40 @@ def test_unknown_activation_falls_back() -> None:
     assert moe.last_backend["fused_experts"] == "naive"
 
 
-@pytest.mark.parametrize("T", [1, 16], ids=lambda t: f"T{t}")
-def test_gemv_path_is_fp32_exact_at_k3_shapes(T: int) -> None:
-    """The GEMV pair computes in fp32 on exactly decoded weights (inline PTX decode, scale and 16-byte x loads on
-    the GPU), so with bf16 activations it matches the fp32 reference to fp32 rounding: a wrong code, sign, scale or
-    x position could not hide in the bf16 tolerance of the other tests."""
+def _assert_gemv_fp32_exact(T: int, case: str) -> None:
     weights = k3_bank()
     x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
     topk_weights, topk_ids = _routing(T, 0)
     topk_ids[0, 0] = 5  # at least one pair on this rank
     out = triton_moe.fused_experts(x, weights, topk_weights, topk_ids, SITU, 0, path="gemv")
-    assert_rel_rms("out", naive.fused_experts(x, weights, topk_weights, topk_ids, SITU, 0), out, 1e-5)
+    assert_rel_rms(case, naive.fused_experts(x, weights, topk_weights, topk_ids, SITU, 0), out, 1e-5)
+
+
+@pytest.mark.parametrize("T", [1, 16], ids=lambda t: f"T{t}")
+def test_gemv_path_is_fp32_exact_at_k3_shapes(T: int) -> None:
+    """The GEMV pair computes in fp32 on exactly decoded weights (inline PTX decode, scale and 16-byte x loads on
+    the GPU), so with bf16 activations it matches the fp32 reference to fp32 rounding: a wrong code, sign, scale or
+    x position could not hide in the bf16 tolerance of the other tests."""
+    _assert_gemv_fp32_exact(T, "out")
+
+
+@pytest.mark.parametrize("kernel_name", ["gemv_up_kernel", "gemv_down_kernel"])
+def test_every_gemv_config_is_fp32_exact(kernel_name: str) -> None:
+    """Each tile config the autotuner may pick, run alone (the other kernel autotuned), is fp32-exact at T 1 and
+    16: a config that loses the timing on this GPU but wins on another cannot hide a wrong result."""
+    from k3serve.kernels.moe import triton_gemv
+
+    kernel = getattr(triton_gemv, kernel_name)
+    saved = kernel.configs
+    try:
+        for config in saved:
+            kernel.configs = [config]  # one config: launched without benchmarking
+            kernel.cache.clear()
+            for T in (1, 16):
+                _assert_gemv_fp32_exact(T, f"{kernel_name} {config} T{T}")
+    finally:
+        kernel.configs = saved
+        kernel.cache.clear()
 
 
 def test_gemv_nan_scale_and_misaligned_x() -> None:
