@@ -46,9 +46,10 @@ def test_tilings_match_exact_products_under_interpreter() -> None:
     run_in_interpreter(__file__, "_tilings_match_exact_products")
 
 
-def _candidates_split_k_into_equal_shares() -> None:
+def test_candidates_split_k_into_equal_shares() -> None:
     """At K3's rank shapes on 132 SMs: every candidate splits K into equal shares of at least 2 blocks, the
-    programs stay within 4 an SM, and the router (896 rows) can be split enough to fill the SMs."""
+    programs stay within 4 an SM, and the router (896 rows) can be split enough to fill the SMs. Plain Python:
+    no kernel runs, so no interpreter process."""
     from k3serve.kernels.linear.triton_skinny import candidates
 
     for N, K in ((6284, 7168), (896, 7168), (7168, 1536), (20480, 7168), (7168, 768), (7168, 4224)):
@@ -60,7 +61,3 @@ def _candidates_split_k_into_equal_shares() -> None:
                 assert blocks % t.splits == 0 and blocks // t.splits >= 2, (N, K, t)
                 assert -(-N // t.block_n) * t.splits <= 4 * 132, (N, K, t)
     assert max(-(-896 // t.block_n) * t.splits for t in candidates(896, 7168, 132)) >= 132
-
-
-def test_candidates_split_k_into_equal_shares() -> None:
-    run_in_interpreter(__file__, "_candidates_split_k_into_equal_shares")
