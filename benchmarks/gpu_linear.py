@@ -6,7 +6,8 @@
 ours = triton_skinny.linear (what kernels.linear.linear runs for these shapes; `dispatch` says what it picks
 for the shape); anchor = F.linear (cuBLAS), same run. Floor = weight bytes / measured copy bandwidth (the
 weight streams once; x and the output are noise). The router rows (fp32 logits) compare ours from the bf16
-weight with today's path, an fp32 GEMV over an fp32 copy of the weight, and torch.mm(out_dtype=fp32).
+weight with the path before kernels/linear (an fp32 GEMV over an fp32 copy of the weight) and with
+torch.mm(out_dtype=fp32), which linear runs for them (fp32 outputs stay on cuBLAS: see its __init__.py).
 --smoke: tiny shapes on the CPU through the Triton interpreter (fp16: it cannot multiply bf16), one tiling."""
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def _row(name: str, N: int, K: int, T: int, dev: torch.device, ceil: dict, dtype
 
 
 def _router_row(N: int, K: int, T: int, dev: torch.device, ceil: dict, dtype: torch.dtype) -> dict:
-    """fp32 logits from bf16 x: ours on the bf16 weight vs x.float() @ w_fp32.t() (today) and torch.mm."""
+    """fp32 logits from bf16 x: ours on the bf16 weight vs x.float() @ w_fp32.t() (before) and torch.mm (now)."""
     from k3serve.kernels.linear import naive
 
     x, w = _inputs(N, K, T, dev, dtype)

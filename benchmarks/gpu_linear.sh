@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The skinny GEMM on CUDA in one device call (H200 machine):  OUT=/some/dir bash benchmarks/gpu_linear.sh
 # 1. its GPU tests (Triton ran at every K3 rank weight and 1-16 rows, matches fp32 sums, CUDA graph replay);
-# 2. benchmarks/gpu_linear.py: ours vs cuBLAS per weight and row count, the router's fp32 logits vs today's path.
+# 2. benchmarks/gpu_linear.py: ours vs cuBLAS per weight and row count, the router's fp32 logits three ways.
 # Each step times the tiles of every shape once (eagerly) before it measures.
 set -u
 OUT=${OUT:-/tmp/k3serve-gpu-linear}
