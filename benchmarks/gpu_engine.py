@@ -363,11 +363,9 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def time_ours_and_graphs(cfg_name: str, model: KimiForCausalLM, cache: ModelCache, graphs: DecodeGraphs,
-                         plain_graphs: DecodeGraphs | None, n: int, ctx: int, dev: torch.device, bw: float, smoke: bool,
-                         read: dict[int, int]) -> dict:
-    """A row without its reference: ours eager, ours as a graph replay (when captured) with and without
-    programmatic dependent launch (plain_graphs: captured inside `pdl_disabled()`), bytes and floor."""
+def time_ours_and_graphs(cfg_name: str, model: KimiForCausalLM, cache: ModelCache, graphs: DecodeGraphs, n: int,
+                         ctx: int, dev: torch.device, bw: float, smoke: bool, read: dict[int, int]) -> dict:
+    """A row without its reference: ours eager, ours as a graph replay (when captured), bytes and floor."""
     step = decode_step_fn(model, cache, n, ctx)
     t0 = time.perf_counter()
     ours_ms, ours_all = time_step(step, dev, warmup=3, iters=3 if smoke else 15)
@@ -382,20 +380,15 @@ def time_ours_and_graphs(cfg_name: str, model: KimiForCausalLM, cache: ModelCach
             raise RuntimeError(f"{cfg_name} N{n}: the graph step replayed {graphs.num_replays - before} of 33 times")
     else:  # on a CPU nothing is captured: the padded body runs once, as a code check
         graph_step_fn(model, graphs, n, ctx)()
-    plain_ms, plain_all = None, []
-    if plain_graphs is not None and plain_graphs.captured:
-        plain_ms, plain_all = time_step(graph_step_fn(model, plain_graphs, n, ctx), dev, warmup=3, iters=30)
     moved = step_bytes(model, cache, n, ctx, hits, read)
     floor_ms = 1e3 * moved["total"] / bw
     return {"config": cfg_name, "layers": model.config.num_hidden_layers, "batch": n, "ctx": ctx,
-            "ours_ms": ours_ms, "graphs_ms": graphs_ms, "graphs_no_pdl_ms": plain_ms, "reference_ms": None,
-            "reference_steps": 0, "speedup": None,
+            "ours_ms": ours_ms, "graphs_ms": graphs_ms, "reference_ms": None, "reference_steps": 0, "speedup": None,
             "graphs_speedup_vs_ours": None if graphs_ms is None else ours_ms / graphs_ms,
             "floor_ms": floor_ms, "ours_x_floor": ours_ms / floor_ms,
             "graphs_x_floor": None if graphs_ms is None else graphs_ms / floor_ms,
             "ours_backends": used, "reference_backends": None, "bytes": moved,
-            "ours_times_ms": ours_all, "graphs_times_ms": graphs_all, "graphs_no_pdl_times_ms": plain_all,
-            "reference_times_ms": [],
+            "ours_times_ms": ours_all, "graphs_times_ms": graphs_all, "reference_times_ms": [],
             "ours_warmup_and_timing_s": first_s}
 
 
@@ -454,7 +447,7 @@ def run_config(cfg_name: str, args: argparse.Namespace, dev: torch.device, bw: f
           f"experts all counted), caches {info['cache_bytes'] / 1e9:.1f} GB", flush=True)
     max_blocks = -(-max(args.max_model_len, args.ctx + 1) // BLOCK)
     t0, reserved = time.perf_counter(), graph_memory(dev)
-    graphs, plain_graphs = DecodeGraphs(model, cache, args.batches, max_blocks), None
+    graphs = DecodeGraphs(model, cache, args.batches, max_blocks)
     if dev.type == "cuda":
         graphs.capture()
         info["graphs_capture_s"] = time.perf_counter() - t0
@@ -466,22 +459,14 @@ def run_config(cfg_name: str, args: argparse.Namespace, dev: torch.device, bw: f
         print(f"{cfg_name}: graphs for {graphs.captured} captured in {info['graphs_capture_s']:.1f} s, holding "
               f"{info['graphs_bytes'] / 2**20:.1f} MiB (the memory plan sets aside "
               f"{info['graphs_bytes_planned'] / 2**20:.1f} MiB)", flush=True)
-        from k3serve.kernels._pdl import pdl_disabled  # imports triton: CUDA only
-
-        with pdl_disabled():  # the anchor: the same kernels launched plainly, stream-ordered
-            plain_graphs = DecodeGraphs(model, cache, args.batches, max_blocks)
-            plain_graphs.capture()
     rows: dict[int, dict] = {}
     for n in args.batches:
         if budget.allows(f"{cfg_name} N{n} eager + graphs"):
-            rows[n] = time_ours_and_graphs(cfg_name, model, cache, graphs, plain_graphs, n, args.ctx, dev, bw,
-                                           args.smoke, read)
+            rows[n] = time_ours_and_graphs(cfg_name, model, cache, graphs, n, args.ctx, dev, bw, args.smoke, read)
             result["rows"].append(rows[n])
             save()
             r = rows[n]
             shown = "-" if r["graphs_ms"] is None else f"{r['graphs_ms']:.2f} ms"
-            if r["graphs_no_pdl_ms"] is not None:
-                shown += f" ({r['graphs_no_pdl_ms']:.2f} ms without PDL)"
             print(f"{cfg_name} N{n}: ours {r['ours_ms']:.2f} ms ({r['ours_backends']}), graphs {shown}, "
                   f"floor {r['floor_ms']:.3f} ms", flush=True)
     ref_iters = 3 if (args.smoke or cfg_name == "k3-rank-slice") else 7
@@ -500,7 +485,7 @@ def run_config(cfg_name: str, args: argparse.Namespace, dev: torch.device, bw: f
                 save()
     references([n for n in rows if n not in args.reference_batches])
     info["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
-    del model, cache, graphs, plain_graphs
+    del model, cache, graphs
     if dev.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -508,8 +493,8 @@ def run_config(cfg_name: str, args: argparse.Namespace, dev: torch.device, bw: f
 def print_report(result: dict) -> None:
     print(f"\n### Decode step, eager and CUDA graphs ({result['device']}, {result['date']}; {result['ctx']} cached "
           f"tokens per sequence; copy {result['copy_bytes_per_s'] / 1e12:.2f} TB/s measured in this run)\n")
-    cols = ["model", "layers", "batch", "ours ms", "graphs ms", "graphs without PDL ms", "reference ms (steps)",
-            "speedup", "graphs vs ours", "floor ms", "ours x floor", "graphs x floor", "MB / step", "local experts hit / layer", "ours ran"]
+    cols = ["model", "layers", "batch", "ours ms", "graphs ms", "reference ms (steps)", "speedup", "graphs vs ours",
+            "floor ms", "ours x floor", "graphs x floor", "MB / step", "local experts hit / layer", "ours ran"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
 
@@ -521,7 +506,6 @@ def print_report(result: dict) -> None:
         hit_range = f"{min(hits)}-{max(hits)} (mean {statistics.mean(hits):.0f})" if hits else "-"
         ref = "-" if r["reference_ms"] is None else f"{r['reference_ms']:.2f} ({r['reference_steps']})"
         print(f"| {r['config']} | {r['layers']} | {r['batch']} | {r['ours_ms']:.2f} | {opt(r['graphs_ms'], '.2f')} | "
-              f"{opt(r.get('graphs_no_pdl_ms'), '.2f')} | "
               f"{ref} | {opt(r['speedup'], '.1f', 'x')} | {opt(r['graphs_speedup_vs_ours'], '.1f', 'x')} | "
               f"{r['floor_ms']:.3f} | {r['ours_x_floor']:.1f} | {opt(r['graphs_x_floor'], '.1f')} | "
               f"{r['bytes']['total'] / 1e6:.0f} | {hit_range} | {r['ours_backends']} |")

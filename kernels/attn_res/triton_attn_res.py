@@ -15,7 +15,6 @@ import triton.language as tl
 from torch import Tensor
 
 from .._backend import device_of
-from .._pdl import launch_options, wait_for_previous
 
 
 @triton.jit
@@ -30,9 +29,7 @@ def _fold(acc, denom, best, v, w, D, eps):
 
 @triton.jit
 def _attn_res_kernel(src, delta, score_w, norm_w, out, S, D, stride_s, stride_t, stride_sd, stride_dt, stride_dd,
-                     eps, norm_eps, HAS_DELTA: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr,
-                     PDL: tl.constexpr):
-    wait_for_previous(PDL)
+                     eps, norm_eps, HAS_DELTA: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     ok = offs < D
@@ -74,6 +71,6 @@ def attn_res_aggregate(sources: Tensor, score_weight: Tensor, eps: float, norm_w
         _attn_res_kernel[(T,)](
             sources, delta, w, nw, out, S, D, *sources.stride(), *delta_strides, eps, norm_eps,
             HAS_DELTA=prefix_delta is not None, NORM=norm_weight is not None,
-            BLOCK_D=triton.next_power_of_2(D), num_warps=16 if D >= 4096 else 4, **launch_options(sources),
+            BLOCK_D=triton.next_power_of_2(D), num_warps=16 if D >= 4096 else 4,
         )
     return out

@@ -13,15 +13,13 @@ import triton.language as tl
 from torch import Tensor
 
 from .._backend import device_of
-from .._pdl import launch_options, wait_for_previous
 
 BLOCK_C = 256
 
 
 @triton.jit
 def _conv_decode_kernel(x, weight, state, state_indices, y, C, stride_xn, stride_yn, stride_sn, stride_sc,
-                        W: tl.constexpr, SILU: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous(PDL)
+                        W: tl.constexpr, SILU: tl.constexpr, BLOCK_C: tl.constexpr):
     n = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = c < C
@@ -57,6 +55,6 @@ def conv_decode(x: Tensor, weight: Tensor, conv_state: Tensor, state_indices: Te
     with device_of(x):
         _conv_decode_kernel[(N, triton.cdiv(C, BLOCK_C))](
             x, weight, conv_state, state_indices, y, C, x.stride(0), y.stride(0), conv_state.stride(0),
-            conv_state.stride(1), W=weight.shape[1], SILU=silu, BLOCK_C=BLOCK_C, num_warps=4, **launch_options(x),
+            conv_state.stride(1), W=weight.shape[1], SILU=silu, BLOCK_C=BLOCK_C, num_warps=4,
         )
     return y

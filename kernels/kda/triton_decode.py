@@ -20,7 +20,6 @@ import triton.language as tl
 from torch import Tensor
 
 from .._backend import device_of
-from .._pdl import launch_options, wait_for_previous
 
 L2_EPS = 1e-6  # kernels/norm/naive.py l2_normalize, the reference's eps
 
@@ -31,9 +30,8 @@ def _kda_decode_kernel(
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_gh, stride_bn, stride_bh,
     stride_sn, stride_sh, stride_on, stride_oh,
     K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, EPS: tl.constexpr,
-    BETA_SIGMOID: tl.constexpr, PDL: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr,
 ):
-    wait_for_previous(PDL)
     n = tl.program_id(0) // H
     h = tl.program_id(0) % H
     offs_k = tl.arange(0, K)
@@ -97,6 +95,5 @@ def kda_decode(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_p
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
             beta.stride(0), beta.stride(1), state_pool.stride(0), state_pool.stride(1), o.stride(0), o.stride(1),
             K=K, V=V, BV=bv, L2NORM=use_qk_l2norm_in_kernel, EPS=L2_EPS, BETA_SIGMOID=beta_sigmoid, num_warps=warps,
-            **launch_options(q),
         )
     return o

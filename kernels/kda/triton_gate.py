@@ -13,15 +13,12 @@ import triton.language as tl
 from torch import Tensor
 
 from .._backend import device_of
-from .._pdl import launch_options, wait_for_previous
 
 _BLOCK = 1024
 
 
 @triton.jit
-def _gate_kernel(f, A_log, dt_bias, out, N, HK, K, lower_bound, BOUNDED: tl.constexpr, BLOCK: tl.constexpr,
-                 PDL: tl.constexpr):
-    wait_for_previous(PDL)
+def _gate_kernel(f, A_log, dt_bias, out, N, HK, K, lower_bound, BOUNDED: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
     col = offs % HK  # position within one token's [H, K]
@@ -47,6 +44,5 @@ def kda_gate(f: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float | Non
         _gate_kernel[(triton.cdiv(f.numel(), _BLOCK),)](
             f, A_log.contiguous(), dt_bias.contiguous(), out, f.numel(), H * K, K,
             0.0 if lower_bound is None else lower_bound, BOUNDED=lower_bound is not None, BLOCK=_BLOCK, num_warps=4,
-            **launch_options(f),
         )
     return out

@@ -32,32 +32,23 @@ from torch import Tensor
 from triton.runtime.errors import OutOfResources
 
 from .._backend import device_of
-from .._pdl import launch_options, wait_for_previous
 from . import MAX_TRITON_ROWS
 
 
 @triton.jit(do_not_specialize=["T", "N", "blocks_per_split"])  # no binary of its own per row count or N
 def _skinny_kernel(x, w, out, partials, tickets, T, N, K, stride_x, blocks_per_split,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                   SPLIT: tl.constexpr, EVEN_K: tl.constexpr, L2_PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                   SPLIT: tl.constexpr, EVEN_K: tl.constexpr):
     """x [T, K] (unit inner stride), w [N, K] contiguous, out [T, N] contiguous; partials fp32
-    [splits, tiles, BLOCK_N, BLOCK_T] and tickets int32 [>= tiles] only read when SPLIT. With L2_PREFETCH
-    bytes, the first bytes of each of the program's weight rows are asked into L2 before waiting for the
-    kernel before (PDL): the weights need nothing from it."""
+    [splits, tiles, BLOCK_N, BLOCK_T] and tickets int32 [>= tiles] only read when SPLIT."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_t = tl.arange(0, BLOCK_T)
     offs_k = tl.arange(0, BLOCK_K)
-    k_first = split * blocks_per_split * BLOCK_K
-    w_rows = w + tl.minimum(offs_n, N - 1).to(tl.int64) * K
-    if L2_PREFETCH > 0:
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
-                                  [w_rows + k_first, tl.full([BLOCK_N], L2_PREFETCH, tl.int32)], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-    wait_for_previous(PDL)
-    w_ptrs = w_rows[:, None] + offs_k[None, :]
+    w_ptrs = w + (tl.minimum(offs_n, N - 1).to(tl.int64) * K)[:, None] + offs_k[None, :]
     x_ptrs = x + (tl.minimum(offs_t, T - 1).to(tl.int64) * stride_x)[None, :] + offs_k[:, None]
+    k_first = split * blocks_per_split * BLOCK_K
     acc = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
     for i in range(0, blocks_per_split):  # every split streams the same number of K blocks
         k = k_first + i * BLOCK_K
@@ -154,29 +145,13 @@ def launch(x: Tensor, weight: Tensor, out: Tensor, tiles: Tiles) -> Tensor:
         tickets = _tickets_for(x.device, num_tiles)
     else:
         partials = tickets = out  # never read
-    pdl = launch_options(x)
-    share_bytes = blocks // tiles.splits * tiles.block_k * weight.element_size()
-    l2_prefetch = min(L2_PREFETCH_BYTES, share_bytes) if pdl["PDL"] and _prefetchable(weight, tiles) else 0
     with device_of(x):
         _skinny_kernel[(num_tiles, tiles.splits)](
             x, weight, out, partials, tickets, T, N, K, x.stride(0), blocks // tiles.splits,
             BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, BLOCK_T=block_t, SPLIT=tiles.splits > 1,
-            EVEN_K=K % tiles.block_k == 0, L2_PREFETCH=l2_prefetch, num_warps=tiles.num_warps,
-            num_stages=tiles.num_stages, **pdl,
+            EVEN_K=K % tiles.block_k == 0, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
     return out
-
-
-# Bytes of each weight row a program asks into L2 before its wait (PDL): 8 K blocks of 256 bf16, twice what a
-# 4-stage pipeline holds; at most ~26 MB a launch (6284 rows), half the H200's L2.
-L2_PREFETCH_BYTES = 4096
-
-
-def _prefetchable(weight: Tensor, tiles: Tiles) -> bool:
-    """Bulk L2 prefetches take 16-byte aligned addresses and whole 16-byte units, and must stay inside the
-    weight: whole K blocks only."""
-    K = weight.shape[1]
-    return weight.data_ptr() % 16 == 0 and (K * weight.element_size()) % 16 == 0 and K % tiles.block_k == 0
 
 
 def _block_t(rows: int) -> int:

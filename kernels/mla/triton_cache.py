@@ -13,13 +13,11 @@ import triton.language as tl
 from torch import Tensor
 
 from .._backend import device_of
-from .._pdl import launch_options, wait_for_previous
 
 
 @triton.jit
 def _write_kernel(kv_cache, slot_mapping, latent, D, PAGE, stride_cb, stride_ct, stride_t,
-                  BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous(PDL)
+                  BLOCK_D: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_mapping + t).to(tl.int64)
     if slot < 0:
@@ -41,5 +39,5 @@ def write_kv_cache(kv_cache: Tensor, slot_mapping: Tensor, latent: Tensor) -> No
     with device_of(latent):
         _write_kernel[(T, triton.cdiv(D, BLOCK_D))](
             kv_cache, slot_mapping, latent, D, kv_cache.shape[1], kv_cache.stride(0), kv_cache.stride(1),
-            latent.stride(0), BLOCK_D=BLOCK_D, **launch_options(latent),
+            latent.stride(0), BLOCK_D=BLOCK_D,
         )

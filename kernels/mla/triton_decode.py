@@ -21,7 +21,6 @@ import triton.language as tl
 from torch import Tensor
 
 from .._backend import device_of
-from .._pdl import launch_options, wait_for_previous
 
 LN2 = 0.6931471805599453
 LOG2E = 1.4426950408889634
@@ -48,9 +47,7 @@ def _decode_kernel(
     stride_qn, stride_qh, stride_pn, stride_ph, stride_cb, stride_ct, stride_btn,
     stride_on, stride_oh, stride_os, stride_ln, stride_lh,
     L: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, DIRECT: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    wait_for_previous(PDL)
     n = tl.program_id(0)
     split = tl.program_id(1)
     heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -104,11 +101,10 @@ def _merge_kernel(
     o_parts, lse_parts, o_out, lse_out, P, H, D,
     stride_op, stride_on, stride_oh, stride_lp, stride_ln, stride_lh,
     stride_out_n, stride_out_h,
-    BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK_P: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK_P: tl.constexpr,
 ):
     """One program per (n, h, BLOCK_D columns): lse = logsumexp_p lse_p; o = Σ_p exp(lse_p - lse) o_p.
     Parts with lse -inf are never loaded (their outputs may hold anything)."""
-    wait_for_previous(PDL)
     n = tl.program_id(0)
     h = tl.program_id(1)
     lse_row = lse_parts + n * stride_ln + h * stride_lh
@@ -142,7 +138,6 @@ def _merge(o_parts: Tensor, lse_parts: Tensor, part_strides: tuple[int, int, int
     _merge_kernel[(N, H, triton.cdiv(D, BLOCK_D))](
         o_parts, lse_parts, o, lse, P, H, D, *part_strides, *lse_strides, o.stride(0), o.stride(1),
         BLOCK_D=BLOCK_D, BLOCK_P=triton.next_power_of_2(P), CHUNK_P=min(16, triton.next_power_of_2(P)),
-        **launch_options(o_parts),
     )
 
 
@@ -201,7 +196,7 @@ def mla_decode_paged(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, block_tab
             kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
             *so, lse.stride(0), lse.stride(1),
             L=L, R=R, PAGE=PAGE, BLOCK_H=BLOCK_H, DIRECT=direct,
-            num_warps=num_warps, num_stages=num_stages, **launch_options(q_latent),
+            num_warps=num_warps, num_stages=num_stages,
         )
         if not direct:
             _merge(o_part, lse_part, (o_part.stride(2), o_part.stride(0), o_part.stride(1)),

@@ -51,7 +51,6 @@ from torch import Tensor
 
 from k3serve.kernels.mxfp4 import MXFP4Tensor
 
-from .._pdl import launch_options, wait_for_previous
 from .triton_moe import _tanh
 
 _NAN_SCALE = tl.constexpr(255)  # the E8M0 NaN encoding
@@ -208,12 +207,11 @@ def _x_block(x_ptrs, k0, K, EVEN_K: tl.constexpr):
 
 @triton.jit
 def route_kernel(topk_ids, num_pairs, expert_start, num_local, sorted_pairs, expert_starts, expert_counts,
-                 active_experts, num_active, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+                 active_experts, num_active, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
     """triton_moe.route in one program (decode: at most a few thousand pairs), the same outputs: a
     histogram counts the pairs per local expert, a sort of (expert, pair) keys groups them stably,
     prefix sums give the starts and the active list (experts with pairs first, then the rest, each in
     expert order)."""
-    wait_for_previous(PDL)
     p = tl.arange(0, BLOCK_P)
     key = tl.load(topk_ids + p, mask=p < num_pairs, other=-1).to(tl.int32) - expert_start
     key = tl.where((key >= 0) & (key < num_local) & (p < num_pairs), key, num_local)  # num_local: elsewhere
@@ -266,12 +264,10 @@ def gemv_up_kernel(
     stride_x, stride_pe, stride_pn, stride_se, stride_sn, stride_h,
     ACT: tl.constexpr, PTX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
     PREFETCH: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """h[pair, :N] = act(x[token] W1[e]^T, x[token] W3[e]^T); w1p / w3p: the packed banks as int32 words (strides
     in words), K = D the latent width. Also zeroes out (out_numel fp32), which the down kernel adds into: one
     memset launch less. PROGRAMS_PER_SM sizes the grid only (see `programs`)."""
-    wait_for_previous(PDL)
     for z in range(tl.program_id(0) * 1024, out_numel, tl.num_programs(0) * 1024):
         tl.store(out + z + tl.arange(0, 1024), 0.0, mask=z + tl.arange(0, 1024) < out_numel)
     n_blocks = tl.cdiv(N, BLOCK_N)
@@ -342,11 +338,9 @@ def gemv_down_kernel(
     stride_h, stride_pe, stride_pn, stride_se, stride_sn, stride_out,
     PTX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr,
     PREFETCH: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """out[token, :N] += topk_weight[pair] · h[pair] W2[e]^T; w2p: the packed bank as int32 words (strides in
     words), N = D, K = I. A tile is (active slot, column block, K share)."""
-    wait_for_previous(PDL)
     n_blocks = tl.cdiv(N, BLOCK_N)
     for tile in range(tl.program_id(0), tl.load(num_active) * n_blocks * SPLIT_K, tl.num_programs(0)):
         start, count, offs_n, n_ok, words, scales = _tile(tile // SPLIT_K, n_blocks, N, expert_starts,
@@ -434,10 +428,9 @@ def experts(x: Tensor, w1: MXFP4Tensor, w3: MXFP4Tensor, w2: MXFP4Tensor, h: Ten
     gemv_up_kernel[up_grid](
         x, p1, s1, p3, s3, h, out, pairs, starts, counts, active, num_active, top_k, I, D, beta, linear_beta,
         rows_bucket, out.numel(), x.stride(0), p1.stride(0), p1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
-        ACT=kind, PTX=ptx, **launch_options(x),
+        ACT=kind, PTX=ptx,
     )
     gemv_down_kernel[down_grid](
         h, p2, s2, out, topk_weights, pairs, starts, counts, active, num_active, top_k, D, I, rows_bucket,
         h.stride(0), p2.stride(0), p2.stride(1), s2.stride(0), s2.stride(1), out.stride(0), PTX=ptx,
-        **launch_options(x),
     )

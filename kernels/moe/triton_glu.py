@@ -11,15 +11,12 @@ import triton.language as tl
 from torch import Tensor
 
 from .._backend import device_of
-from .._pdl import launch_options, wait_for_previous
 
 _BLOCK = 1024
 
 
 @triton.jit
-def _glu_kernel(gate, up, out, I, stride_g, stride_u, beta, linear_beta, SITU: tl.constexpr, BLOCK: tl.constexpr,
-                PDL: tl.constexpr):
-    wait_for_previous(PDL)
+def _glu_kernel(gate, up, out, I, stride_g, stride_u, beta, linear_beta, SITU: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < I
@@ -50,6 +47,5 @@ def glu(gate: Tensor, up: Tensor, situ: bool, beta: float = 0.0, linear_beta: fl
     with device_of(gate):
         _glu_kernel[(g.shape[0], triton.cdiv(I, _BLOCK))](
             g, u, out, I, g.stride(0), u.stride(0), beta, linear_beta, SITU=situ, BLOCK=_BLOCK, num_warps=4,
-            **launch_options(gate),
         )
     return out

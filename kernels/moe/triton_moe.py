@@ -30,7 +30,6 @@ import triton.language as tl
 from torch import Tensor
 
 from .._backend import device_of
-from .._pdl import launch_options, wait_for_previous
 
 ACT_SILU, ACT_SITU = 0, 1
 
@@ -72,9 +71,8 @@ def _up_kernel(
     x, w1p, w1s, w3p, w3s, h, sorted_pairs, expert_starts, expert_counts, active_experts, num_active,
     top_k, I, D, beta, linear_beta, rows_bucket,
     stride_x, stride_pe, stride_pn, stride_se, stride_sn, stride_h,
-    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    wait_for_previous(PDL)
     a = tl.program_id(0)
     if a >= tl.load(num_active):
         return
@@ -118,9 +116,8 @@ def _down_kernel(
     h, w2p, w2s, out, topk_weights, sorted_pairs, expert_starts, expert_counts, active_experts, num_active,
     top_k, D, I, rows_bucket,
     stride_h, stride_pe, stride_pn, stride_se, stride_sn, stride_out,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    wait_for_previous(PDL)
     a = tl.program_id(0)
     if a >= tl.load(num_active):
         return
@@ -205,7 +202,7 @@ def route_small(topk_ids: Tensor, expert_start: int, num_local: int) -> tuple[Te
     with device_of(ids):
         route_kernel[(1,)](ids.contiguous(), num_pairs, expert_start, num_local, pairs, starts, counts, active,
                            num_active, BLOCK_P=triton.next_power_of_2(num_pairs),
-                           BLOCK_E=triton.next_power_of_2(num_local + 1), num_warps=4, **launch_options(ids))
+                           BLOCK_E=triton.next_power_of_2(num_local + 1), num_warps=4)
     return pairs, starts, counts, active, num_active
 
 
@@ -261,11 +258,10 @@ def fused_experts(x: Tensor, weights, topk_weights: Tensor, topk_ids: Tensor, ac
         _up_kernel[up_grid](
             x, p1, s1, p3, s3, h, *routing, top_k, I, D, beta, linear_beta,
             rows_bucket, x.stride(0), p1.stride(0), p1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
-            ACT=act, BLOCK_M=16, **launch_options(x),
+            ACT=act, BLOCK_M=16,
         )
         _down_kernel[down_grid](
             h, p2, s2, out, tw, *routing, top_k, D, I, rows_bucket,
             h.stride(0), p2.stride(0), p2.stride(1), s2.stride(0), s2.stride(1), out.stride(0), BLOCK_M=16,
-            **launch_options(x),
         )
     return out

@@ -21,7 +21,6 @@ from triton.language.extra import libdevice
 from torch import Tensor
 
 from .._backend import device_of
-from .._pdl import launch_options, wait_for_previous
 
 _LOWEST = tl.constexpr(-3.4028234663852886e38)  # -FLT_MAX: below every finite score
 _NO_KEY = tl.constexpr(-(2**63))  # a taken or padding lane: below every expert's key
@@ -48,8 +47,7 @@ def _sigmoid(logits, LIBDEVICE_EXP: tl.constexpr):
 @triton.jit
 def _router_kernel(logits, bias, weights_out, ids_out, E, stride_l, scaling, TOP_K: tl.constexpr,
                    HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
-                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous(PDL)
+                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
@@ -90,6 +88,5 @@ def select_experts(router_logits: Tensor, correction_bias: Tensor | None, top_k:
             logits, bias, weights, ids, E, logits.stride(0), scaling_factor, TOP_K=top_k,
             HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize, LIBDEVICE_EXP=logits.is_cuda,
             BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k), num_warps=NUM_WARPS,
-            **launch_options(logits),
         )
     return weights, ids

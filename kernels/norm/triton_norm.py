@@ -13,14 +13,11 @@ import triton.language as tl
 from torch import Tensor
 
 from .._backend import device_of
-from .._pdl import launch_options, wait_for_previous
 
 
 @triton.jit
 def _norm_kernel(x, gate, weight, out, B, D, eps, stride_xa, stride_xb, stride_ga, stride_gb,
-                 MEAN: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_D: tl.constexpr,
-                 PDL: tl.constexpr):
-    wait_for_previous(PDL)
+                 MEAN: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # row = a * B + b of the [A, B, D] views
     a = row // B
     b = row - a * B
@@ -66,7 +63,7 @@ def _launch(x: Tensor, gate: Tensor | None, weight: Tensor | None, eps: float, m
         _norm_kernel[(n,)](
             xr, gr, w, out, xr.shape[1], D, eps, xr.stride(0), xr.stride(1), gr.stride(0), gr.stride(1),
             MEAN=mean, HAS_WEIGHT=weight is not None, HAS_GATE=gate is not None,
-            BLOCK_D=triton.next_power_of_2(D), num_warps=8 if D >= 4096 else 4, **launch_options(x),
+            BLOCK_D=triton.next_power_of_2(D), num_warps=8 if D >= 4096 else 4,
         )
     return out
 
