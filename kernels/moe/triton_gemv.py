@@ -231,22 +231,24 @@ def route_kernel(topk_ids, num_pairs, expert_start, num_local, sorted_pairs, exp
 
 
 def configs_up() -> list[triton.Config]:
-    """(BLOCK_N, ROWS, warps, PREFETCH, programs per SM), BLOCK_K 512. A warp's lanes cover 16 groups and 2
-    columns, its warps more columns, and a thread repeats the rest (C = BLOCK_N / (2 warps): 2 or 4), sharing
-    its x over them. PREFETCH 2 keeps twice the bytes in flight for ~0.3 more instructions an element (register
-    moves); ROWS 2 streams an expert's weights once for two of its rows (an odd last row goes alone: no FMA for
-    a missing row). Programs per SM = how many fit (registers, sm_90, triton 3.6; benchmarks/moe_gemv_sass.py
-    checks it): a persistent grid must not wait for a second wave."""
-    shapes = [(4, 1, 1, 1, 14), (4, 1, 1, 2, 12), (8, 1, 1, 1, 9), (8, 1, 2, 1, 8), (8, 1, 2, 2, 6),
-              (16, 1, 4, 1, 4), (4, 2, 1, 1, 12), (8, 2, 2, 1, 5)]
+    """(BLOCK_N, ROWS, warps, PREFETCH, programs per SM), BLOCK_K 512: the tiles that won, or came within ~3%, at
+    some T of 1-16 on an H200 (benchmarks/results/h200-2026-12-01/moe_variants.log; the others, 4 or 8 columns
+    on one warp without prefetch, ROWS 2 and 16 columns on 2 warps, were 4% or more slower at every T). A warp's
+    lanes cover 16 groups and 2 columns, its warps more columns, and a thread repeats the rest (C = BLOCK_N /
+    (2 warps): 1 to 4), sharing its x over them. PREFETCH 2 keeps twice the bytes in flight for ~0.3 more
+    instructions an element (register moves); ROWS 2 streams an expert's weights once for two of its rows (an
+    odd last row goes alone: no FMA for a missing row). Programs per SM = how many fit (registers, sm_90, triton
+    3.6; benchmarks/moe_gemv_sass.py checks it): a persistent grid must not wait for a second wave."""
+    shapes = [(4, 1, 1, 2, 12), (4, 1, 2, 1, 14), (8, 1, 2, 1, 8), (8, 1, 2, 2, 6), (16, 1, 4, 1, 4)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": 512, "ROWS": r, "PREFETCH": pf, "PROGRAMS_PER_SM": p},
                           num_warps=w, num_stages=1) for n, r, w, pf, p in shapes]
 
 
 def configs_down() -> list[triton.Config]:
-    """As configs_up plus SPLIT_K (after PREFETCH): K shares put more tiles on the SMs when few experts are hit."""
-    shapes = [(4, 1, 1, 1, 1, 28), (4, 1, 1, 2, 1, 23), (4, 1, 1, 2, 2, 25), (8, 1, 1, 1, 1, 12),
-              (8, 1, 2, 2, 1, 12), (16, 1, 4, 2, 1, 6), (4, 2, 1, 1, 1, 16), (8, 2, 2, 1, 1, 8)]
+    """As configs_up plus SPLIT_K (after PREFETCH): K shares put more tiles on the SMs when few experts are hit.
+    8 columns on one warp won at every T (split in 2 at 1-2 tokens, whole from 4); the best of the others was 10%
+    (T 1) to 25% (T 16) slower."""
+    shapes = [(8, 1, 1, 1, 1, 12), (8, 1, 1, 1, 2, 12)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": 512, "ROWS": r, "PREFETCH": pf, "SPLIT_K": sk,
                            "PROGRAMS_PER_SM": p}, num_warps=w, num_stages=1) for n, r, w, pf, sk, p in shapes]
 
