@@ -5,9 +5,8 @@
 Compiles every autotune config (at K3 shapes: D 3584, I 3072, so no K or column tail) for an H100/H200
 target with the ptxas that ships with triton, and prints its registers per thread, local-memory stack
 (spills), how many of its programs fit on an SM (registers, warps, shared memory) against the
-PROGRAMS_PER_SM it launches, and the SASS instructions of the K loop per weight element (each serving
-ROWS rows; with ROWS > 1 then the loop of an expert's last rows, singly), with the first loop's mix. At
-~32 weight elements per SM per clock (4.2 TB/s of MXFP4 on 132 SMs at 1.98 GHz) and 128
+PROGRAMS_PER_SM it launches, and the SASS instructions of the K loop per weight element, with the loop's
+mix. At ~32 weight elements per SM per clock (4.2 TB/s of MXFP4 on 132 SMs at 1.98 GHz) and 128
 thread-instructions per SM per clock, a loop that spends N instructions per element reaches at most 4/N
 of HBM bandwidth."""
 
@@ -56,7 +55,7 @@ def fitting_programs(registers: int, shared: int, num_warps: int) -> int:
 
 def loop_costs(cubin: bytes) -> tuple[str, list[list[str]]]:
     """(resource usage line, opcodes of each innermost loop that loads from global memory: the K loops, largest
-    first; a ROWS > 1 kernel has one for ROWS rows and one for an expert's last rows, singly)."""
+    first)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:

@@ -2,8 +2,8 @@
 
 With 1-5 rows per expert a tensor-core tile of 16 rows is mostly padding, and converting the upcast
 weights into the operand layout costs more than the math. Here a tile = (active expert, BLOCK_N output
-columns[, a 1/SPLIT_K share of the reduction: down projection]); its program keeps fp32 accumulators for
-ROWS rows of the expert and streams the tile's packed weights once per ROWS rows:
+columns[, a 1/SPLIT_K share of the reduction: down projection]); its program takes the expert's rows one at
+a time, keeping fp32 accumulators for the row and streaming the tile's packed weights once per row:
 
     words  [4, G, BLOCK_N] int32, G = BLOCK_K/32 MX groups: a thread loads one MX group (16 bytes, one
            scale) of each of its C columns (Triton puts the lanes on the groups first, so a thread repeats
@@ -34,10 +34,10 @@ The up kernel zeroes out, fuses the GLU and writes h [pairs, I] in fp32; the dow
 top-k weight and adds into out fp32 [T, D] with atomics (which also sum the split-K shares). Routing
 (`route_kernel`: triton_moe.route in one program) and both kernels take no host sync.
 
-Cost on sm_90 (ptxas of triton 3.6, the SASS of the K loop, benchmarks/moe_gemv_sass.py): 4.3-4.5
-instructions per weight element at ROWS 1 (4.6-4.75 with PREFETCH 2), of which 1.5 decode, 1 fp16 -> fp32,
-1 FMA; the kernels before this design took 6.4 (up) and 6.0 (down). At 4 warp-instructions per clock per
-SM the issue limit is then ~90% of H200 HBM bandwidth (it was ~62%).
+Cost on sm_90 (ptxas of triton 3.6, the SASS of the K loop, benchmarks/moe_gemv_sass.py): 4.2-4.5
+instructions per weight element (4.7-4.9 with PREFETCH 2 or one column a thread), of which 1.5 decode, 1
+fp16 -> fp32, 1 FMA; the kernels before this design took 6.4 (up) and 6.0 (down). At 4 warp-instructions per
+clock per SM the issue limit is then ~90% of H200 HBM bandwidth (it was ~62%).
 """
 
 from __future__ import annotations
@@ -231,26 +231,26 @@ def route_kernel(topk_ids, num_pairs, expert_start, num_local, sorted_pairs, exp
 
 
 def configs_up() -> list[triton.Config]:
-    """(BLOCK_N, ROWS, warps, PREFETCH, programs per SM), BLOCK_K 512: the tiles that won, or came within ~3%, at
-    some T of 1-16 on an H200 (benchmarks/results/h200-2026-12-01/moe_variants.log; the others, 4 or 8 columns
-    on one warp without prefetch, ROWS 2 and 16 columns on 2 warps, were 4% or more slower at every T). A warp's
-    lanes cover 16 groups and 2 columns, its warps more columns, and a thread repeats the rest (C = BLOCK_N /
-    (2 warps): 1 to 4), sharing its x over them. PREFETCH 2 keeps twice the bytes in flight for ~0.3 more
-    instructions an element (register moves); ROWS 2 streams an expert's weights once for two of its rows (an
-    odd last row goes alone: no FMA for a missing row). Programs per SM = how many fit (registers, sm_90, triton
-    3.6; benchmarks/moe_gemv_sass.py checks it): a persistent grid must not wait for a second wave."""
-    shapes = [(4, 1, 1, 2, 12), (4, 1, 2, 1, 14), (8, 1, 2, 1, 8), (8, 1, 2, 2, 6), (16, 1, 4, 1, 4)]
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": 512, "ROWS": r, "PREFETCH": pf, "PROGRAMS_PER_SM": p},
-                          num_warps=w, num_stages=1) for n, r, w, pf, p in shapes]
+    """(BLOCK_N, warps, PREFETCH, programs per SM), BLOCK_K 512: the tiles that won, or came within ~3%, at some T
+    of 1-16 on an H200 (benchmarks/results/h200-2026-12-01/moe_variants.log; the others, 4 or 8 columns on one
+    warp without prefetch, 16 columns on 2 warps, and two rows of an expert a weight stream, were 4% or more
+    slower at every T). A warp's lanes cover 16 groups and 2 columns, its warps more columns, and a thread repeats
+    the rest (C = BLOCK_N / (2 warps): 1 to 4), sharing its x over them. PREFETCH 2 keeps twice the bytes in
+    flight for ~0.3 more instructions an element (register moves). Programs per SM = how many fit (registers,
+    sm_90, triton 3.6; benchmarks/moe_gemv_sass.py checks it): a persistent grid must not wait for a second
+    wave."""
+    shapes = [(4, 1, 2, 12), (4, 2, 1, 14), (8, 2, 1, 8), (8, 2, 2, 6), (16, 4, 1, 4)]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": 512, "PREFETCH": pf, "PROGRAMS_PER_SM": p}, num_warps=w,
+                          num_stages=1) for n, w, pf, p in shapes]
 
 
 def configs_down() -> list[triton.Config]:
     """As configs_up plus SPLIT_K (after PREFETCH): K shares put more tiles on the SMs when few experts are hit.
     8 columns on one warp won at every T (split in 2 at 1-2 tokens, whole from 4); the best of the others was 10%
     (T 1) to 25% (T 16) slower."""
-    shapes = [(8, 1, 1, 1, 1, 12), (8, 1, 1, 1, 2, 12)]
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": 512, "ROWS": r, "PREFETCH": pf, "SPLIT_K": sk,
-                           "PROGRAMS_PER_SM": p}, num_warps=w, num_stages=1) for n, r, w, pf, sk, p in shapes]
+    shapes = [(8, 1, 1, 1, 12), (8, 1, 1, 2, 12)]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": 512, "PREFETCH": pf, "SPLIT_K": sk, "PROGRAMS_PER_SM": p},
+                          num_warps=w, num_stages=1) for n, w, pf, sk, p in shapes]
 
 
 _EVEN = {"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
@@ -264,7 +264,7 @@ def gemv_up_kernel(
     x, w1p, w1s, w3p, w3s, h, out, sorted_pairs, expert_starts, expert_counts, active_experts, num_active,
     top_k, N, K, beta, linear_beta, rows_bucket, out_numel,
     stride_x, stride_pe, stride_pn, stride_se, stride_sn, stride_h,
-    ACT: tl.constexpr, PTX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+    ACT: tl.constexpr, PTX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     """h[pair, :N] = act(x[token] W1[e]^T, x[token] W3[e]^T); w1p / w3p: the packed banks as int32 words (strides
@@ -277,29 +277,26 @@ def gemv_up_kernel(
         start, count, offs_n, n_ok, words, scales = _tile(tile, n_blocks, N, expert_starts, expert_counts,
                                                           active_experts, stride_pe, stride_pn, stride_se,
                                                           stride_sn, BLOCK_N, BLOCK_K // 32)
-        tile_args = (x, w1p + words, w1s + scales, w3p + words, w3s + scales, h, sorted_pairs, top_k, K, beta,
-                     linear_beta, stride_x, stride_h, offs_n, n_ok)
-        full = count // ROWS * ROWS
-        for m0 in range(0, full, ROWS):
-            _up_rows(*tile_args, start + m0, ACT, PTX, BLOCK_K, ROWS, PREFETCH, EVEN_K, EVEN_N)
-        if ROWS > 1:  # the expert's last rows, one at a time
-            for m0 in range(full, count):
-                _up_rows(*tile_args, start + m0, ACT, PTX, BLOCK_K, 1, PREFETCH, EVEN_K, EVEN_N)
+        # the expert's rows; range(start, start + count) compiles to 143 registers, not 128 (sm_90): 7 programs an SM
+        for m in range(0, count):
+            _up_row(x, w1p + words, w1s + scales, w3p + words, w3s + scales, h, sorted_pairs, top_k, K, beta,
+                    linear_beta, stride_x, stride_h, offs_n, n_ok, start + m, ACT, PTX, BLOCK_K, PREFETCH, EVEN_K,
+                    EVEN_N)
 
 
 @triton.jit
-def _up_rows(x, w1_words, w1_scales, w3_words, w3_scales, h, sorted_pairs, top_k, K, beta, linear_beta, stride_x,
-             stride_h, offs_n, n_ok, first, ACT: tl.constexpr, PTX: tl.constexpr, BLOCK_K: tl.constexpr,
-             NR: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
-    """h of sorted pairs first .. first + NR - 1 (rows of the tile's expert) at the tile's columns, streaming the
-    tile's weights once (w*_words, w*_scales: pointers into its first K block)."""
+def _up_row(x, w1_words, w1_scales, w3_words, w3_scales, h, sorted_pairs, top_k, K, beta, linear_beta, stride_x,
+            stride_h, offs_n, n_ok, row, ACT: tl.constexpr, PTX: tl.constexpr, BLOCK_K: tl.constexpr,
+            PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """h[row] (row: a sorted pair of the tile's expert) at the tile's columns, streaming the tile's weights once
+    (w*_words, w*_scales: pointers into its first K block)."""
     G: tl.constexpr = BLOCK_K // 32
     last = tl.cdiv(K, BLOCK_K) * BLOCK_K - BLOCK_K  # the last K block
     x_offs = tl.arange(0, 4)[:, None] * 8 + tl.arange(0, G)[None, :] * 32  # [4, G]: the x of each word's code 0
-    row = tl.arange(0, NR)
-    tokens = (tl.load(sorted_pairs + first + row) // top_k).to(tl.int64)
-    acc_g = tl.zeros([NR, G, offs_n.shape[0]], tl.float32)
-    acc_u = tl.zeros([NR, G, offs_n.shape[0]], tl.float32)
+    token = (tl.load(sorted_pairs + row) // top_k).to(tl.int64)
+    x_row = x + token * stride_x  # the stride multiplies last: the compiler sees its divisibility
+    acc_g = tl.zeros([G, offs_n.shape[0]], tl.float32)
+    acc_u = tl.zeros([G, offs_n.shape[0]], tl.float32)
     w1, s1 = _load_block(w1_words, w1_scales, 0, K, n_ok, EVEN_K, EVEN_N, PTX)
     w3, s3 = _load_block(w3_words, w3_scales, 0, K, n_ok, EVEN_K, EVEN_N, PTX)
     if PREFETCH == 2:
@@ -311,24 +308,20 @@ def _up_rows(x, w1_words, w1_scales, w3_words, w3_scales, h, sorted_pairs, top_k
         w3_c, s3_c = _load_block(w3_words, w3_scales, k_ahead, K, n_ok, EVEN_K, EVEN_N, PTX)
         a1, b1 = _scale_factors(s1)
         a3, b3 = _scale_factors(s3)
-        for R in tl.static_range(NR):  # the stride multiplies last: the compiler sees its divisibility
-            x_row = x + tl.sum(tl.where(row == R, tokens, 0)) * stride_x
-            x8 = _load_x8(_x_block(x_row + x_offs, k0, K, EVEN_K), PTX)
-            here = row[:, None, None] == R
-            acc_g = tl.where(here, acc_g + (_group_dots(w1, x8, PTX) * a1 * b1)[None], acc_g)
-            acc_u = tl.where(here, acc_u + (_group_dots(w3, x8, PTX) * a3 * b3)[None], acc_u)
+        x8 = _load_x8(_x_block(x_row + x_offs, k0, K, EVEN_K), PTX)
+        acc_g += _group_dots(w1, x8, PTX) * a1 * b1
+        acc_u += _group_dots(w3, x8, PTX) * a3 * b3
         if PREFETCH == 2:
             w1, s1, w3, s3, w1_b, s1_b, w3_b, s3_b = w1_b, s1_b, w3_b, s3_b, w1_c, s1_c, w3_c, s3_c
         else:
             w1, s1, w3, s3 = w1_c, s1_c, w3_c, s3_c
-    gate = tl.sum(acc_g, axis=1)
-    up = tl.sum(acc_u, axis=1)
+    gate = tl.sum(acc_g, axis=0)
+    up = tl.sum(acc_u, axis=0)
     if ACT == 1:  # SiTU-GLU
         act = beta * _tanh(gate / beta) * tl.sigmoid(gate) * (linear_beta * _tanh(up / linear_beta))
     else:  # SwiGLU
         act = gate * tl.sigmoid(gate) * up
-    dst = h + (first + row)[:, None].to(tl.int64) * stride_h + offs_n[None, :]
-    tl.store(dst, act.to(h.dtype.element_ty), mask=n_ok[None, :])
+    tl.store(h + row.to(tl.int64) * stride_h + offs_n, act.to(h.dtype.element_ty), mask=n_ok)
 
 
 @triton.autotune(configs=configs_down(), key=["rows_bucket", "N", "K"], reset_to_zero=["out"])
@@ -338,7 +331,7 @@ def gemv_down_kernel(
     h, w2p, w2s, out, topk_weights, sorted_pairs, expert_starts, expert_counts, active_experts, num_active,
     top_k, N, K, rows_bucket,
     stride_h, stride_pe, stride_pn, stride_se, stride_sn, stride_out,
-    PTX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr,
+    PTX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     PREFETCH: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     """out[token, :N] += topk_weight[pair] · h[pair] W2[e]^T; w2p: the packed bank as int32 words (strides in
@@ -351,27 +344,21 @@ def gemv_down_kernel(
         share = tile % SPLIT_K
         blocks = tl.cdiv(K, BLOCK_K)  # the share's last block; a share past K has none (its loop is empty)
         last = tl.minimum(share + tl.maximum(blocks - 1 - share, 0) // SPLIT_K * SPLIT_K, blocks - 1) * BLOCK_K
-        tile_args = (h, w2p + words, w2s + scales, out, topk_weights, sorted_pairs, top_k, K, share * BLOCK_K, last,
-                     stride_h, stride_out, offs_n, n_ok)
-        full = count // ROWS * ROWS
-        for m0 in range(0, full, ROWS):
-            _down_rows(*tile_args, start + m0, PTX, BLOCK_K, SPLIT_K, ROWS, PREFETCH, EVEN_K, EVEN_N)
-        if ROWS > 1:  # the expert's last rows, one at a time
-            for m0 in range(full, count):
-                _down_rows(*tile_args, start + m0, PTX, BLOCK_K, SPLIT_K, 1, PREFETCH, EVEN_K, EVEN_N)
+        for m in range(0, count):  # the expert's rows
+            _down_row(h, w2p + words, w2s + scales, out, topk_weights, sorted_pairs, top_k, K, share * BLOCK_K, last,
+                      stride_h, stride_out, offs_n, n_ok, start + m, PTX, BLOCK_K, SPLIT_K, PREFETCH, EVEN_K, EVEN_N)
 
 
 @triton.jit
-def _down_rows(h, w2_words, w2_scales, out, topk_weights, sorted_pairs, top_k, K, k_first, last, stride_h,
-               stride_out, offs_n, n_ok, first, PTX: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-               NR: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
-    """Adds the tile's share (K blocks k_first, k_first + SPLIT_K * BLOCK_K, .. <= last) of sorted pairs first ..
-    first + NR - 1, weighted, into out at the tile's columns, streaming the share's weights once."""
+def _down_row(h, w2_words, w2_scales, out, topk_weights, sorted_pairs, top_k, K, k_first, last, stride_h,
+              stride_out, offs_n, n_ok, row, PTX: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+              PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """Adds the tile's share (K blocks k_first, k_first + SPLIT_K * BLOCK_K, .. <= last) of h[row] (row: a sorted
+    pair of the tile's expert), weighted, into out at the tile's columns, streaming the share's weights once."""
     G: tl.constexpr = BLOCK_K // 32
     h_offs = tl.arange(0, 4)[:, None] * 8 + tl.arange(0, G)[None, :] * 32
-    row = tl.arange(0, NR)
-    h_rows = (first + row).to(tl.int64)
-    acc = tl.zeros([NR, G, offs_n.shape[0]], tl.float32)
+    h_row = h + row.to(tl.int64) * stride_h
+    acc = tl.zeros([G, offs_n.shape[0]], tl.float32)
     w2, s2 = _load_block(w2_words, w2_scales, tl.minimum(k_first, last), K, n_ok, EVEN_K, EVEN_N, PTX)
     if PREFETCH == 2:
         w2_b, s2_b = _load_block(w2_words, w2_scales, tl.minimum(k_first + SPLIT_K * BLOCK_K, last), K, n_ok, EVEN_K,
@@ -380,18 +367,15 @@ def _down_rows(h, w2_words, w2_scales, out, topk_weights, sorted_pairs, top_k, K
         k_ahead = tl.minimum(k0 + PREFETCH * SPLIT_K * BLOCK_K, last)
         w2_c, s2_c = _load_block(w2_words, w2_scales, k_ahead, K, n_ok, EVEN_K, EVEN_N, PTX)
         a2, b2 = _scale_factors(s2)
-        for R in tl.static_range(NR):
-            h_row = h + tl.sum(tl.where(row == R, h_rows, 0)) * stride_h
-            x8 = _load_x8(_x_block(h_row + h_offs, k0, K, EVEN_K), PTX)
-            here = row[:, None, None] == R
-            acc = tl.where(here, acc + (_group_dots(w2, x8, PTX) * a2 * b2)[None], acc)
+        x8 = _load_x8(_x_block(h_row + h_offs, k0, K, EVEN_K), PTX)
+        acc += _group_dots(w2, x8, PTX) * a2 * b2
         if PREFETCH == 2:
             w2, s2, w2_b, s2_b = w2_b, s2_b, w2_c, s2_c
         else:
             w2, s2 = w2_c, s2_c
-    pairs = tl.load(sorted_pairs + first + row)
-    y = tl.sum(acc, axis=1) * tl.load(topk_weights + pairs)[:, None]
-    tl.atomic_add(out + (pairs // top_k).to(tl.int64)[:, None] * stride_out + offs_n[None, :], y, mask=n_ok[None, :])
+    pair = tl.load(sorted_pairs + row)
+    y = tl.sum(acc, axis=0) * tl.load(topk_weights + pair)
+    tl.atomic_add(out + (pair // top_k).to(tl.int64) * stride_out + offs_n, y, mask=n_ok)
 
 
 @functools.cache

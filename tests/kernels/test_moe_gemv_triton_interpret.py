@@ -12,16 +12,16 @@ from _triton_interpret import needs_triton, run_in_interpreter
 pytestmark = needs_triton
 
 
-TILINGS = ("ROWS 2, split-K 2", "one K block past the row", "whole blocks, prefetch 2")
+TILINGS = ("split-K 2", "one K block past the row", "whole blocks, prefetch 2")
 
 
 def _experts_match_reference(tiling: str) -> None:
-    """Rank 1 of 3 (experts 4..7 of 12): expert 5 takes every token (9 rows: full chunks of ROWS and a
-    partial one), expert 7 none, the last token lives wholly on other ranks. I = 96 and D = 160 leave
-    tails in N (BLOCK_N 64) and in K (BLOCK_K 128 and 512 are not divisors); scales 0, 1 and 240
-    (2^-127 .. 2^113) sit in the fp32 cases' bank. Three tilings, each on 3 persistent programs that walk
-    several tiles: ROWS 2 with split-K 2 (the second share has no block), ROWS 1 with one K block longer
-    than the whole row, and whole blocks (BLOCK_K 32: 5 up and 3 down, split 2 and 1) prefetched 2 ahead."""
+    """Rank 1 of 3 (experts 4..7 of 12): expert 5 takes every token (9 rows), expert 7 none, the last token
+    lives wholly on other ranks. I = 96 and D = 160 leave tails in N (BLOCK_N 64) and in K (BLOCK_K 128 and 512
+    are not divisors); scales 0, 1 and 240 (2^-127 .. 2^113) sit in the fp32 cases' bank. Three tilings, each
+    on 3 persistent programs that walk several tiles: split-K 2 (the second share has no block), one K block
+    longer than the whole row, and whole blocks (BLOCK_K 32: 5 up and 3 down, split 2 and 1) prefetched 2
+    ahead."""
     import torch
     import triton
 
@@ -44,9 +44,9 @@ def _experts_match_reference(tiling: str) -> None:
     extreme.w3.scales[1, :8, 1] = 1
     extreme.w1.scales[1, 8:16, 2] = 240  # gate values ~2^113: SiTU saturates, still finite
     cases = dict(zip(TILINGS, (
-        ({"BLOCK_N": 64, "BLOCK_K": 128, "ROWS": 2, "PREFETCH": 2}, 2, extreme, SITU, torch.float32, 1e-5),
-        ({"BLOCK_N": 16, "BLOCK_K": 512, "ROWS": 1, "PREFETCH": 1}, 1, weights, silu_glu, torch.bfloat16, 1e-2),
-        ({"BLOCK_N": 32, "BLOCK_K": 32, "ROWS": 1, "PREFETCH": 2}, 2, extreme, SITU, torch.float32, 1e-5))))
+        ({"BLOCK_N": 64, "BLOCK_K": 128, "PREFETCH": 2}, 2, extreme, SITU, torch.float32, 1e-5),
+        ({"BLOCK_N": 16, "BLOCK_K": 512, "PREFETCH": 1}, 1, weights, silu_glu, torch.bfloat16, 1e-2),
+        ({"BLOCK_N": 32, "BLOCK_K": 32, "PREFETCH": 2}, 2, extreme, SITU, torch.float32, 1e-5))))
     tiles, split_k, bank, activation, dtype, tol = cases[tiling]
     tiles = {**tiles, "PROGRAMS_PER_SM": 1}  # the interpreter's grid: 3 programs (triton_gemv.programs)
     triton_gemv.gemv_up_kernel.configs = [triton.Config(tiles)]  # no driver to benchmark
@@ -76,7 +76,7 @@ def _nan_scale_is_loud() -> None:
     weights = ExpertWeights(random_mxfp4(2, 64, 64, device="cpu"), random_mxfp4(2, 64, 64, device="cpu"),
                             random_mxfp4(2, 64, 64, device="cpu"))
     weights.w2.scales[1, 3, 0] = 0xFF
-    tiles = {"BLOCK_N": 16, "BLOCK_K": 64, "ROWS": 1, "PREFETCH": 1, "PROGRAMS_PER_SM": 1}
+    tiles = {"BLOCK_N": 16, "BLOCK_K": 64, "PREFETCH": 1, "PROGRAMS_PER_SM": 1}
     triton_gemv.gemv_up_kernel.configs = [triton.Config(tiles)]
     triton_gemv.gemv_down_kernel.configs = [triton.Config({**tiles, "SPLIT_K": 1})]
     out = triton_moe.fused_experts(torch.randn(2, 64), weights, torch.ones(2, 1), torch.tensor([[0], [1]]),
