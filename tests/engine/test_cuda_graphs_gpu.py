@@ -1,11 +1,15 @@
 """Decode steps replayed as CUDA graphs (`engine/cuda_graphs.py`) on the GPU, bf16, model `K3_TINY_GPU`.
 
-* The engine with graphs (the default on CUDA) against `enforce_eager=True`: 24 requests of 1..300
-  prompt tokens and 3..21 greedy tokens, 16 at a time, token budget 96, so prefill chunks run next to
-  decodes and the decode-only steps take every batch size from 16 down to 1 (most of them between the
-  buckets 1, 2, 4, 8, 16). Graphs were replayed (counted per bucket) and padded. Greedy tokens are equal,
-  except where the eager run's top-2 logprob gap is below NEAR_TIE (padding changes GEMM shapes, and with
-  them bf16 rounding); after such a flip the sequences diverge and comparison stops.
+* The engine with graphs (the default on CUDA) generates exactly what the same engine generates with its
+  padded steps run eagerly (graphs not captured): 24 requests of 1..300 prompt tokens and 3..21 greedy
+  tokens, 16 at a time, token budget 96, so prefill chunks run next to decodes and the decode-only steps take
+  every batch size from 16 down to 1 (most of them between the buckets 1, 2, 4, 8, 16). Graphs were replayed
+  (counted per bucket) and padded.
+* Against `enforce_eager=True` (unpadded steps) it stays close, not equal: padding changes the kernels'
+  shapes and with them bf16 rounding, which can reach a discrete choice upstream of the logits (a router
+  near-tie picks another expert: on an H200 one of the 24 requests flips at a token whose eager top-2 gap is
+  0.33, while graphs and padded eager agree bit for bit). So: at least MIN_IDENTICAL requests identical, the
+  rest identical up to their flip, every first token equal, chosen-token logprobs within NEAR_TIE before it.
 * Replays equal their own body run eagerly (same padded shapes, same kernels): `_decode_steps.workload`
   through a runner with captured graphs and one with the uncaptured body; logits and every request's
   cache rows agree to bf16 rounding, poison around them stays poison, and each replayed step (input copy,
@@ -43,7 +47,8 @@ pytestmark = pytest.mark.gpu
 
 NUM_REQUESTS = 24
 MAX_TOKENS = [3, 5, 8, 13, 21]
-NEAR_TIE = 0.15  # bf16: a greedy token may differ only where eager's top-2 logprob gap is below this
+NEAR_TIE = 0.15  # bf16: chosen-token logprobs of graphs and enforce_eager differ by less than this before a flip
+MIN_IDENTICAL = 20  # of NUM_REQUESTS: requests that graphs and enforce_eager generate identically (H200: 23)
 ENGINE_ARGS = dict(
     max_model_len=512, max_num_seqs=16, max_num_batched_tokens=96, cache_memory_bytes=256 * 2**20, seed=0,
     dtype="bfloat16", device="cuda",
@@ -72,30 +77,49 @@ def _generate(checkpoint: Path, **overrides) -> tuple[list[RequestOutput], Decod
     return outputs, graphs
 
 
-def test_engine_with_graphs_matches_enforce_eager(checkpoint: Path) -> None:
-    eager, no_graphs = _generate(checkpoint, enforce_eager=True)
-    assert no_graphs is None
+def _capture_nothing(self: DecodeGraphs, *args, **kwargs) -> None:
+    """DecodeGraphs.capture that records nothing: every step then runs its padded body eagerly."""
+
+
+def test_engine_with_graphs_equals_its_padded_steps_run_eagerly(checkpoint: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     graphed, graphs = _generate(checkpoint)
     assert graphs is not None, "CUDA graphs were not captured (see the warning)"
     assert graphs.captured == (1, 2, 4, 8, 16)
     assert len(graphs.replays) >= 3 and graphs.num_padding_rows > 0, (graphs.replays, graphs.num_padding_rows)
+    monkeypatch.setattr(DecodeGraphs, "capture", _capture_nothing)
+    padded, uncaptured = _generate(checkpoint)
+    assert uncaptured is not None and uncaptured.captured == () and uncaptured.num_replays == 0
+    assert uncaptured.num_padding_rows == graphs.num_padding_rows
+    for n, (got, want) in enumerate(zip(graphed, padded)):
+        g, w = got.outputs[0], want.outputs[0]
+        assert g.token_ids == w.token_ids, f"request {n}"
+        for i, token in enumerate(g.token_ids):
+            assert abs(g.logprobs[i][token].logprob - w.logprobs[i][token].logprob) < 1e-3, (n, i)
+
+
+def test_engine_with_graphs_stays_close_to_enforce_eager(checkpoint: Path) -> None:
+    eager, no_graphs = _generate(checkpoint, enforce_eager=True)
+    assert no_graphs is None
+    graphed, graphs = _generate(checkpoint)
+    assert graphs is not None and graphs.num_replays > 0
 
     identical, flips = 0, []
     for n, (want, got) in enumerate(zip(eager, graphed)):
         w, g = want.outputs[0], got.outputs[0]
         assert len(g.token_ids) == len(w.token_ids) == MAX_TOKENS[n % len(MAX_TOKENS)]
+        assert g.token_ids[0] == w.token_ids[0], f"request {n}: the first token comes from an eager prefill in both"
         for i, (a, b) in enumerate(zip(w.token_ids, g.token_ids)):
-            ranked = sorted(w.logprobs[i].values(), key=lambda lp: lp.rank)
-            gap = ranked[0].logprob - ranked[1].logprob
             if a != b:
-                assert gap < NEAR_TIE, f"request {n}, token {i}: graphs {b}, eager {a} (eager top-2 gap {gap:.3g})"
-                flips.append({"request": n, "position": i, "gap": gap})
+                ranked = sorted(w.logprobs[i].values(), key=lambda lp: lp.rank)
+                flips.append({"request": n, "position": i, "eager_gap": ranked[0].logprob - ranked[1].logprob})
                 break
             assert abs(g.logprobs[i][b].logprob - w.logprobs[i][a].logprob) < NEAR_TIE, (n, i)
         else:
             identical += 1
-    print(json.dumps({"identical_requests": identical, "requests": NUM_REQUESTS, "near_tie_flips": flips,
+    print(json.dumps({"identical_requests": identical, "requests": NUM_REQUESTS, "flips": flips,
                       "replays_per_bucket": dict(graphs.replays), "padding_rows": graphs.num_padding_rows}))
+    assert identical >= MIN_IDENTICAL, flips
 
 
 def _caches(model) -> list[ModelCache]:
