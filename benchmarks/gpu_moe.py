@@ -5,8 +5,7 @@
 
 ours = k3serve.kernels.moe.fused_experts (Triton w4a16: upcast in registers, SiTU-GLU and the weighted
 top-k sum fused), timed on both of its kernel pairs in the same run: gemv (triton_gemv.py, CUDA cores,
-what decode batches dispatch to) and dot (the tensor-core kernels: ours before the GEMV pair); gemv_unsplit
-= the GEMV pair autotuned over its configs that do not split K (the pair before split-K up). Anchors =
+what decode batches dispatch to) and dot (the tensor-core kernels: ours before the GEMV pair). Anchors =
 dequantize the routed experts to bf16 + torch bmm, and the same bmm on an already-bf16 bank (4x the
 weight bytes). Floor = routed experts' MXFP4 bytes / copy bandwidth (FLOPs are far below the matmul
 rate at these token counts); gemv_TBps = those bytes / the gemv graph time. Every path is checked
@@ -14,7 +13,6 @@ against the torch reference before it is timed."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -77,24 +75,6 @@ def path_us(path: str, x, weights, topk_weights, topk_ids, ref, dev) -> tuple[fl
     return None if graph is None else graph * 1e3, time_ms(run, dev) * 1e3
 
 
-@contextlib.contextmanager
-def unsplit_gemv():
-    """The GEMV pair autotuned over its configs without K shares only (fresh autotune caches in and out)."""
-    from k3serve.kernels.moe import triton_gemv
-
-    kernels = (triton_gemv.gemv_up_kernel, triton_gemv.gemv_down_kernel)
-    saved = [k.configs for k in kernels]
-    try:
-        for k in kernels:
-            k.configs = [c for c in k.configs if c.kwargs["SPLIT_K"] == 1]
-            k.cache.clear()
-        yield
-    finally:
-        for k, configs in zip(kernels, saved):
-            k.configs = configs
-            k.cache.clear()
-
-
 def row(T: int, weights: ExpertWeights, top_k: int, num_total: int, dev, ceil) -> dict:
     E, I, D = weights.w1.shape
     x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
@@ -110,10 +90,6 @@ def row(T: int, weights: ExpertWeights, top_k: int, num_total: int, dev, ceil) -
     check(f"moe T{T}", err, TOL)
     gemv_graph, gemv = path_us("gemv", x, weights, topk_weights, topk_ids, ref, dev)
     dot_graph, dot = path_us("dot", x, weights, topk_weights, topk_ids, ref, dev)
-    unsplit_graph = None
-    if dev.type == "cuda":
-        with unsplit_gemv():
-            unsplit_graph, _ = path_us("gemv", x, weights, topk_weights, topk_ids, ref, dev)
     anchor = TorchExperts(x, weights, topk_weights, topk_ids, 0)
     check("torch anchor", rel_err(ref, anchor.run(*anchor.bf16)), TOL)
     num_active = anchor.experts.numel()
@@ -122,7 +98,7 @@ def row(T: int, weights: ExpertWeights, top_k: int, num_total: int, dev, ceil) -
     flops = pairs * 6 * I * D
     floor = floor_us(bytes_moved, flops, ceil)
     return dict(op="moe mxfp4", shape=f"T{T} (experts {num_active}, rows {pairs})", gemv_graph=gemv_graph,
-                gemv=gemv, gemv_unsplit_graph=unsplit_graph, dot_graph=dot_graph, dot=dot,
+                gemv=gemv, dot_graph=dot_graph, dot=dot,
                 anchor=time_ms(anchor.dequant_and_run, dev) * 1e3, anchor_is="dequant to bf16 + bmm",
                 bf16_bank=time_ms(lambda: anchor.run(*anchor.bf16), dev) * 1e3, floor=floor,
                 gemv_x_floor="-" if gemv_graph is None else f"{gemv_graph / floor:.1f}",
@@ -137,11 +113,11 @@ def main() -> None:
     torch.manual_seed(0)
     ceil = ceilings(dev, args.smoke)
     E, I, D, top_k, total, tokens = (4, 64, 128, 4, 16, [1, 5]) if args.smoke else (112, 3072, 3584, 16, 896,
-                                                                                     [1, 2, 4, 16, 64])
+                                                                                     [1, 4, 16, 64])
     weights = ExpertWeights(random_mxfp4(E, I, D, dev=dev), random_mxfp4(E, I, D, dev=dev),
                             random_mxfp4(E, D, I, dev=dev))
     rows = [row(T, weights, top_k, total, dev, ceil) for T in tokens]
-    columns = ["op", "shape", "gemv_graph", "gemv", "gemv_unsplit_graph", "dot_graph", "dot", "anchor", "anchor_is", "bf16_bank", "floor",
+    columns = ["op", "shape", "gemv_graph", "gemv", "dot_graph", "dot", "anchor", "anchor_is", "bf16_bank", "floor",
                "gemv_x_floor", "dot_x_floor", "gemv_TBps", "err", "backend"]
     report(f"MXFP4 MoE, one EP rank (us; D {D}, I {I}, {E} local of {total} experts, top-{top_k})", columns, rows,
            ceil, args.out, dev)

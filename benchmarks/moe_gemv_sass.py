@@ -25,9 +25,9 @@ from triton.compiler import ASTSource
 from k3serve.kernels.moe import triton_gemv
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-UP_ARGS = ("x:*bf16 w1p:*i32 w1s:*u8 w3p:*i32 w3s:*u8 h:*fp32 out:*fp32 partials:*fp32 tickets:*i32 "
-           "sorted_pairs:*i32 expert_starts:*i32 expert_counts:*i32 active_experts:*i32 num_active:*i32 top_k:i32 "
-           "N:i32 K:i32 beta:fp32 linear_beta:fp32 rows_bucket:i32 out_numel:i32 num_pairs:i32 stride_x:i32 stride_pe:i32 stride_pn:i32 stride_se:i32 "
+UP_ARGS = ("x:*bf16 w1p:*i32 w1s:*u8 w3p:*i32 w3s:*u8 h:*fp32 out:*fp32 sorted_pairs:*i32 expert_starts:*i32 "
+           "expert_counts:*i32 active_experts:*i32 num_active:*i32 top_k:i32 N:i32 K:i32 beta:fp32 "
+           "linear_beta:fp32 rows_bucket:i32 out_numel:i32 stride_x:i32 stride_pe:i32 stride_pn:i32 stride_se:i32 "
            "stride_sn:i32 stride_h:i32")
 DOWN_ARGS = ("h:*fp32 w2p:*i32 w2s:*u8 out:*fp32 topk_weights:*fp32 sorted_pairs:*i32 expert_starts:*i32 "
              "expert_counts:*i32 active_experts:*i32 num_active:*i32 top_k:i32 N:i32 K:i32 rows_bucket:i32 "
@@ -36,15 +36,14 @@ D, I = 3584, 3072  # K3 per-rank latent and intermediate widths
 SM90_REGS, SM90_SMEM, SM90_WARPS, SM90_PROGRAMS = 65536, 228 * 1024, 64, 32  # per SM
 
 
-def compile_sm90(kernel, args: str, constants: dict, config: triton.Config):
-    """The compiled kernel for sm_90 under config's warps and register cap, pointers and strides assumed
-    16-divisible (as at K3 shapes)."""
+def compile_sm90(kernel, args: str, constants: dict, num_warps: int):
+    """The compiled kernel for sm_90, pointers and strides assumed 16-divisible (as at K3 shapes)."""
     signature = dict(a.split(":") for a in args.split())
     signature.update({name: "constexpr" for name in constants})
     attrs = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(signature.items())
              if kind.startswith("*") or name.startswith("stride")}
     return triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": config.num_warps, "num_stages": 1, "maxnreg": config.maxnreg})
+                          options={"num_warps": num_warps, "num_stages": 1})
 
 
 def fitting_programs(registers: int, shared: int, num_warps: int) -> int:
@@ -90,7 +89,7 @@ def main() -> None:
         for config in kernel.configs:
             tiles = config.kwargs
             even = {"EVEN_K": k % tiles["BLOCK_K"] == 0, "EVEN_N": n % tiles["BLOCK_N"] == 0}
-            compiled = compile_sm90(kernel.fn.fn, args, {**tiles, **extra, **even, "PTX": True}, config)
+            compiled = compile_sm90(kernel.fn.fn, args, {**tiles, **extra, **even, "PTX": True}, config.num_warps)
             usage, loops = loop_costs(compiled.asm["cubin"])
             registers = int(re.search(r"REG:(\d+)", usage).group(1))
             fits = fitting_programs(registers, compiled.metadata.shared, config.num_warps)

@@ -51,7 +51,6 @@ from torch import Tensor
 
 from k3serve.kernels.mxfp4 import MXFP4Tensor
 
-from .._split_k import split_tickets
 from .triton_moe import _tanh
 
 _NAN_SCALE = tl.constexpr(255)  # the E8M0 NaN encoding
@@ -232,156 +231,79 @@ def route_kernel(topk_ids, num_pairs, expert_start, num_local, sorted_pairs, exp
 
 
 def configs_up() -> list[triton.Config]:
-    """(BLOCK_N, warps, PREFETCH, SPLIT_K, programs per SM), BLOCK_K 512. Unsplit: the tiles that won, or came
-    within ~3%, at some T of 1-16 on an H200 (benchmarks/results/h200-2026-12-01/moe_variants.log; the others, 4
-    or 8 columns on one warp without prefetch, 16 columns on 2 warps, and two rows of an expert a weight stream,
-    were 4% or more slower at every T). A warp's lanes cover 16 groups and 2 columns, its warps more columns, and a
-    thread repeats the rest (C = BLOCK_N / (2 warps): 1 to 4), sharing its x over them. PREFETCH 2 keeps twice
-    the bytes in flight for ~0.3 more instructions an element (register moves). Programs per SM = how many fit
-    (registers, sm_90, triton 3.6; benchmarks/moe_gemv_sass.py checks it): a persistent grid must not wait for a
-    second wave.
-    Split K (4 or 7 shares of K3's 7 blocks), for at most SPLIT_UP_MAX_ROWS rows (`_prune_up`): with one or two
-    experts hit, unsplit tiles leave each warp a chain of 7 blocks (~8K dependent instructions) and most SMs a
-    warp or two; shares put a block or two on each of many more warps."""
-    shapes = [(4, 1, 2, 1, 12), (4, 2, 1, 1, 14), (8, 2, 1, 1, 8), (8, 2, 2, 1, 6), (16, 4, 1, 1, 4),
-              (4, 1, 1, 7, 16), (8, 2, 1, 7, 8), (8, 2, 1, 4, 8)]
-    return [_config(n, w, pf, sk, p) for n, w, pf, sk, p in shapes]
-
-
-def _config(block_n: int, warps: int, prefetch: int, split_k: int, per_sm: int) -> triton.Config:
-    """BLOCK_K 512; registers capped (maxnreg) so that per_sm programs fit an SM's 64K (sm_90, granted 8 a
-    thread at a time): ptxas would otherwise take a few more than that and leave fewer resident than launched."""
-    maxnreg = 65536 // (per_sm * warps * 32) // 8 * 8
-    return triton.Config({"BLOCK_N": block_n, "BLOCK_K": 512, "PREFETCH": prefetch, "SPLIT_K": split_k,
-                          "PROGRAMS_PER_SM": per_sm}, num_warps=warps, num_stages=1, maxnreg=min(maxnreg, 255))
-
-
-SPLIT_UP_MAX_ROWS = 32  # rows_bucket up to which the up kernel may split K (T * top_k <= 32: K3 at T <= 2)
-SPLIT_UP_MAX = 7  # the most shares an up config takes: the partials workspace holds this many
-MIN_BLOCK_N = 4  # the narrowest up tile: the split tickets cover its column blocks
-
-
-def _prune_up(configs: list[triton.Config], named_args: dict, **_) -> list[triton.Config]:
-    """Split-K up configs only where `experts` allocated their partials (rows_bucket <= SPLIT_UP_MAX_ROWS)."""
-    if named_args["rows_bucket"] <= SPLIT_UP_MAX_ROWS:
-        return configs
-    kept = [c for c in configs if c.kwargs["SPLIT_K"] == 1]
-    if not kept:
-        raise ValueError(f"split-K up configs run at most {SPLIT_UP_MAX_ROWS} rows, got rows_bucket "
-                         f"{named_args['rows_bucket']}")
-    return kept
+    """(BLOCK_N, warps, PREFETCH, programs per SM), BLOCK_K 512: the tiles that won, or came within ~3%, at some T
+    of 1-16 on an H200 (benchmarks/results/h200-2026-12-01/moe_variants.log; the others, 4 or 8 columns on one
+    warp without prefetch, 16 columns on 2 warps, and two rows of an expert a weight stream, were 4% or more
+    slower at every T). A warp's lanes cover 16 groups and 2 columns, its warps more columns, and a thread repeats
+    the rest (C = BLOCK_N / (2 warps): 1 to 4), sharing its x over them. PREFETCH 2 keeps twice the bytes in
+    flight for ~0.3 more instructions an element (register moves). Programs per SM = how many fit (registers,
+    sm_90, triton 3.6; benchmarks/moe_gemv_sass.py checks it): a persistent grid must not wait for a second
+    wave."""
+    shapes = [(4, 1, 2, 12), (4, 2, 1, 14), (8, 2, 1, 8), (8, 2, 2, 6), (16, 4, 1, 4)]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": 512, "PREFETCH": pf, "PROGRAMS_PER_SM": p}, num_warps=w,
+                          num_stages=1) for n, w, pf, p in shapes]
 
 
 def configs_down() -> list[triton.Config]:
-    """As configs_up: K shares put more tiles on the SMs when few experts are hit (the down kernel adds its share
-    with atomics, so any count works). 8 columns on one warp won at every T (split in 2 at 1-2 tokens, whole from
-    4); the best of the others was 10% (T 1) to 25% (T 16) slower. 3 and 6 shares: one or two of K3's 6 blocks a
-    warp, as for the up kernel."""
-    shapes = [(8, 1, 1, 1, 12), (8, 1, 1, 2, 12), (8, 1, 1, 3, 12), (8, 1, 1, 6, 12)]
-    return [_config(n, w, pf, sk, p) for n, w, pf, sk, p in shapes]
+    """As configs_up plus SPLIT_K (after PREFETCH): K shares put more tiles on the SMs when few experts are hit.
+    8 columns on one warp won at every T (split in 2 at 1-2 tokens, whole from 4); the best of the others was 10%
+    (T 1) to 25% (T 16) slower."""
+    shapes = [(8, 1, 1, 1, 12), (8, 1, 1, 2, 12)]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": 512, "PREFETCH": pf, "SPLIT_K": sk, "PROGRAMS_PER_SM": p},
+                          num_warps=w, num_stages=1) for n, w, pf, sk, p in shapes]
 
 
 _EVEN = {"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
          "EVEN_N": lambda args: args["N"] % args["BLOCK_N"] == 0}
 
 
-@triton.autotune(configs=configs_up(), key=["rows_bucket", "N", "K"],
-                 prune_configs_by={"early_config_prune": _prune_up})
+@triton.autotune(configs=configs_up(), key=["rows_bucket", "N", "K"])
 @triton.heuristics(_EVEN)
 @triton.jit
 def gemv_up_kernel(
-    x, w1p, w1s, w3p, w3s, h, out, partials, tickets, sorted_pairs, expert_starts, expert_counts, active_experts,
-    num_active, top_k, N, K, beta, linear_beta, rows_bucket, out_numel, num_pairs,
+    x, w1p, w1s, w3p, w3s, h, out, sorted_pairs, expert_starts, expert_counts, active_experts, num_active,
+    top_k, N, K, beta, linear_beta, rows_bucket, out_numel,
     stride_x, stride_pe, stride_pn, stride_se, stride_sn, stride_h,
-    ACT: tl.constexpr, PTX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    ACT: tl.constexpr, PTX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     """h[pair, :N] = act(x[token] W1[e]^T, x[token] W3[e]^T); w1p / w3p: the packed banks as int32 words (strides
-    in words), K = D the latent width. A tile is (active slot, column block, K share). Also zeroes out (out_numel
-    fp32), which the down kernel adds into: one memset launch less. PROGRAMS_PER_SM sizes the grid only (see
-    `programs`).
-
-    With SPLIT_K > 1 a share writes its fp32 gate and up sums of every row of the expert to partials
-    [SPLIT_K, num_pairs, 2, N] and takes a ticket from its (slot, column block) counter in tickets (int32, 0
-    between launches); the share that draws the last ticket adds the shares in order (the same sum whichever
-    finishes last), applies the GLU, writes h and puts the counter back to 0 (as triton_skinny.py's split-K)."""
+    in words), K = D the latent width. Also zeroes out (out_numel fp32), which the down kernel adds into: one
+    memset launch less. PROGRAMS_PER_SM sizes the grid only (see `programs`)."""
     for z in range(tl.program_id(0) * 1024, out_numel, tl.num_programs(0) * 1024):
         tl.store(out + z + tl.arange(0, 1024), 0.0, mask=z + tl.arange(0, 1024) < out_numel)
     n_blocks = tl.cdiv(N, BLOCK_N)
-    for tile in range(tl.program_id(0), tl.load(num_active) * n_blocks * SPLIT_K, tl.num_programs(0)):
-        slot_tile = tile // SPLIT_K
-        start, count, offs_n, n_ok, words, scales = _tile(slot_tile, n_blocks, N, expert_starts, expert_counts,
+    for tile in range(tl.program_id(0), tl.load(num_active) * n_blocks, tl.num_programs(0)):
+        start, count, offs_n, n_ok, words, scales = _tile(tile, n_blocks, N, expert_starts, expert_counts,
                                                           active_experts, stride_pe, stride_pn, stride_se,
                                                           stride_sn, BLOCK_N, BLOCK_K // 32)
-        share = tile % SPLIT_K
-        last = _share_last(share, K, BLOCK_K, SPLIT_K)
         # the expert's rows; range(start, start + count) compiles to 143 registers, not 128 (sm_90): 7 programs an SM
         for m in range(0, count):
-            gate, up = _up_sums(x, w1p + words, w1s + scales, w3p + words, w3s + scales, sorted_pairs, top_k, K,
-                                stride_x, offs_n, n_ok, start + m, share * BLOCK_K, last, PTX, BLOCK_K, SPLIT_K,
-                                PREFETCH, EVEN_K, EVEN_N)
-            if SPLIT_K == 1:
-                _store_act(h, stride_h, start + m, offs_n, n_ok, gate, up, beta, linear_beta, ACT)
-            else:
-                part = partials + ((share * num_pairs + start + m) * 2).to(tl.int64) * N + offs_n
-                tl.store(part, gate, mask=n_ok)
-                tl.store(part + N, up, mask=n_ok)
-        if SPLIT_K > 1:
-            tl.debug_barrier()  # every thread's partials are written before the ticket is taken
-            if tl.atomic_add(tickets + slot_tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-                share_stride = num_pairs.to(tl.int64) * 2 * N
-                for m in range(0, count):
-                    first = partials + ((start + m) * 2).to(tl.int64) * N + offs_n
-                    gate = tl.zeros([BLOCK_N], tl.float32)
-                    up = tl.zeros([BLOCK_N], tl.float32)
-                    for s in range(0, SPLIT_K):  # L2 reads (.cg): the other shares' partials are not in this L1
-                        gate += tl.load(first + s * share_stride, mask=n_ok, other=0.0, cache_modifier=".cg")
-                        up += tl.load(first + s * share_stride + N, mask=n_ok, other=0.0, cache_modifier=".cg")
-                    _store_act(h, stride_h, start + m, offs_n, n_ok, gate, up, beta, linear_beta, ACT)
-                tl.store(tickets + slot_tile, 0)
+            _up_row(x, w1p + words, w1s + scales, w3p + words, w3s + scales, h, sorted_pairs, top_k, K, beta,
+                    linear_beta, stride_x, stride_h, offs_n, n_ok, start + m, ACT, PTX, BLOCK_K, PREFETCH, EVEN_K,
+                    EVEN_N)
 
 
 @triton.jit
-def _share_last(share, K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    """The first element of K share `share`'s last block (its blocks: share, share + SPLIT_K, ...); a share past
-    K has none (the stream's loop is empty) and gets the row's last block."""
-    blocks = tl.cdiv(K, BLOCK_K)
-    if SPLIT_K == 1:
-        return (blocks - 1) * BLOCK_K
-    return tl.minimum(share + tl.maximum(blocks - 1 - share, 0) // SPLIT_K * SPLIT_K, blocks - 1) * BLOCK_K
-
-
-@triton.jit
-def _store_act(h, stride_h, row, offs_n, n_ok, gate, up, beta, linear_beta, ACT: tl.constexpr):
-    """h[row] at the tile's columns = the GLU of the row's gate and up sums."""
-    if ACT == 1:  # SiTU-GLU
-        act = beta * _tanh(gate / beta) * tl.sigmoid(gate) * (linear_beta * _tanh(up / linear_beta))
-    else:  # SwiGLU
-        act = gate * tl.sigmoid(gate) * up
-    tl.store(h + row.to(tl.int64) * stride_h + offs_n, act.to(h.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
-def _up_sums(x, w1_words, w1_scales, w3_words, w3_scales, sorted_pairs, top_k, K, stride_x, offs_n, n_ok, row,
-             k_first, last, PTX: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-             PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
-    """The gate and up sums over the tile's K share (blocks k_first, k_first + SPLIT_K * BLOCK_K, .. <= last) of
-    row (a sorted pair of the tile's expert) at the tile's columns, streaming the share's weights once (w*_words,
-    w*_scales: pointers into its first K block)."""
+def _up_row(x, w1_words, w1_scales, w3_words, w3_scales, h, sorted_pairs, top_k, K, beta, linear_beta, stride_x,
+            stride_h, offs_n, n_ok, row, ACT: tl.constexpr, PTX: tl.constexpr, BLOCK_K: tl.constexpr,
+            PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """h[row] (row: a sorted pair of the tile's expert) at the tile's columns, streaming the tile's weights once
+    (w*_words, w*_scales: pointers into its first K block)."""
     G: tl.constexpr = BLOCK_K // 32
-    step = SPLIT_K * BLOCK_K
+    last = tl.cdiv(K, BLOCK_K) * BLOCK_K - BLOCK_K  # the last K block
     x_offs = tl.arange(0, 4)[:, None] * 8 + tl.arange(0, G)[None, :] * 32  # [4, G]: the x of each word's code 0
     token = (tl.load(sorted_pairs + row) // top_k).to(tl.int64)
     x_row = x + token * stride_x  # the stride multiplies last: the compiler sees its divisibility
     acc_g = tl.zeros([G, offs_n.shape[0]], tl.float32)
     acc_u = tl.zeros([G, offs_n.shape[0]], tl.float32)
-    w1, s1 = _load_block(w1_words, w1_scales, tl.minimum(k_first, last), K, n_ok, EVEN_K, EVEN_N, PTX)
-    w3, s3 = _load_block(w3_words, w3_scales, tl.minimum(k_first, last), K, n_ok, EVEN_K, EVEN_N, PTX)
+    w1, s1 = _load_block(w1_words, w1_scales, 0, K, n_ok, EVEN_K, EVEN_N, PTX)
+    w3, s3 = _load_block(w3_words, w3_scales, 0, K, n_ok, EVEN_K, EVEN_N, PTX)
     if PREFETCH == 2:
-        w1_b, s1_b = _load_block(w1_words, w1_scales, tl.minimum(k_first + step, last), K, n_ok, EVEN_K, EVEN_N, PTX)
-        w3_b, s3_b = _load_block(w3_words, w3_scales, tl.minimum(k_first + step, last), K, n_ok, EVEN_K, EVEN_N, PTX)
-    for k0 in range(k_first, K, step):  # the blocks PREFETCH ahead are loaded before this one's math
-        k_ahead = tl.minimum(k0 + PREFETCH * step, last)  # past the end: the last block again (cached)
+        w1_b, s1_b = _load_block(w1_words, w1_scales, tl.minimum(BLOCK_K, last), K, n_ok, EVEN_K, EVEN_N, PTX)
+        w3_b, s3_b = _load_block(w3_words, w3_scales, tl.minimum(BLOCK_K, last), K, n_ok, EVEN_K, EVEN_N, PTX)
+    for k0 in range(0, K, BLOCK_K):  # the blocks PREFETCH ahead are loaded before this one's math
+        k_ahead = tl.minimum(k0 + PREFETCH * BLOCK_K, last)  # past the end: the last block again (cached)
         w1_c, s1_c = _load_block(w1_words, w1_scales, k_ahead, K, n_ok, EVEN_K, EVEN_N, PTX)
         w3_c, s3_c = _load_block(w3_words, w3_scales, k_ahead, K, n_ok, EVEN_K, EVEN_N, PTX)
         a1, b1 = _scale_factors(s1)
@@ -393,7 +315,13 @@ def _up_sums(x, w1_words, w1_scales, w3_words, w3_scales, sorted_pairs, top_k, K
             w1, s1, w3, s3, w1_b, s1_b, w3_b, s3_b = w1_b, s1_b, w3_b, s3_b, w1_c, s1_c, w3_c, s3_c
         else:
             w1, s1, w3, s3 = w1_c, s1_c, w3_c, s3_c
-    return tl.sum(acc_g, axis=0), tl.sum(acc_u, axis=0)
+    gate = tl.sum(acc_g, axis=0)
+    up = tl.sum(acc_u, axis=0)
+    if ACT == 1:  # SiTU-GLU
+        act = beta * _tanh(gate / beta) * tl.sigmoid(gate) * (linear_beta * _tanh(up / linear_beta))
+    else:  # SwiGLU
+        act = gate * tl.sigmoid(gate) * up
+    tl.store(h + row.to(tl.int64) * stride_h + offs_n, act.to(h.dtype.element_ty), mask=n_ok)
 
 
 @triton.autotune(configs=configs_down(), key=["rows_bucket", "N", "K"], reset_to_zero=["out"])
@@ -414,7 +342,8 @@ def gemv_down_kernel(
                                                           expert_counts, active_experts, stride_pe, stride_pn,
                                                           stride_se, stride_sn, BLOCK_N, BLOCK_K // 32)
         share = tile % SPLIT_K
-        last = _share_last(share, K, BLOCK_K, SPLIT_K)
+        blocks = tl.cdiv(K, BLOCK_K)  # the share's last block; a share past K has none (its loop is empty)
+        last = tl.minimum(share + tl.maximum(blocks - 1 - share, 0) // SPLIT_K * SPLIT_K, blocks - 1) * BLOCK_K
         for m in range(0, count):  # the expert's rows
             _down_row(h, w2p + words, w2s + scales, out, topk_weights, sorted_pairs, top_k, K, share * BLOCK_K, last,
                       stride_h, stride_out, offs_n, n_ok, start + m, PTX, BLOCK_K, SPLIT_K, PREFETCH, EVEN_K, EVEN_N)
@@ -478,20 +407,14 @@ def experts(x: Tensor, w1: MXFP4Tensor, w3: MXFP4Tensor, w2: MXFP4Tensor, h: Ten
            and (x.shape[0] == 1 or x.stride(0) % 8 == 0))
     p1, p3, p2 = (w.packed.view(torch.int32) for w in (w1, w3, w2))  # 8 codes a word; raises if misaligned
     s1, s3, s2 = w1.scales, w3.scales, w2.scales
-    up_grid = lambda meta: (programs(x.device, max_active * triton.cdiv(I, meta["BLOCK_N"])  # noqa: E731
-                                     * meta["SPLIT_K"], meta["PROGRAMS_PER_SM"]),)
-    num_pairs = pairs.numel()
-    split = rows_bucket <= SPLIT_UP_MAX_ROWS  # `_prune_up` keeps the split configs exactly then
-    if not split and all(c.kwargs["SPLIT_K"] > 1 for c in gemv_up_kernel.configs):  # one config is never pruned
-        raise ValueError(f"the up kernel's configs all split K, which it does for at most {SPLIT_UP_MAX_ROWS} rows")
-    partials = torch.empty(SPLIT_UP_MAX * num_pairs * 2 * I if split else 1, dtype=torch.float32, device=x.device)
-    tickets = split_tickets(x.device, max_active * triton.cdiv(I, MIN_BLOCK_N)) if split else partials
+    up_grid = lambda meta: (programs(x.device, max_active * triton.cdiv(I, meta["BLOCK_N"]),  # noqa: E731
+                                     meta["PROGRAMS_PER_SM"]),)
     down_grid = lambda meta: (programs(x.device, max_active * triton.cdiv(D, meta["BLOCK_N"])  # noqa: E731
                                        * meta["SPLIT_K"], meta["PROGRAMS_PER_SM"]),)
     gemv_up_kernel[up_grid](
-        x, p1, s1, p3, s3, h, out, partials, tickets, pairs, starts, counts, active, num_active, top_k, I, D, beta,
-        linear_beta, rows_bucket, out.numel(), num_pairs, x.stride(0), p1.stride(0), p1.stride(1), s1.stride(0),
-        s1.stride(1), h.stride(0), ACT=kind, PTX=ptx,
+        x, p1, s1, p3, s3, h, out, pairs, starts, counts, active, num_active, top_k, I, D, beta, linear_beta,
+        rows_bucket, out.numel(), x.stride(0), p1.stride(0), p1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
+        ACT=kind, PTX=ptx,
     )
     gemv_down_kernel[down_grid](
         h, p2, s2, out, topk_weights, pairs, starts, counts, active, num_active, top_k, D, I, rows_bucket,

@@ -12,17 +12,16 @@ from _triton_interpret import needs_triton, run_in_interpreter
 pytestmark = needs_triton
 
 
-TILINGS = ("split-K 2", "one K block past the row", "whole blocks, prefetch 2", "up split-K 3, down 2")
+TILINGS = ("split-K 2", "one K block past the row", "whole blocks, prefetch 2")
 
 
 def _experts_match_reference(tiling: str) -> None:
     """Rank 1 of 3 (experts 4..7 of 12): expert 5 takes every token (9 rows), expert 7 none, the last token
     lives wholly on other ranks. I = 96 and D = 160 leave tails in N (BLOCK_N 64) and in K (BLOCK_K 128 and 512
-    are not divisors); scales 0, 1 and 240 (2^-127 .. 2^113) sit in the fp32 cases' bank. Four tilings, each
-    on 3 persistent programs that walk several tiles: down split-K 2 (the second share has no block), one K
-    block longer than the whole row, whole blocks (BLOCK_K 32: 5 up and 3 down, split 2 and 1) prefetched 2
-    ahead, and the up kernel's 5 blocks in 3 shares (2, 2, 1) that its last share to finish sums (27 pairs:
-    rows_bucket 32, the most that may split)."""
+    are not divisors); scales 0, 1 and 240 (2^-127 .. 2^113) sit in the fp32 cases' bank. Three tilings, each
+    on 3 persistent programs that walk several tiles: split-K 2 (the second share has no block), one K block
+    longer than the whole row, and whole blocks (BLOCK_K 32: 5 up and 3 down, split 2 and 1) prefetched 2
+    ahead."""
     import torch
     import triton
 
@@ -47,12 +46,10 @@ def _experts_match_reference(tiling: str) -> None:
     cases = dict(zip(TILINGS, (
         ({"BLOCK_N": 64, "BLOCK_K": 128, "PREFETCH": 2}, 2, extreme, SITU, torch.float32, 1e-5),
         ({"BLOCK_N": 16, "BLOCK_K": 512, "PREFETCH": 1}, 1, weights, silu_glu, torch.bfloat16, 1e-2),
-        ({"BLOCK_N": 32, "BLOCK_K": 32, "PREFETCH": 2}, 2, extreme, SITU, torch.float32, 1e-5),
-        ({"BLOCK_N": 16, "BLOCK_K": 32, "PREFETCH": 1}, 2, extreme, SITU, torch.float32, 1e-5))))
+        ({"BLOCK_N": 32, "BLOCK_K": 32, "PREFETCH": 2}, 2, extreme, SITU, torch.float32, 1e-5))))
     tiles, split_k, bank, activation, dtype, tol = cases[tiling]
     tiles = {**tiles, "PROGRAMS_PER_SM": 1}  # the interpreter's grid: 3 programs (triton_gemv.programs)
-    up_split = 3 if tiling.startswith("up split") else 1  # 5 blocks in 3 shares: 2, 2, 1
-    triton_gemv.gemv_up_kernel.configs = [triton.Config({**tiles, "SPLIT_K": up_split})]  # no driver to benchmark
+    triton_gemv.gemv_up_kernel.configs = [triton.Config(tiles)]  # no driver to benchmark
     triton_gemv.gemv_down_kernel.configs = [triton.Config({**tiles, "SPLIT_K": split_k})]
     out = triton_moe.fused_experts(x.to(dtype), bank, topk_weights, topk_ids, activation, E)
     assert triton_moe.last_path == "gemv"
@@ -80,7 +77,7 @@ def _nan_scale_is_loud() -> None:
                             random_mxfp4(2, 64, 64, device="cpu"))
     weights.w2.scales[1, 3, 0] = 0xFF
     tiles = {"BLOCK_N": 16, "BLOCK_K": 64, "PREFETCH": 1, "PROGRAMS_PER_SM": 1}
-    triton_gemv.gemv_up_kernel.configs = [triton.Config({**tiles, "SPLIT_K": 1})]
+    triton_gemv.gemv_up_kernel.configs = [triton.Config(tiles)]
     triton_gemv.gemv_down_kernel.configs = [triton.Config({**tiles, "SPLIT_K": 1})]
     out = triton_moe.fused_experts(torch.randn(2, 64), weights, torch.ones(2, 1), torch.tensor([[0], [1]]),
                                    silu_glu, 0, path="gemv")
