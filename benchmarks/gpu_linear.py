@@ -1,5 +1,7 @@
 """The projections of a K3 decode step (one rank at TP8, hidden 7168) at 1-16 rows: the Triton skinny GEMM
-(kernels/linear/triton_skinny.py, tiles timed for each shape) against cuBLAS, both replayed from CUDA graphs.
+(kernels/linear/triton_skinny.py, tiles by the rule of kernels/linear/tile_rule.py) against cuBLAS, both replayed
+from CUDA graphs; then every candidate tiling of each streamed weight at 1 and 16 rows (a BLOCK_T bucket each),
+to check the rule: its pick, the fastest candidate of the same run, and how far apart they are.
 
     python benchmarks/gpu_linear.py [--out gpu_linear.json] [--smoke]
 
@@ -8,7 +10,8 @@ for the shape); anchor = F.linear (cuBLAS), same run. Floor = weight bytes / mea
 weight streams once; x and the output are noise). The router rows (fp32 logits) compare ours from the bf16
 weight with the path before kernels/linear (an fp32 GEMV over an fp32 copy of the weight) and with
 torch.mm(out_dtype=fp32), which linear runs for them (fp32 outputs stay on cuBLAS: see its __init__.py).
---smoke: tiny shapes on the CPU through the Triton interpreter (fp16: it cannot multiply bf16), one tiling."""
+--smoke: tiny shapes on the CPU through the Triton interpreter (fp16: it cannot multiply bf16), the rule's
+tiles for an H200 (132 SMs, 227 KB)."""
 
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ from _linear_cases import k3_rank_weights  # noqa: E402
 
 SMOKE_WEIGHTS = [("smoke", 96, 256), ("smoke split", 40, 512)]
 ROWS = (1, 2, 4, 8, 16)
+RULE_ROWS = (1, 16)  # one row count a BLOCK_T bucket: 1-8 rows run one binary, 9-16 another
+H200 = (132, 232448)  # (SMs, shared memory per block): the device the smoke's tiles are for
 TOL = 1e-2  # bf16 output rounding, relative to the fp32 sums of the exact products
 
 
@@ -44,15 +49,15 @@ def _ratio(us: float | None, floor: float) -> str:
 
 
 def _ours(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype):
-    """(call, tiles) of our kernel: the tiles timed for the shape on CUDA; under the interpreter the most split
-    candidate (the ticket path, where the shape splits)."""
-    from k3serve.kernels.linear import triton_skinny
+    """(call, tiles) of our kernel: triton_skinny.linear and the tiles it runs (the first of the rule's order that
+    launches); under the interpreter the rule's pick for an H200."""
+    from k3serve.kernels.linear import tile_rule, triton_skinny
 
     out = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype, device=x.device)
     if x.is_cuda:
-        tiles = triton_skinny.tiles_for(x, w, out)
+        tiles = triton_skinny.launch_first_fitting(x, w, out, triton_skinny.tile_order_for(x, w))
         return (lambda: triton_skinny.linear(x, w, out_dtype)), str(tiles)
-    tiles = max(triton_skinny.candidates(*w.shape, 132), key=lambda t: t.splits)
+    tiles = tile_rule.tile_order(*w.shape, tile_rule.block_t(x.shape[0]), *H200)[0]
     return (lambda: triton_skinny.launch(x, w, out, tiles)), str(tiles)
 
 
@@ -91,6 +96,36 @@ def _router_row(N: int, K: int, T: int, dev: torch.device, ceil: dict, dtype: to
                 fp32_gemv_x_floor=_ratio(fp32_us, floor), mm_x_floor=_ratio(mm_us, floor), tiles=tiles)
 
 
+def _rule_row(names: list[str], N: int, K: int, T: int, dev: torch.device, dtype: torch.dtype) -> dict:
+    """Every candidate tiling (and the rule's pick) timed on one weight: the pick, the fastest, the pick's margin.
+    A candidate the device cannot hold (OutOfResources) is left out; a wrong one stops the run."""
+    from triton.runtime.errors import OutOfResources
+
+    from k3serve.kernels.linear import naive, tile_rule, triton_skinny
+
+    x, w = _inputs(N, K, T, dev, dtype)
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        sms, smem = props.multi_processor_count, props.shared_memory_per_block_optin
+    else:
+        sms, smem = H200
+    pick = tile_rule.tile_order(N, K, tile_rule.block_t(T), sms, smem)[0]
+    ref, out = naive.linear(x, w, torch.float32), torch.empty(T, N, dtype=dtype, device=dev)
+    times = {}
+    for tiles in dict.fromkeys([pick, *tile_rule.candidates(N, K, sms)]):
+        try:
+            check(f"{N}x{K} T{T} {tiles}", rel_err(ref, triton_skinny.launch(x, w, out, tiles)), TOL)
+        except OutOfResources:
+            continue
+        times[str(tiles)] = _device_us(lambda tiles=tiles: triton_skinny.launch(x, w, out, tiles), dev)
+    timed = {tiles: us for tiles, us in times.items() if us is not None}
+    fastest = min(timed, key=timed.get, default="-")
+    rule_us = timed.get(str(pick))
+    margin = "-" if rule_us is None else f"{100 * (rule_us / timed[fastest] - 1):+.1f}%"
+    return dict(weight=" = ".join(names), shape=f"{N}x{K}", T=T, rule=str(pick), rule_us=rule_us, fastest=fastest,
+                fastest_us=timed.get(fastest), rule_vs_fastest=margin, candidates=times)
+
+
 def _use_interpreter() -> None:
     """The smoke on a machine without CUDA: Triton's interpreter (set before triton is first imported), with
     the tests' fix for numpy >= 2.4 scalars (tests/_triton_interpret.py)."""
@@ -122,9 +157,19 @@ def main() -> None:
                       "fp32_gemv_x_floor", "mm_x_floor", "tiles"]
     print_table("Router logits in fp32 (us, CUDA-graph replay; floor = the bf16 weight's bytes)", router_columns,
                 router_rows, ceil, dev)
+    from k3serve.kernels.linear import MIN_TRITON_WEIGHT
+
+    streamed = {}  # (N, K) -> names: the weights linear streams through the kernel, each shape once
+    for name, N, K in weights:
+        if args.smoke or N * K >= MIN_TRITON_WEIGHT:
+            streamed.setdefault((N, K), []).append(name)
+    rule_rows = [_rule_row(names, N, K, T, dev, dtype) for (N, K), names in streamed.items() for T in RULE_ROWS]
+    print_table("The tile rule's pick vs the fastest candidate of this run (us, CUDA-graph replay)",
+                ["weight", "shape", "T", "rule", "rule_us", "fastest", "fastest_us", "rule_vs_fastest"], rule_rows,
+                ceil, dev)
     if args.out is not None:
         args.out.write_text(json.dumps({"device": device_name(dev), "ceilings": ceil, "rows": rows,
-                                        "router_rows": router_rows}, indent=1))
+                                        "router_rows": router_rows, "rule_rows": rule_rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -3,10 +3,10 @@
 
 Decode multiplies a few rows by a large weight, where a GEMM is a weight stream: on CUDA, bf16/fp16 x of
 at most 16 rows against a contiguous weight of at least 2^20 elements runs `triton_skinny.py` (one launch,
-split-K reduced in the same launch); everything else runs `naive.py` (`F.linear`, cuBLAS on CUDA). fp32
-outputs of 16-bit inputs (the MoE router's logits) stay on cuBLAS too: they pick experts, and every EP rank
-must pick the same, while our tiles are timed per process (two ranks may sum in different orders); cuBLAS
-runs one kernel per shape and device.
+split-K reduced in the same launch, tiles by a fixed rule: `tile_rule.py`); everything else runs `naive.py`
+(`F.linear`, cuBLAS on CUDA). fp32 outputs of 16-bit inputs (the MoE router's logits) stay on cuBLAS too: they
+pick experts, and every EP rank must pick the same, which takes one summation order per shape and device model
+(cuBLAS's; the tile rule fixes ours per device model too, but the router has not been moved over).
 `last_backend["linear"]` records which."""
 
 from __future__ import annotations

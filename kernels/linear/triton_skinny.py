@@ -15,24 +15,25 @@ each split writes its fp32 partial tile to a workspace and takes a ticket from t
 split that draws the last ticket sums the partials in split order (the same sum whichever finishes
 last), stores the tile and puts the counter back to 0 for the next call. No memset, no second launch,
 no host sync, so the call is CUDA-graph capturable. The counters (one int32 a tile, zeroed once when
-allocated) live as long as the process; launches that share them must not overlap (one stream).
+allocated, which cannot happen inside a capture: a split shape runs once eagerly first) live as long as the
+process; launches that share them must not overlap (one stream).
 
-Tiles are chosen per (N, K, BLOCK_T, dtypes, device) by timing every candidate the first time a shape
-runs, which must be eager: the engine warms each decode bucket up before it captures it."""
+Tiles come from a fixed rule (tile_rule.py), the same on every rank and restart of one device model; the first
+tiling of the rule's order that the device can run is kept per shape. Nothing is timed, so an unsplit shape's
+first call may be captured, provided an eager call already loaded its binary (tiles, BLOCK_T, dtypes, EVEN_K):
+Triton loads a module at a binary's first launch, which a capturing stream forbids."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
-import triton.testing
 from torch import Tensor
 from triton.runtime.errors import OutOfResources
 
 from .._backend import device_of
 from . import MAX_TRITON_ROWS
+from .tile_rule import Tiles, block_t, tile_order
 
 
 @triton.jit(do_not_specialize=["T", "N", "blocks_per_split"])  # no binary of its own per row count or N
@@ -79,43 +80,6 @@ def _skinny_kernel(x, w, out, partials, tickets, T, N, K, stride_x, blocks_per_s
     tl.store(out + offs_t[None, :] * N + offs_n[:, None], acc.to(out.dtype.element_ty), mask=store_ok)
 
 
-@dataclass(frozen=True)
-class Tiles:
-    """One launch configuration: BLOCK_N weight rows a program, BLOCK_K a step, `splits` K shares."""
-
-    block_n: int
-    block_k: int
-    splits: int
-    num_warps: int
-    num_stages: int
-
-    def __str__(self) -> str:
-        return f"n{self.block_n} k{self.block_k} split{self.splits} w{self.num_warps} s{self.num_stages}"
-
-
-# (BLOCK_N, BLOCK_K, num_warps, num_stages): 48-160 KB of shared memory, so 1-4 programs an SM with
-# 48-128 KB of weights in flight each. BLOCK_N 32 uses mma.sync, 64 wgmma on sm_90. Each won some K3 shape on
-# an H200 (benchmarks/results/h200-2026-12-01/gpu_linear.log; 32 x 128 only where linear keeps cuBLAS: the
-# 1536 x 128 f_b_proj, the router's fp32 logits); 128 x 128 in 4 stages won none.
-_BASES = ((32, 256, 4, 4), (64, 256, 4, 4), (64, 128, 4, 6), (32, 128, 4, 6))
-_MAX_PROGRAMS_PER_SM = 4  # split no further than this many programs an SM
-_MIN_BLOCKS_PER_SPLIT = 2  # each split streams at least two K blocks
-
-
-def candidates(N: int, K: int, sm_count: int) -> list[Tiles]:
-    """The configurations timed for an [N, K] weight: every base unsplit, and split into each count of
-    equal K shares of at least _MIN_BLOCKS_PER_SPLIT blocks that keeps the programs under
-    _MAX_PROGRAMS_PER_SM an SM."""
-    found = []
-    for block_n, block_k, num_warps, num_stages in _BASES:
-        tiles, blocks = triton.cdiv(N, block_n), triton.cdiv(K, block_k)
-        for splits in range(1, blocks + 1):
-            if splits == 1 or (blocks % splits == 0 and blocks // splits >= _MIN_BLOCKS_PER_SPLIT
-                               and tiles * splits <= _MAX_PROGRAMS_PER_SM * sm_count):
-                found.append(Tiles(block_n, block_k, splits, num_warps, num_stages))
-    return found
-
-
 _tickets: dict[tuple[torch.device, int], Tensor] = {}  # (device, tiles) -> int32 [tiles], all 0 between launches
 
 
@@ -137,10 +101,9 @@ def launch(x: Tensor, weight: Tensor, out: Tensor, tiles: Tiles) -> Tensor:
     if not 1 <= T <= MAX_TRITON_ROWS or blocks % tiles.splits:
         raise ValueError(f"x must have 1..{MAX_TRITON_ROWS} rows and the {blocks} K blocks split evenly, got "
                          f"{T} rows and {tiles.splits} splits")
-    block_t = _block_t(T)
     num_tiles = triton.cdiv(N, tiles.block_n)
     if tiles.splits > 1:
-        partials = torch.empty(tiles.splits * num_tiles * tiles.block_n * block_t, dtype=torch.float32,
+        partials = torch.empty(tiles.splits * num_tiles * tiles.block_n * block_t(T), dtype=torch.float32,
                                device=x.device)
         tickets = _tickets_for(x.device, num_tiles)
     else:
@@ -148,46 +111,42 @@ def launch(x: Tensor, weight: Tensor, out: Tensor, tiles: Tiles) -> Tensor:
     with device_of(x):
         _skinny_kernel[(num_tiles, tiles.splits)](
             x, weight, out, partials, tickets, T, N, K, x.stride(0), blocks // tiles.splits,
-            BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, BLOCK_T=block_t, SPLIT=tiles.splits > 1,
+            BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, BLOCK_T=block_t(T), SPLIT=tiles.splits > 1,
             EVEN_K=K % tiles.block_k == 0, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
     return out
 
 
-def _block_t(rows: int) -> int:
-    """The rows of x a tile holds: 8 up to 8 rows (half the padding), else MAX_TRITON_ROWS."""
-    return 8 if rows <= 8 else MAX_TRITON_ROWS
-
-
-_chosen: dict[tuple, Tiles] = {}  # (N, K, BLOCK_T, x dtype, out dtype, device) -> the fastest tiles measured
+_launched: dict[tuple, Tiles] = {}  # (N, K, BLOCK_T, x dtype, out dtype, device) -> the tiles linear runs
 
 
 def linear(x: Tensor, weight: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """x [T, K] @ weight [N, K]^T -> [T, N] in out_dtype, with the tiles timed fastest for this shape."""
+    """x [T, K] @ weight [N, K]^T -> [T, N] in out_dtype, with the first tiles of the rule's order that launch on
+    this device (found on the shape's first call, eager or captured, then kept)."""
     out = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype, device=x.device)
-    return launch(x, weight, out, tiles_for(x, weight, out))
+    key = (*weight.shape, block_t(x.shape[0]), x.dtype, out_dtype, x.device)
+    if key in _launched:
+        return launch(x, weight, out, _launched[key])
+    _launched[key] = launch_first_fitting(x, weight, out, tile_order_for(x, weight))
+    return out
 
 
-def tiles_for(x: Tensor, weight: Tensor, out: Tensor) -> Tiles:
-    """The tiles `linear` runs for this shape: timed on these tensors the first time (eagerly), then kept."""
-    key = (*weight.shape, _block_t(x.shape[0]), x.dtype, out.dtype, x.device)
-    if key not in _chosen:
-        _chosen[key] = _fastest(x, weight, out)
-    return _chosen[key]
+def tile_order_for(x: Tensor, weight: Tensor) -> list[Tiles]:
+    """tile_rule.tile_order for this shape on x's device (its SM count and opt-in shared memory per block)."""
+    props = torch.cuda.get_device_properties(x.device)
+    return tile_order(*weight.shape, block_t(x.shape[0]), props.multi_processor_count,
+                      props.shared_memory_per_block_optin)
 
 
-def _fastest(x: Tensor, weight: Tensor, out: Tensor) -> Tiles:
-    """Times every candidate on these tensors (eagerly: it synchronizes); shared memory too small for a
-    candidate on this device rules it out."""
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"linear: weight {tuple(weight.shape)} with {x.shape[0]} rows was not run before CUDA "
-                           "graph capture; its tiles are timed eagerly, so run the shape once first")
-    times = {}
-    with torch.cuda.device(x.device):  # do_bench's events and cache flush on x's device
-        for tiles in candidates(*weight.shape, torch.cuda.get_device_properties(x.device).multi_processor_count):
-            try:
-                times[tiles] = triton.testing.do_bench(lambda tiles=tiles: launch(x, weight, out, tiles),
-                                                       warmup=5, rep=25)
-            except OutOfResources:
-                continue
-    return min(times, key=times.get)
+def launch_first_fitting(x: Tensor, weight: Tensor, out: Tensor, order: list[Tiles]) -> Tiles:
+    """Launches the first tiles of `order` that this device can run and returns them: Triton raises OutOfResources
+    before launching a binary whose shared memory (or threads) the device lacks, so nothing half-ran."""
+    error = None
+    for tiles in order:
+        try:
+            launch(x, weight, out, tiles)
+            return tiles
+        except OutOfResources as exc:
+            error = exc
+    raise RuntimeError(f"linear: none of the tilings {', '.join(map(str, order))} fits {x.device} "
+                       f"(weight {tuple(weight.shape)}, {x.shape[0]} rows)") from error

@@ -1,7 +1,9 @@
 """linear on the device: decode-sized x (1..16 rows) against K3's per-rank weights at TP8 runs the Triton
 skinny GEMM and gives the fp32 sums of the exact products (cuBLAS with fp32 output: naive.py), rounded
-once to the output dtype; split-K included (the router's 896 rows), in a CUDA graph too. Larger batches,
-small weights, fp32 and fp32 outputs (the router's logits) stay on cuBLAS."""
+once to the output dtype; split-K included (the router's 896 rows), in a CUDA graph too, where a new
+unsplit shape's first call may be the captured one. The tile rule's picks launch on this device; the fallbacks
+for smaller shared memory run and match too, and a tiling the device cannot hold falls to the next.
+Larger batches, small weights, fp32 and fp32 outputs (the router's logits) stay on cuBLAS."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from k3serve.kernels import linear as linear_op
-from k3serve.kernels.linear import MIN_TRITON_WEIGHT, linear, naive
+from k3serve.kernels.linear import MIN_TRITON_WEIGHT, linear, naive, tile_rule
+from k3serve.kernels.linear.tile_rule import Tiles
 
 from _close import assert_close
 from _linear_cases import k3_rank_weights
@@ -64,7 +67,7 @@ def test_leading_dims_and_strided_rows() -> None:
 
 @pytest.mark.parametrize("T", [1, 16], ids=lambda T: f"T{T}")
 def test_every_split_k_candidate_matches(T: int) -> None:
-    """The split-K path whichever tiles the timing picks: every split candidate of the router-sized weight (the
+    """The split-K path in every split the benchmark times: each split candidate of the router-sized weight (the
     partials, the acq_rel tickets, the last split's L2 sum) gives the reference, and again on a second call (its
     tickets back at 0)."""
     from k3serve.kernels.linear import triton_skinny
@@ -72,7 +75,7 @@ def test_every_split_k_candidate_matches(T: int) -> None:
     _, N, K = ROUTER
     w, x = _weight(N, K), torch.randn(T, K, device="cuda").bfloat16()
     sm_count = torch.cuda.get_device_properties(x.device).multi_processor_count
-    split = [tiles for tiles in triton_skinny.candidates(N, K, sm_count) if tiles.splits > 1]
+    split = [tiles for tiles in tile_rule.candidates(N, K, sm_count) if tiles.splits > 1]
     assert split, "no split-K candidate for the router-sized weight"
     for tiles in split:
         out = triton_skinny.launch(x, w, torch.empty(T, N, dtype=torch.bfloat16, device="cuda"), tiles)
@@ -82,25 +85,89 @@ def test_every_split_k_candidate_matches(T: int) -> None:
 
 @pytest.mark.parametrize(("name", "N", "K"), [STREAMED[0], ROUTER], ids=["KDA stacked", "router"])
 def test_cuda_graph_replays_with_new_inputs(name: str, N: int, K: int) -> None:
-    """Captured after one eager call (the tiles are timed then), the graph replays the kernel on whatever
-    x holds, the split-K tickets reset by each replay."""
+    """Captured after one eager call (which allocates the router's split-K tickets), the graph replays the kernel
+    on whatever x holds, the split-K tickets reset by each replay."""
     w = _weight(N, K)
     x = torch.randn(4, K, device="cuda").bfloat16()
-    linear(x, w)  # eager: times the tiles, allocates the tickets
+    linear(x, w)  # eager: allocates the tickets
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         linear(x, w)
     torch.cuda.current_stream().wait_stream(stream)
+    _capture_and_replay(name, x, w)
+
+
+def _capture_and_replay(case: str, x: torch.Tensor, w: torch.Tensor) -> None:
+    """linear(x, w) captured in a CUDA graph and replayed on new values of x, each checked."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = linear(x, w)
     assert linear_op.last_backend["linear"] == "triton"
     for step in range(3):
-        x.copy_(torch.randn(4, K, device="cuda"))
+        x.copy_(torch.randn(x.shape, device="cuda"))
         graph.replay()
         torch.cuda.synchronize()
-        _check(f"{name} replay {step}", x, w, out)
+        _check(f"{case} replay {step}", x, w, out)
+
+
+def test_a_new_unsplit_shape_s_first_call_can_be_captured() -> None:
+    """Nothing is timed, so a weight shape never run before is first called inside the capture, once an eager call
+    of another shape has loaded the same binary (same tiles, BLOCK_T and dtypes: Triton cannot load a module while
+    a stream captures); the graph replays it on new inputs."""
+    from k3serve.kernels.linear import triton_skinny
+
+    K = 7168
+    loaded = _weight(8448, K)  # n64 k128 unsplit, like the shape below
+    x = torch.randn(3, K, device="cuda").bfloat16()
+    linear(x, loaded)
+    w = _weight(6080, K)  # 95 tiles of 64 rows: over half of an H100/H200's SMs busy, unsplit
+    assert triton_skinny.tile_order_for(x, w)[0] == triton_skinny.tile_order_for(x, loaded)[0]
+    _capture_and_replay("first call captured", x, w)
+
+
+@pytest.mark.parametrize("T", [1, 16], ids=lambda T: f"T{T}")
+def test_the_rule_s_picks_launch_on_this_device(T: int) -> None:
+    """At every streamed K3 weight the first tiling of the rule's order fits this device (no fallback taken)."""
+    from k3serve.kernels.linear import triton_skinny
+
+    for name, N, K in STREAMED:
+        w, x = _weight(N, K), torch.randn(T, K, device="cuda").bfloat16()
+        order = triton_skinny.tile_order_for(x, w)
+        out = torch.empty(T, N, dtype=torch.bfloat16, device="cuda")
+        assert triton_skinny.launch_first_fitting(x, w, out, order) == order[0], f"{name} T{T}: {order[0]} did not fit"
+        _check(f"{name} T{T} {order[0]}", x, w, out)
+
+
+@pytest.mark.parametrize("smem_kb", [163, 99, 64, 48, 8], ids=lambda kb: f"{kb} KB")
+@pytest.mark.parametrize("T", [1, 16], ids=lambda T: f"T{T}")
+def test_fallbacks_for_smaller_shared_memory_run_and_match(T: int, smem_kb: int) -> None:
+    """What devices with less shared memory would run (A100, sm_86/89, sm_75, any), run here on the router-sized
+    weight (split-K kept) and on the dense MLP's (unsplit)."""
+    from k3serve.kernels.linear import triton_skinny
+
+    sm_count = torch.cuda.get_device_properties("cuda").multi_processor_count
+    for N, K in (ROUTER[1:], (8448, 7168)):
+        w, x = _weight(N, K), torch.randn(T, K, device="cuda").bfloat16()
+        tiles = tile_rule.tile_order(N, K, tile_rule.block_t(T), sm_count, smem_kb * 1024)[0]
+        out = triton_skinny.launch(x, w, torch.empty(T, N, dtype=torch.bfloat16, device="cuda"), tiles)
+        _check(f"{N}x{K} T{T} {tiles}", x, w, out)
+
+
+def test_a_tiling_the_device_cannot_hold_falls_to_the_next() -> None:
+    """64 x 256 in 8 stages needs over 256 KB of shared memory: Triton refuses it before launching, the next tiling
+    runs; an order of only such tilings is a clear error, not OutOfResources."""
+    from k3serve.kernels.linear import triton_skinny
+
+    too_big = Tiles(64, 256, 1, 4, 8)
+    N, K = 8448, 7168
+    w, x = _weight(N, K), torch.randn(16, K, device="cuda").bfloat16()
+    fits = triton_skinny.tile_order_for(x, w)[0]
+    out = torch.full((16, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    assert triton_skinny.launch_first_fitting(x, w, out, [too_big, fits]) == fits
+    _check("after a refused tiling", x, w, out)
+    with pytest.raises(RuntimeError, match="none of the tilings"):
+        triton_skinny.launch_first_fitting(x, w, out, [too_big])
 
 
 @pytest.mark.parametrize(
