@@ -72,6 +72,14 @@ def graph_ms(fn, dev: torch.device) -> float | None:
         return None
 
 
+def in_graph_us(calls: list, dev: torch.device, per_graph: int = 16) -> float | None:
+    """Median us of one call inside a CUDA graph of per_graph calls cycling through `calls` (the same op on
+    copies of its operands, together larger than L2): what the op costs amid a decode step's graph, without
+    `graph_ms`'s one launch of the whole graph in every sample, nor an L2 still warm from the call before."""
+    ms = graph_ms(lambda: [calls[i % len(calls)]() for i in range(per_graph)], dev)
+    return None if ms is None else ms * 1e3 / per_graph
+
+
 def ceilings(dev: torch.device, smoke: bool) -> dict[str, float]:
     """Device copy bandwidth (bytes read + written per second) and bf16 matmul rate on random data."""
     n = (1 << 16) if smoke else (1 << 30)  # 1 GiB of bf16 each way on the GPU

@@ -7,14 +7,18 @@ to check the rule: its pick, the fastest candidate of the same run, and how far 
 
 ours = triton_skinny.linear (what kernels.linear.linear runs for these shapes; `dispatch` says what it picks
 for the shape); anchor = F.linear (cuBLAS), same run. Floor = weight bytes / measured copy bandwidth (the
-weight streams once; x and the output are noise). The router rows (fp32 logits) compare ours from the bf16
-weight with the path before kernels/linear (an fp32 GEMV over an fp32 copy of the weight) and with
+weight streams once; x and the output are noise). Two timings: `ours`/`cublas` replay a graph of one call
+after an L2 flush (each sample pays the graph's launch); `*_in_graph` is one call amid a graph of 16 that
+cycle through copies of the weight larger than L2 together, as in a decode step, and `read_in_graph` the
+same for a kernel that only reads the weight once (the practical floor of one launch: `ours_vs_read`).
+The router rows (fp32 logits) compare ours from the bf16 weight with the path before kernels/linear (an fp32 GEMV over an fp32 copy of the weight) and with
 torch.mm(out_dtype=fp32), which linear runs for them (fp32 outputs stay on cuBLAS: see its __init__.py).
 --smoke: tiny shapes on the CPU through the Triton interpreter (fp16: it cannot multiply bf16), the rule's
 tiles for an H200 (132 SMs, 227 KB)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -23,8 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from _gpu_common import (ceilings, check, device, device_name, floor_us, graph_ms, parse_args, print_table, rel_err,
-                         time_ms)
+from _gpu_common import (ceilings, check, device, device_name, floor_us, graph_ms, in_graph_us, parse_args,
+                         print_table, rel_err, time_ms)
 
 TESTS = Path(__file__).resolve().parents[1] / "tests"
 sys.path[:0] = [str(TESTS / "kernels"), str(TESTS)]  # the shapes (_linear_cases.py), the interpreter fix
@@ -65,6 +69,43 @@ def _inputs(N: int, K: int, T: int, dev: torch.device, dtype: torch.dtype) -> tu
     return torch.randn(T, K, device=dev).to(dtype), (torch.randn(N, K, device=dev) / K**0.5).to(dtype)
 
 
+def _in_graph(x: torch.Tensor, w: torch.Tensor, dev: torch.device) -> dict[str, float | None]:
+    """ours, cuBLAS and a read-only kernel, each one call amid a graph over copies of w (`in_graph_us`)."""
+    if dev.type != "cuda":
+        return {"ours_in_graph": None, "cublas_in_graph": None, "read_in_graph": None}
+    from k3serve.kernels.linear import triton_skinny
+
+    copies = [w] + [w.clone() for _ in range(max(1, -(-L2_SPAN // (w.numel() * w.element_size()))))]
+    sink = torch.empty(READ_PROGRAMS_PER_SM * torch.cuda.get_device_properties(dev).multi_processor_count,
+                       device=dev)
+    read = lambda c: _read_kernel()[(sink.numel(),)](c, sink, c.numel(), BLOCK=2048, num_warps=4)  # noqa: E731
+    return {"ours_in_graph": in_graph_us([lambda c=c: triton_skinny.linear(x, c, x.dtype) for c in copies], dev),
+            "cublas_in_graph": in_graph_us([lambda c=c: F.linear(x, c) for c in copies], dev),
+            "read_in_graph": in_graph_us([lambda c=c: read(c) for c in copies], dev)}
+
+
+L2_SPAN = 128 * 10**6  # bytes of weight copies a graph cycles through: more than the H200's 50 MB L2, twice over
+READ_PROGRAMS_PER_SM = 16  # the read-only kernel's grid: the fastest of 4, 8, 16 on an H200 (3.87 TB/s at 90 MB)
+
+
+@functools.cache
+def _read_kernel():
+    """A kernel that only reads a weight (made on first use: triton is imported after the smoke's interpreter
+    switch)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_kernel(w, sink, n, BLOCK: tl.constexpr):
+        """Reads w once (grid-strided blocks), summing so the loads stay."""
+        acc = tl.zeros([BLOCK], tl.float32)
+        for i in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
+            acc += tl.load(w + i + tl.arange(0, BLOCK), mask=i + tl.arange(0, BLOCK) < n, other=0.0).to(tl.float32)
+        tl.store(sink + tl.program_id(0), tl.sum(acc))
+
+    return read_kernel
+
+
 def _row(name: str, N: int, K: int, T: int, dev: torch.device, ceil: dict, dtype: torch.dtype) -> dict:
     from k3serve.kernels import linear as linear_op
 
@@ -74,8 +115,11 @@ def _row(name: str, N: int, K: int, T: int, dev: torch.device, ceil: dict, dtype
     linear_op.linear(x, w)
     floor = floor_us(w.numel() * w.element_size(), 2 * T * N * K, ceil)
     ours_us, cublas_us = _device_us(ours, dev), _device_us(lambda: F.linear(x, w), dev)
-    return dict(weight=name, shape=f"{N}x{K}", T=T, ours=ours_us, cublas=cublas_us, floor=floor,
-                ours_x_floor=_ratio(ours_us, floor), cublas_x_floor=_ratio(cublas_us, floor),
+    in_graph = _in_graph(x, w, dev)
+    ratio = (None if None in (in_graph["ours_in_graph"], in_graph["read_in_graph"])
+             else f"{in_graph['ours_in_graph'] / in_graph['read_in_graph']:.2f}")
+    return dict(weight=name, shape=f"{N}x{K}", T=T, ours=ours_us, cublas=cublas_us, **in_graph, ours_vs_read=ratio,
+                floor=floor, ours_x_floor=_ratio(ours_us, floor), cublas_x_floor=_ratio(cublas_us, floor),
                 ours_TBps="-" if ours_us is None else f"{w.numel() * w.element_size() / ours_us / 1e6:.2f}",
                 tiles=tiles, dispatch=linear_op.last_backend["linear"])
 
@@ -149,8 +193,8 @@ def main() -> None:
         weights, rows_of_x = k3_rank_weights(), ROWS
         router = next(w for w in weights if w[0] == "MoE router")
     rows = [_row(name, N, K, T, dev, ceil, dtype) for name, N, K in weights for T in rows_of_x]
-    columns = ["weight", "shape", "T", "ours", "cublas", "floor", "ours_x_floor", "cublas_x_floor", "ours_TBps",
-               "tiles", "dispatch"]
+    columns = ["weight", "shape", "T", "ours", "cublas", "ours_in_graph", "cublas_in_graph", "read_in_graph",
+               "ours_vs_read", "floor", "ours_x_floor", "cublas_x_floor", "ours_TBps", "tiles", "dispatch"]
     print_table("Skinny GEMM, out = x @ W^T in bf16 (us, CUDA-graph replay)", columns, rows, ceil, dev)
     router_rows = [_router_row(*router[1:], T, dev, ceil, dtype) for T in rows_of_x]
     router_columns = ["weight", "shape", "T", "ours", "fp32_gemv", "mm_out_fp32", "floor", "ours_x_floor",
