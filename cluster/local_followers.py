@@ -139,12 +139,15 @@ class FollowerProcesses:
             return e
         return None
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Wait for every process to exit (rank 0 said "stop"), killing those still alive after `timeout_s`."""
+    def stop(self, timeout_s: float = 30.0) -> dict[int, int | None]:
+        """Wait for every process to exit (rank 0 said "stop"), killing those still alive after `timeout_s`.
+        Returns each rank's exit code (None: it was still running, and was killed)."""
         deadline = time.monotonic() + timeout_s
         for process in self._processes.values():
             process.join(max(0.0, deadline - time.monotonic()))
+        exit_codes = {rank: process.exitcode for rank, process in self._processes.items()}
         self.kill()
+        return exit_codes
 
     def kill(self) -> None:
         """End every process now. Safe to call twice."""

@@ -13,11 +13,18 @@ then records it, largest bucket first, every graph in one memory pool (only one 
 CUDA's sync debug mode is "error" while recording: a host sync inside the step raises at capture.
 
 When graphs are used (`graphs_enabled`): a CUDA device, bf16 (the GPU kernels are bf16 kernels; other
-dtypes run torch reference ops, which synchronize), TP 1, `enforce_eager` off, reference kernels not
-forced. TP > 1 needs two more things: the step's all-reduces run on the TP group's gloo process group
-(host copies, host-side waits), so they would have to become NCCL all-reduces on the GPU tensors, which
-a graph can record; and every rank must capture the same buckets and replay the same bucket each step
-(the leader's step broadcast already keeps the ranks in the same order).
+dtypes run torch reference ops, which synchronize), `enforce_eager` off, reference kernels not forced,
+and at TP > 1 the model's collectives on NCCL (`TensorParallel.capturable`: gloo's go through the host).
+A TP engine's graphs then hold its all-reduces, and its ranks must do everything in step:
+
+    capture   every rank captures the same buckets in the same order (the same arguments), and each
+              warm-up runs the step's collectives for real; the ranks agree over the gloo group before
+              the first warm-up and after each recording, so a rank that failed stops them all
+    replay    every rank replays the same bucket for the same step: `fits` reads only the step, which
+              rank 0 broadcasts, and the buckets (the reference kernels forced on one rank alone would
+              split them: that raises)
+    teardown  NCCL's destroy (or abort) of a communicator waits until every graph holding its
+              collectives is gone: `DecodeGraphs` releases its graphs before the model it holds
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -34,11 +41,24 @@ from k3serve.engine.scheduler_output import ScheduledSeq
 from k3serve.kernels._backend import reference_forced
 from k3serve.model.batch import ModelCache, StaticDecodeInputs
 from k3serve.model.model import KimiForCausalLM
+from k3serve.model.parallel import TensorParallel
 
 
-def graphs_enabled(args: EngineArgs) -> bool:
+def graphs_allowed(args: EngineArgs) -> bool:
+    """Whether `args` let an engine capture decode graphs (the memory plan sets their memory aside then)."""
     return (not args.enforce_eager and args.device.startswith("cuda") and args.torch_dtype == torch.bfloat16
-            and args.tensor_parallel_size == 1 and not reference_forced())
+            and not reference_forced())
+
+
+def graphs_enabled(args: EngineArgs, tp: TensorParallel | None = None) -> bool:
+    """Whether an engine run with `args` captures them: allowed, and its collectives capturable. A TP
+    engine's group is known only once its ranks have joined: without its `tp` the answer is no."""
+    return graphs_allowed(args) and (args.tensor_parallel_size == 1 or (tp is not None and tp.capturable))
+
+
+def _alone(ok: bool) -> bool:
+    """`all_ranks_ok` of a one-rank engine: its own outcome."""
+    return ok
 
 
 class DecodeGraphs:
@@ -51,6 +71,7 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def __init__(self, model: KimiForCausalLM, cache: ModelCache, batch_sizes: Sequence[int], max_blocks: int) -> None:
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}  # first: `__del__` reads it whatever fails below
         if cache.pad_slot is None:
             raise ValueError("fixed-shape decode needs a pad slot: ModelCache.allocate(..., reserve_pad_slot=True)")
         if not batch_sizes or any(b < 1 for b in batch_sizes) or list(batch_sizes) != sorted(set(batch_sizes)):
@@ -61,7 +82,6 @@ class DecodeGraphs:
         device = next(model.parameters()).device
         self.inputs = StaticDecodeInputs(self.batch_sizes[-1], max_blocks, cache.block_size, cache.pad_slot, device)
         self._hidden = torch.zeros(self.batch_sizes[-1], model.config.hidden_size, dtype=model.dtype, device=device)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.replays: Counter[int] = Counter()
         self.num_padding_rows = 0
 
@@ -73,8 +93,15 @@ class DecodeGraphs:
     def num_replays(self) -> int:
         return sum(self.replays.values())
 
+    def __del__(self) -> None:
+        """The graphs go while the model, and so its NCCL group, is still held here (module docstring)."""
+        self._graphs.clear()
+
     def fits(self, seqs: list[ScheduledSeq]) -> bool:
         """A decode-only step within the largest bucket (and the GPU kernels not overridden)."""
+        if reference_forced() and self.model.tp.world_size > 1:
+            raise RuntimeError("reference kernels forced on one rank of a TP engine that replays CUDA graphs: the "
+                               "other ranks would replay while this one ran eagerly; run it with enforce_eager")
         return (0 < len(seqs) <= self.batch_sizes[-1] and not reference_forced()
                 and all(s.num_scheduled_tokens == 1 and s.num_computed_tokens > 0 and s.checkpoint_offset < 0
                         and len(s.block_ids) <= self.max_blocks for s in seqs))
@@ -97,15 +124,25 @@ class DecodeGraphs:
         return self._hidden[:n]
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Warm up and record every bucket, largest first, into one shared memory pool."""
+    def capture(self, all_ranks_ok: Callable[[bool], bool] = _alone) -> None:
+        """Warm up and record every bucket, largest first, into one shared memory pool. `all_ranks_ok(ok)`:
+        every rank's `ok` and-ed (a TP engine's gloo group), called the same number of times on every rank:
+        before the first warm-up (every rank holds its shard: the warm-ups' collectives will be met) and
+        after each recording, whose failure anywhere then raises everywhere before another warm-up."""
         self.inputs.load([], [], [], [], self.batch_sizes[-1])  # every row padding: only the pad slot is written
+        all_ranks_ok(True)
         pool = None
         for bucket in reversed(self.batch_sizes):
             self._step(bucket)  # warm-up: Triton compiles and autotunes for this shape
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool), _host_syncs_raise():
-                self._step(bucket)
+            graph, failure = torch.cuda.CUDAGraph(), None
+            try:
+                with torch.cuda.graph(graph, pool=pool), _host_syncs_raise():
+                    self._step(bucket)
+            except RuntimeError as e:
+                failure = e
+            if not all_ranks_ok(failure is None):
+                raise failure or RuntimeError(f"another TP rank failed to capture batch size {bucket} (its warning "
+                                              "says why)")
             pool = graph.pool() if pool is None else pool
             self._graphs[bucket] = graph
         torch.cuda.synchronize()
@@ -125,12 +162,15 @@ def _host_syncs_raise() -> Iterator[None]:
         torch.cuda.set_sync_debug_mode(previous)
 
 
-def capture_decode_graphs(model: KimiForCausalLM, cache: ModelCache, args: EngineArgs) -> DecodeGraphs | None:
+def capture_decode_graphs(
+    model: KimiForCausalLM, cache: ModelCache, args: EngineArgs, all_ranks_ok: Callable[[bool], bool] = _alone,
+) -> DecodeGraphs | None:
     """The engine's captured decode graphs; None, with a warning that names the cause, when capturing
-    fails (e.g. an op without a sync-free GPU kernel for this model): the engine then runs eagerly."""
+    fails (e.g. an op without a sync-free GPU kernel for this model) on this rank or another
+    (`DecodeGraphs.capture`): the engine then runs eagerly."""
     graphs = DecodeGraphs(model, cache, args.graph_batch_sizes, -(-args.max_model_len // args.block_size))
     try:
-        graphs.capture()
+        graphs.capture(all_ranks_ok)
     except RuntimeError as e:
         warnings.warn(f"CUDA graphs off, decode steps run eagerly: capturing the decode step failed: {e}",
                       stacklevel=2)

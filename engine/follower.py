@@ -25,7 +25,7 @@ def join_engine(
         if kind != "plan":
             raise RuntimeError(f"rank {rank} expected the pool plan first, got {kind!r}")
         model_dir = resolve_model_dir(args.model, args.seed, args.model_cache_dir)
-        runner = load_runner(args, model_dir, plan, group.tensor_parallel(), group)
+        runner = load_runner(args, model_dir, plan, group.tensor_parallel(args.device), group)
         return group, runner, ModelConfig.from_dir(model_dir)
     except BaseException:
         group.close()

@@ -96,7 +96,7 @@ class LLMEngine:
         self.plan = self._plan_pools()
         if group is not None:
             group.lead(("plan", self.plan))  # every rank sizes its pools alike
-        tp = group.tensor_parallel() if group is not None else TensorParallel(0, args.tensor_parallel_size)
+        tp = group.tensor_parallel(args.device) if group is not None else TensorParallel(0, args.tensor_parallel_size)
         self.runner = load_runner(args, self.model_dir, self.plan, tp, group)
         block_pool, state_pool = BlockPool(self.plan.num_blocks, args.block_size), StatePool(self.plan.num_slots)
         budget = args.max_num_batched_tokens or default_token_budget(_device_memory(args.device))

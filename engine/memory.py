@@ -100,12 +100,14 @@ def plan_engine_pools(config: ModelConfig, args: EngineArgs, usable_bytes: int |
     """The pools of an engine run with `args`: in `cache_memory_bytes` when given (MLA blocks and KDA slots);
     else in `usable_bytes` (on CUDA: what `gpu_memory_utilization` leaves of the free memory) less this
     engine's weights (planned before they load) and the captured graphs' memory; else the CPU default.
-    With CUDA graphs (`graphs_enabled(args)`: not under `enforce_eager`, not at TP > 1, ...) the cache holds
-    the pad slot too."""
-    from k3serve.engine.cuda_graphs import graphs_enabled
+    With CUDA graphs (`graphs_allowed(args)`: not under `enforce_eager`, ...) the cache holds the pad slot
+    too. A TP engine plans them before its ranks choose their group: should they not capture (ranks on gloo,
+    `engine/tp_group.py`), what was set aside for them stays unused. NCCL's own buffers, not counted here,
+    come out of what `gpu_memory_utilization` leaves free (they are made after the plan)."""
+    from k3serve.engine.cuda_graphs import graphs_allowed
 
     sizes = cache_sizes(config, args.tensor_parallel_size, args.torch_dtype)
-    graphs = graphs_enabled(args)
+    graphs = graphs_allowed(args)
     graph_bytes = 0
     if args.cache_memory_bytes is not None:
         cache_bytes = args.cache_memory_bytes
@@ -134,7 +136,9 @@ def graph_reserve_bytes(config: ModelConfig, args: EngineArgs) -> int:
     (8 to 32 MiB by GPU) and the caching allocator's rounding (2 MiB segments for small blocks, 20 MiB for
     mid-sized ones). vLLM measures its graphs' pool instead, by capturing before it sizes the KV cache;
     capture here needs the cache, so the plan estimates, and `benchmarks/gpu_engine.py` reports the
-    estimate beside what a capture really holds (not yet measured)."""
+    estimate beside what a capture really holds (not yet measured). At TP > 1 the rows are this rank's
+    shard's (`args.tensor_parallel_size`); the recorded all-reduces work in place, taking nothing from the
+    pool (NCCL keeps a small work buffer of its own per recorded collective, outside it)."""
     from k3serve.model.batch import StaticDecodeInputs
 
     rows = args.graph_batch_sizes[-1]
@@ -174,14 +178,14 @@ def decode_activation_bytes(config: ModelConfig, tp_size: int, dtype: torch.dtyp
 def describe_plan(config: ModelConfig, args: EngineArgs, device_bytes: int) -> list[tuple[str, str]]:
     """Rows of `k3serve plan`: what one rank of an engine run with `args` holds and how much context fits
     beside the weights (the engine's KDA slots, `args.kda_slots`: one per running request, and with prefix
-    caching as many for its checkpoints; the pad slot and the graphs' memory when `args` capture CUDA graphs)."""
-    from k3serve.engine.cuda_graphs import graphs_enabled
+    caching as many for its checkpoints; the pad slot and the graphs' memory when `args` allow CUDA graphs)."""
+    from k3serve.engine.cuda_graphs import graphs_allowed
 
     tp_size, utilization, max_num_seqs = args.tensor_parallel_size, args.gpu_memory_utilization, args.max_num_seqs
     config.check_tp(tp_size)
     sizes = cache_sizes(config, tp_size, args.torch_dtype)
     budget = int(device_bytes * utilization) - sizes.weight_bytes
-    graphs = graphs_enabled(args)
+    graphs = graphs_allowed(args)
     graph_bytes = graph_reserve_bytes(config, args) if graphs else 0
     slots = args.kda_slots + graphs
     slots_bytes = slots * sizes.kda_bytes_per_slot
@@ -199,7 +203,7 @@ def describe_plan(config: ModelConfig, args: EngineArgs, device_bytes: int) -> l
          f"{slots} slots, {slots_bytes / gib:.2f} GiB"),
         ("CUDA graphs (decode, up to batch "
          f"{args.graph_batch_sizes[-1]}: inputs, output, pool estimate)" if graphs else "CUDA graphs",
-         f"{graph_bytes / gib:.2f} GiB" if graphs else "off (enforce_eager, TP > 1 or not bf16): eager decode"),
+         f"{graph_bytes / gib:.2f} GiB" if graphs else "off (enforce_eager or not bf16): eager decode"),
     ]
     if kv_bytes <= 0:
         rows.append(("fits", f"NO: weights + KDA slots + graphs exceed the budget by {-kv_bytes / gib:.2f} GiB"))

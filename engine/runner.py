@@ -20,7 +20,7 @@ from k3serve.engine.cuda_graphs import DecodeGraphs, capture_decode_graphs, grap
 from k3serve.engine.memory import PoolPlan
 
 from k3serve.engine.scheduler_output import NO_SLOT, ScheduledSeq, SchedulerOutput
-from k3serve.engine.tp_group import TPGroup
+from k3serve.engine.tp_group import TPGroup, rank_device
 from k3serve.model.batch import ForwardBatch, ModelCache
 from k3serve.model.loader import load_model
 from k3serve.model.model import KimiForCausalLM
@@ -36,15 +36,24 @@ class RunnerOutput:
 def load_runner(
     args: EngineArgs, model_dir: Path, plan: PoolPlan, tp: TensorParallel, group: TPGroup | None = None
 ) -> ModelRunner:
-    """This rank's model shard and cache pools (the same plan on every rank of an engine), and its
-    captured decode graphs where `graphs_enabled(args)`."""
-    model = load_model(model_dir, tp, args.torch_dtype, args.device)
-    use_graphs = graphs_enabled(args)
+    """This rank's model shard and cache pools (the same plan on every rank of an engine) on its device
+    (`rank_device`), and its captured decode graphs where `graphs_enabled(args, tp)`: at TP > 1 on every
+    rank or none (each one also reads its own environment), captured in step (`DecodeGraphs.capture`)."""
+
+    def all_ranks_ok(ok: bool) -> bool:
+        return ok if group is None else all(group.all_gather(ok))
+
+    device = rank_device(args.device, tp.rank, tp.world_size)
+    model = load_model(model_dir, tp, args.torch_dtype, device)
+    use_graphs = graphs_enabled(args, tp)
+    if tp.world_size > 1 and tp.capturable:  # the same on every rank: NCCL was chosen by all of them
+        use_graphs = all_ranks_ok(use_graphs)
     cache = ModelCache.allocate(
-        model.config, plan.num_blocks, plan.num_slots, plan.block_size, tp.world_size, args.torch_dtype, args.device,
+        model.config, plan.num_blocks, plan.num_slots, plan.block_size, tp.world_size, args.torch_dtype, device,
         reserve_pad_slot=use_graphs,
     )
-    return ModelRunner(model, cache, group, capture_decode_graphs(model, cache, args) if use_graphs else None)
+    graphs = capture_decode_graphs(model, cache, args, all_ranks_ok) if use_graphs else None
+    return ModelRunner(model, cache, group, graphs)
 
 
 class ModelRunner:

@@ -15,8 +15,8 @@ process (e.g. a prefill and a decode engine's rank 0 under `--launcher local`). 
     control   lead/follow only; a follower waits here between actions, as long as rank 0 is
               idle (no timeout to speak of: a dead peer still fails it at once, its connection
               closes)
-    pg        everything else: gathers, and the model's all-reduces (`tensor_parallel()`), with
-              `timeout_s`, so a rank stuck inside an action fails the others
+    pg        everything else: gathers, and a CPU engine's model collectives (`tensor_parallel()`),
+              with `timeout_s`, so a rank stuck inside an action fails the others
 
 Addresses: rank 0 opens the store on a port of its own node (`leader_store`: the kernel picks it,
 so nothing races for it) and publishes `tcp://<its host>:<port>` for the followers to join; every
@@ -33,13 +33,28 @@ held only while joining: by `TPGroup()` when rank 0 opens it itself, else by who
 (rank 0's join then fails at once: a launcher whose follower failed). Joining is bounded
 (`_JOIN_TIMEOUT` or `timeout_s`, the longer): a rank that never comes fails the others' `TPGroup()`
 with an error naming the group, rather than leaving them waiting as long as a follower may idle.
+
+A CUDA engine's model collectives (`tensor_parallel("cuda")`) run on a third group, NCCL's, when every
+rank has a GPU of its own: kernels on the GPU, which a CUDA graph can record (gloo would copy every
+all-reduce through the host). Each rank binds to its device (`rank_device`: a bare "cuda" puts rank r
+on GPU r of those it sees, so `--launcher local` spreads a node's ranks, and a Ray rank sees only its
+own) and the group is joined there, once, after the gloo groups, by all ranks in the same order (every
+rank loads its model next, then captures its graphs: every capture follows every join). It meets on a
+store of its own, opened by rank 0 and held by rank 0's NCCL group for as long as it lives: unlike
+gloo, NCCL reads its store after the join (its monitor polls it for other ranks' failure signals), so
+this is the one port that outlives `TPGroup()`, on CUDA engines only. The communicator is created by a
+warm-up all-reduce before anything is captured. Ranks that share a GPU (NCCL refuses them), a torch
+without NCCL, or `K3SERVE_TP_NCCL=0` on any rank keep the model on gloo, with a warning. Unlike gloo,
+NCCL notices a dead peer only at the group's timeout (`timeout_s`; its watchdog then ends the process).
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import pickle
 import socket
+import warnings
 from typing import Any, Callable
 from urllib.parse import urlparse
 
@@ -47,10 +62,11 @@ import torch
 import torch.distributed as dist
 
 from k3serve.engine.host_ip import uri_host
-from k3serve.model.parallel import TensorParallel
+from k3serve.model.parallel import TensorParallel, is_nccl
 
 _IDLE_TIMEOUT = datetime.timedelta(days=365)  # how long a follower waits for rank 0's next action
 _JOIN_TIMEOUT = datetime.timedelta(seconds=600)  # how long the ranks take to find each other
+NCCL_SWITCH = "K3SERVE_TP_NCCL"  # "0": a CUDA engine's model collectives stay on gloo (an A/B switch)
 
 
 def leader_store(world_size: int, host: str, timeout_s: float = 600.0) -> tuple[dist.TCPStore, str]:
@@ -89,17 +105,16 @@ class TPGroup:
             raise ValueError(f"init_method must be tcp://host:port, got {init_method!r}")
         if store is not None and rank != 0:
             raise ValueError(f"rank {rank} joins rank 0's store: only rank 0 passes one")
-        self.rank, self.world_size = rank, world_size
-        timeout = datetime.timedelta(seconds=timeout_s)
-        join = max(timeout, _JOIN_TIMEOUT)  # every rank loads its libraries and joins
+        self.rank, self.world_size, self.host = rank, world_size, host
+        self._model_group = None  # the NCCL group, or pg, once `tensor_parallel` chose for a CUDA model
+        self._timeout = timeout = datetime.timedelta(seconds=timeout_s)
+        self._join = join = max(timeout, _JOIN_TIMEOUT)  # every rank loads its libraries and joins
         hosted = None  # rank 0's own store, when it was handed no client: held until every rank joined
         if rank == 0 and store is None:
             hosted = dist.TCPStore(url.hostname, url.port, world_size, is_master=True, timeout=join,
                                    wait_for_workers=False)
         try:  # gloo waits for its peers' addresses as long as its groups' timeout: joining is bounded
-            client = store
-            if client is None:
-                client = dist.TCPStore(url.hostname, url.port, world_size, is_master=False, timeout=join)
+            client = store if store is not None else _client(init_method, world_size, join)
             self.control = _gloo(dist.PrefixStore("control", client), rank, world_size, host, join)
             self.pg = _gloo(dist.PrefixStore("pg", client), rank, world_size, host, timeout)
             everyone_joined = dist.BarrierOptions()
@@ -113,9 +128,18 @@ class TPGroup:
     def is_leader(self) -> bool:
         return self.rank == 0
 
-    def tensor_parallel(self) -> TensorParallel:
-        """This rank's `TensorParallel`, reducing over this group."""
-        return TensorParallel(self.rank, self.world_size, group=self.pg)
+    def tensor_parallel(self, device: str = "cpu") -> TensorParallel:
+        """This rank's `TensorParallel` for a model on `device` (the engine's, as every rank was given it). On
+        CUDA the first call binds this rank to `rank_device(device, ...)` and chooses the model's group:
+        NCCL's, joined here, where it can be (module docstring), else gloo's. A collective the first time
+        on CUDA: every rank calls it, in the same order."""
+        if torch.device(device).type != "cuda":
+            return TensorParallel(self.rank, self.world_size, group=self.pg)
+        if self._model_group is None:
+            cuda = rank_device(device, self.rank, self.world_size)
+            torch.cuda.set_device(cuda)  # Triton and graph capture use the current device, not the tensors'
+            self._model_group = self._join_nccl(cuda) or self.pg
+        return TensorParallel(self.rank, self.world_size, group=self._model_group)
 
     def lead(self, action: tuple) -> None:
         """Rank 0: announce the next action to every rank."""
@@ -127,6 +151,11 @@ class TPGroup:
 
     def gather(self, value: Any) -> list[Any] | None:
         """Every rank's `value` at rank 0 (None elsewhere)."""
+        values = self.all_gather(value)
+        return values if self.is_leader else None
+
+    def all_gather(self, value: Any) -> list[Any]:
+        """Every rank's `value`, in rank order, on every rank (a collective on the gloo group)."""
         data = pickle.dumps(value)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
         self.pg.allgather([sizes], [torch.tensor([len(data)], dtype=torch.int64)]).wait()
@@ -135,13 +164,79 @@ class TPGroup:
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
         self.pg.allgather([out], [mine]).wait()
-        if not self.is_leader:
-            return None
         return [pickle.loads(t[: int(n.item())].numpy().tobytes()) for t, n in zip(out, sizes)]
 
     def close(self) -> None:
-        """Drop the connections; the group is unusable afterwards. Safe to call twice."""
-        self.control = self.pg = None
+        """Drop the connections; the group is unusable afterwards. Safe to call twice. The NCCL group is
+        left to the model that holds it: NCCL's destroy, or abort, waits until every CUDA graph that
+        captured its collectives is gone (`DecodeGraphs` lets its graphs go first)."""
+        self.control = self.pg = self._model_group = None
+
+    def _join_nccl(self, cuda: torch.device) -> Any | None:
+        """The model's NCCL group on `cuda`, its communicator made; None where every rank cannot have one
+        (then rank 0 warns why). Every rank offers its GPU (None: declines) and rank 0 the address of the
+        group's store; all decide alike from what all offered."""
+        wants = _nccl_switch() and dist.is_nccl_available()
+        store, init = leader_store(self.world_size, self.host, self._join.total_seconds()) \
+            if self.is_leader and wants else (None, None)
+        offers = self.all_gather((str(torch.cuda.get_device_properties(cuda).uuid) if wants else None, init))
+        init = offers[0][1]
+        why = _nccl_refused([gpu for gpu, _ in offers])
+        if why is not None:
+            if self.is_leader:
+                warnings.warn(f"TP group: the model's collectives run on gloo, through the host (no CUDA "
+                              f"graphs): {why}", stacklevel=2)
+            return None
+        try:
+            client = store if store is not None else _client(init, self.world_size, self._join)
+            group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", client), self.rank, self.world_size,
+                                          timeout=self._timeout)
+            warm_up = torch.ones(1, device=cuda)
+            group.allreduce([warm_up]).wait()  # creates the communicator: before any capture
+            total = warm_up.item()
+        except RuntimeError as e:
+            raise RuntimeError(f"TP group: rank {self.rank} of {self.world_size} failed to join the NCCL "
+                               f"group on {cuda} at {init}: {e}") from e
+        if total != self.world_size:
+            raise RuntimeError(f"TP group: the NCCL warm-up all-reduce of ones gave {total} on rank {self.rank}, "
+                               f"not {self.world_size}")
+        return group
+
+
+def rank_device(device: str, rank: int, world_size: int) -> torch.device:
+    """The device rank `rank` of an engine on `device` uses: "cuda" without an index, at TP > 1, is GPU
+    `rank` modulo the GPUs this process sees (one each on a node's GPUs; GPU 0 where a launcher shows a
+    rank only its own, as Ray does); any other device is every rank's as given."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or dev.index is not None or world_size == 1:
+        return dev
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise RuntimeError(f"TP rank {rank}: device {device!r} but this process sees no CUDA device")
+    return torch.device("cuda", rank % count)
+
+
+def _nccl_switch() -> bool:
+    value = os.environ.get(NCCL_SWITCH, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{NCCL_SWITCH}={value!r}: must be 0 (model collectives on gloo) or 1 (NCCL)")
+    return value == "1"
+
+
+def _nccl_refused(offers: list[str | None]) -> str | None:
+    """Why the ranks that offered these GPUs (None: a rank that declined) cannot share an NCCL group."""
+    declined = [rank for rank, gpu in enumerate(offers) if gpu is None]
+    if declined:
+        return f"rank(s) {declined} declined NCCL ({NCCL_SWITCH}=0, or a torch without NCCL)"
+    if len(set(offers)) < len(offers):
+        return "ranks share a GPU (NCCL needs one GPU per rank)"
+    return None
+
+
+def _client(init_method: str, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """A client of the store at `init_method` (tcp://host:port)."""
+    url = urlparse(init_method)
+    return dist.TCPStore(url.hostname, url.port, world_size, is_master=False, timeout=timeout)
 
 
 def _gloo(store: dist.Store, rank: int, world_size: int, host: str, timeout: datetime.timedelta) -> dist.ProcessGroupGloo:

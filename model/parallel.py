@@ -3,9 +3,13 @@
 Head-sharded layers (KDA, MLA), column/row-parallel MLPs, expert-parallel routed experts and the
 vocab-parallel embedding all produce per-rank partial sums of the hidden state; `all_reduce` combines
 them. The vocab-parallel lm_head produces per-rank slices of the logits; `gather` brings them to rank 0,
-the only rank that samples. Both run on the engine's own gloo group when it has one, else on
-torch.distributed's default group. With `world_size == 1` every call is a no-op, so single-process
-code pays nothing.
+the only rank that samples. Both run on the engine's own process group when it has one (NCCL on a CUDA
+engine whose ranks each have a GPU, else gloo: `engine/tp_group.py`), else on torch.distributed's default
+group. With `world_size == 1` every call is a no-op, so single-process code pays nothing.
+
+Every call runs synchronously on the caller's CUDA stream (`asyncOp` off, as `dist.all_reduce` without
+`async_op` does): an NCCL collective is then one more kernel of the step, which a CUDA graph records
+like any other, with no side stream to fork from and join back.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,12 @@ class TensorParallel:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"tensor-parallel rank {self.rank} outside world size {self.world_size}")
 
+    @property
+    def capturable(self) -> bool:
+        """Whether a CUDA graph can record this rank's collectives: there are none (one rank), or they are
+        NCCL's, kernels on the GPU. Gloo's copy CUDA tensors through the host and wait there."""
+        return self.world_size == 1 or is_nccl(self.group)
+
     def shard(self, size: int, what: str) -> tuple[int, int]:
         """(start, length) of this rank's slice of a dimension of `size`."""
         if size % self.world_size:
@@ -39,9 +50,9 @@ class TensorParallel:
         if self.world_size == 1:
             return x
         if self.group is not None:
-            self.group.allreduce([x]).wait()
+            self.group.allreduce([x], _on_callers_stream(dist.AllreduceOptions())).wait()
         else:
-            torch.distributed.all_reduce(x)
+            dist.all_reduce(x)
         return x
 
     def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
@@ -53,12 +64,25 @@ class TensorParallel:
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
         if self.group is not None:
-            options = torch.distributed.GatherOptions()
+            options = _on_callers_stream(dist.GatherOptions())
             options.rootRank = 0
             self.group.gather([parts] if parts is not None else [], [x], options).wait()
         else:
-            torch.distributed.gather(x, parts, dst=0)
+            dist.gather(x, parts, dst=0)
         return parts
+
+
+def is_nccl(group: Any) -> bool:
+    """Whether `group` is an NCCL process group (never on a torch built without NCCL, such as the CPU one)."""
+    return dist.is_nccl_available() and isinstance(group, dist.ProcessGroupNCCL)
+
+
+def _on_callers_stream(options: Any) -> Any:
+    """`options` with asyncOp off where torch has it (2.7+; before, NCCL always ran on its own stream and
+    `wait()` joined it back, which a graph records too). Gloo ignores it."""
+    if hasattr(options, "asyncOp"):
+        options.asyncOp = False
+    return options
 
 
 SINGLE = TensorParallel()

@@ -1,0 +1,52 @@
+"""Where a TP engine's ranks run and whether their decode steps can be CUDA graphs, decided on the host (the
+NCCL group itself needs two GPUs: tests/engine/test_tp_nccl_gpu.py).
+
+* `rank_device`: a bare "cuda" puts rank r on GPU r of those the process sees (GPU 0 of one, as under
+  Ray); an indexed device, the CPU, or a one-rank engine's device is taken as given.
+* Graphs at TP > 1 need collectives a graph can record: NCCL's, not gloo's; the memory plan sets their
+  memory aside whenever the arguments allow them (before the ranks have chosen their group).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from k3serve.engine.config import EngineArgs
+from k3serve.engine.cuda_graphs import graphs_allowed, graphs_enabled
+from k3serve.engine.tp_group import rank_device
+from k3serve.model.parallel import TensorParallel
+
+
+@pytest.mark.parametrize(("visible", "want"), [(2, ["cuda:0", "cuda:1"]), (8, ["cuda:0", "cuda:1"]),
+                                               (1, ["cuda:0", "cuda:0"])])
+def test_a_bare_cuda_spreads_the_ranks_over_the_visible_gpus(monkeypatch: pytest.MonkeyPatch, visible: int,
+                                                             want: list[str]) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    assert [str(rank_device("cuda", rank, 2)) for rank in range(2)] == want
+
+
+def test_other_devices_are_every_ranks_as_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert [str(rank_device("cuda:3", rank, 2)) for rank in range(2)] == ["cuda:3", "cuda:3"]
+    assert str(rank_device("cpu", 1, 2)) == "cpu"
+    assert str(rank_device("cuda", 0, 1)) == "cuda"  # one rank: the current device, as before
+
+
+def test_a_bare_cuda_without_a_visible_gpu_fails_naming_the_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(RuntimeError, match="TP rank 1: device 'cuda' but this process sees no CUDA device"):
+        rank_device("cuda", 1, 2)
+
+
+def test_graphs_at_tp2_need_collectives_a_graph_can_record() -> None:
+    store = dist.HashStore()
+    gloo = dist.ProcessGroupGloo(store, 0, 1)  # a one-rank gloo group stands for a TP engine's
+    args = EngineArgs(device="cuda", tensor_parallel_size=2)
+    assert graphs_allowed(args)  # the plan sets the pad slot and the graphs' pool aside
+    assert not graphs_enabled(args)  # the group is not known yet
+    assert not TensorParallel(0, 2, group=gloo).capturable
+    assert not graphs_enabled(args, TensorParallel(0, 2, group=gloo))
+    assert TensorParallel().capturable and graphs_enabled(EngineArgs(device="cuda"))
+    assert not graphs_allowed(EngineArgs(device="cuda", tensor_parallel_size=2, enforce_eager=True))
