@@ -42,7 +42,7 @@ class EngineArgs:
     served_model_name: str | None = None
     """The model id clients see (`/v1/models`); None = the preset name or the directory name."""
     enforce_eager: bool = False
-    """True: every step runs eagerly. False: on CUDA (bf16, TP 1) decode-only steps replay CUDA graphs."""
+    """True: every step runs eagerly. False: on CUDA (bf16; at TP > 1 on NCCL) decode-only steps replay CUDA graphs."""
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     """Decode batch sizes captured as CUDA graphs (a batch is padded up to the next one), strictly
     increasing, each <= max_num_seqs; None = 1, 2, 4, 8, then multiples of 16, up to min(max_num_seqs, 512)."""
