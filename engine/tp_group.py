@@ -45,7 +45,8 @@ gloo, NCCL reads its store after the join (its monitor polls it for other ranks'
 this is the one port that outlives `TPGroup()`, on CUDA engines only. The communicator is created by a
 warm-up all-reduce before anything is captured. Ranks that share a GPU (NCCL refuses them), a torch
 without NCCL, or `K3SERVE_TP_NCCL=0` on any rank keep the model on gloo, with a warning. Unlike gloo,
-NCCL notices a dead peer only at the group's timeout (`timeout_s`; its watchdog then ends the process).
+NCCL notices a dead peer only at the group's timeout (`timeout_s`; torch's watchdog then ends the
+process, by default).
 """
 
 from __future__ import annotations
