@@ -57,9 +57,11 @@ class DenseMLP(Sharded):
             return self.output(self.gate_proj(x), self.up_proj(x))
         return self.output(*project(x, self.gate_up_weight, [self.gate_proj.weight.shape[0]] * 2))
 
-    def output(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """down(act(gate, up)) from the gate and up projections of the input."""
-        return self.down_proj(self.act(gate, up))
+    def output(self, gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """down(act(gate, up)) from the gate and up projections of the input; out_dtype (default the weights'
+        dtype) may be fp32: the partial sum of a rank unrounded, as the all-reduce sums it."""
+        h = self.act(gate, up)
+        return linear(h.to(self.down_proj.weight.dtype), self.down_proj.weight, out_dtype)
 
 
 class RoutedExperts(Sharded):
@@ -160,17 +162,17 @@ class SparseMoE(Sharded):
         projected = list(project(x, self.x_proj_weight, self._x_proj_sizes)) if self._x_proj_sizes else []
         expert_in = projected.pop(0) if is_latent else x
         routed = fused_experts(expert_in, self.experts.weights(), weights, ids, self.act, self.experts.expert_start)
-        shared = self.shared_experts.output(*projected) if projected else None
         if not is_latent:  # one all-reduce for routed + shared partial sums (fp32: routed's dtype)
+            shared = self.shared_experts.output(*projected) if projected else None
             return self.tp.all_reduce(routed if shared is None else routed + shared).to(x.dtype)
+        # the shared experts' partial sums all-reduced in fp32, straight from their down-projection (no casts);
+        # one rank's own in the weights' dtype, as the up-projection's output it is added to
+        shared_dtype = torch.float32 if self.tp.world_size > 1 else None
+        shared = self.shared_experts.output(*projected, out_dtype=shared_dtype) if projected else None
         routed = self.tp.all_reduce(routed)  # sum the experts of every rank in latent space ...
         if cfg.latent_moe_use_norm:
             routed = self.routed_expert_norm(routed, out_dtype=x.dtype)  # ... then normalize, into x's dtype
         out = self.routed_expert_up_proj(routed.to(x.dtype))
-        if shared is not None:
-            out = out + self._sum_over_ranks(shared).to(x.dtype)
+        if shared is not None:  # in place: one launch adds in fp32 and rounds once into out's dtype
+            out += self.tp.all_reduce(shared)
         return out
-
-    def _sum_over_ranks(self, partial: torch.Tensor) -> torch.Tensor:
-        """All ranks' partial sums added in fp32 (rounded once, after); one rank's own as it is (no casts)."""
-        return self.tp.all_reduce(partial.float()) if self.tp.world_size > 1 else partial
