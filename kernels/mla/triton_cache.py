@@ -29,11 +29,13 @@ def _write_kernel(kv_cache, slot_mapping, latent, D, PAGE, stride_cb, stride_ct,
 
 
 def write_kv_cache(kv_cache: Tensor, slot_mapping: Tensor, latent: Tensor) -> None:
-    """kv_cache [num_blocks, block_size, D] <- latent [T, D] (same dtype) at slot_mapping [T] (-1 = skip)."""
+    """kv_cache [num_blocks, block_size, D] <- latent [T, D] (same dtype, any row stride) at slot_mapping [T]
+    (-1 = skip)."""
     T, D = latent.shape
     if T == 0:
         return
-    latent = latent.contiguous()
+    if latent.stride(-1) != 1:
+        latent = latent.contiguous()  # rows of any stride are read where they are (a fused projection's columns)
     slot_mapping = slot_mapping.contiguous()
     BLOCK_D = min(triton.next_power_of_2(D), 1024)
     with device_of(latent):

@@ -39,14 +39,24 @@ def _implementation(name: str, *tensors: Tensor | None):
     return naive
 
 
-def rms_norm(x: Tensor, weight: Tensor | None, eps: float, out_dtype: torch.dtype | None = None) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float, out_dtype: torch.dtype | None = None,
+             out: Tensor | None = None) -> Tensor:
     """x [..., D] / rms(x) * weight [D]; weight None means no scale (e.g. attention-residual scores).
     out_dtype (default x.dtype): an fp32 x normalized straight into a bf16 model's dtype, rounded once,
-    without a cast after."""
+    without a cast after. out: written in place and returned, e.g. x itself, so that MLA's latent is
+    normalized inside the projection's row [c | k_pe] and the row goes to the cache with no concatenation;
+    its dtype is the output's, its last dim must have unit stride."""
     _check_float("x", x)
     if weight is not None:
         _check_weight(x, weight)
-    return _implementation("rms_norm", x, weight).rms_norm(x, weight, eps, out_dtype)
+    if out is not None:
+        if out.shape != x.shape or out.stride(-1) != 1:
+            raise ValueError(f"out must be {tuple(x.shape)} with a unit inner stride, got {tuple(out.shape)} "
+                             f"of strides {out.stride()}")
+        if out_dtype not in (None, out.dtype):
+            raise ValueError(f"out_dtype {out_dtype} differs from out's dtype {out.dtype}")
+        out_dtype = out.dtype
+    return _implementation("rms_norm", x, weight, out).rms_norm(x, weight, eps, out_dtype, out)
 
 
 def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:

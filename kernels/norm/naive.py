@@ -14,8 +14,10 @@ def _rms_norm_fp32(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     return y if weight is None else y * weight.float()
 
 
-def rms_norm(x: Tensor, weight: Tensor | None, eps: float, out_dtype: torch.dtype | None = None) -> Tensor:
-    return _rms_norm_fp32(x, weight, eps).to(out_dtype or x.dtype)
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float, out_dtype: torch.dtype | None = None,
+             out: Tensor | None = None) -> Tensor:
+    y = _rms_norm_fp32(x, weight, eps)
+    return y.to(out_dtype or x.dtype) if out is None else out.copy_(y)
 
 
 def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -101,5 +101,6 @@ class RMSNorm(Sharded):
         self.eps = eps
         self.weight = self.add_param("weight", (size,), dtype, None)
 
-    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, out_dtype)
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, out_dtype, out)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from k3serve.kernels.gate import sigmoid_gate
+from k3serve.kernels.head_matmul import head_matmul
 from k3serve.kernels.mla import gather_kv_cache, mla_decode_paged, mla_prefill_attention, write_kv_cache
 from k3serve.model.batch import ForwardBatch
 from k3serve.model.config import ModelConfig
@@ -39,7 +41,7 @@ class MLAAttention(Sharded):
         if config.mla_use_output_gate:
             self.g_proj = Linear(hidden, H * self.v_dim, dtype, tp_dim=0)
         self.o_proj = Linear(H * self.v_dim, hidden, dtype, tp_dim=1)
-        self.w_uk: torch.Tensor | None = None  # fp32 [H, nope, L]: see process_weights_after_loading
+        self.w_uk: torch.Tensor | None = None  # [H, nope, L] in the weights' dtype: see process_weights_after_loading
         self.w_uv: torch.Tensor | None = None  # fp32 [H, v, L]
         self.x_proj_weight = stack_rows(None, self._projections_of_x())  # q (or q_a), kv_a, g: one GEMM of x
         self._x_proj_sizes = [proj.weight.shape[0] for proj in self._projections_of_x()]
@@ -49,12 +51,14 @@ class MLAAttention(Sharded):
         return [q, self.kv_a_proj_with_mqa] + ([self.g_proj] if hasattr(self, "g_proj") else [])
 
     def process_weights_after_loading(self) -> None:
-        """kv_b_proj split per head into W_UK [H, nope, L] and W_UV [H, v, L] in fp32, the form the
-        absorbed decode multiplies by. Costs an fp32 copy of this rank's kv_b_proj when the model is
-        bf16 (K3 at TP8: 8 heads x 256 x 512 x 4 B = 4 MiB per MLA layer); none when it is fp32. The
-        projections of x stay stacked (`stack_rows`), or are stacked again if their parameters moved."""
+        """kv_b_proj split per head into W_UK [H, nope, L] and W_UV [H, v, L], the forms the absorbed decode
+        multiplies by: W_UK a view of the weight (the query it multiplies is in the weights' dtype, and
+        `head_matmul` sums their products in fp32), W_UV in fp32 (it multiplies the fp32 latent output): an
+        fp32 copy of half of this rank's kv_b_proj when the model is bf16 (K3 at TP8: 8 heads x 128 x 512 x
+        4 B = 2 MiB per MLA layer); none when it is fp32. The projections of x stay stacked (`stack_rows`),
+        or are stacked again if their parameters moved."""
         w = self.kv_b_proj.weight.reshape(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
-        self.w_uk = keep_address(self.w_uk, w[:, : self.nope].float())
+        self.w_uk = keep_address(self.w_uk, w[:, : self.nope])
         self.w_uv = keep_address(self.w_uv, w[:, self.nope :].float())
         self.x_proj_weight = stack_rows(self.x_proj_weight, self._projections_of_x())
 
@@ -64,8 +68,9 @@ class MLAAttention(Sharded):
         if not hasattr(self, "q_proj"):
             q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.reshape(T, H, self.nope + self.rope)
-        latent = torch.cat([self.kv_a_layernorm(kv[:, : self.kv_lora_rank]), kv[:, self.kv_lora_rank :]], dim=-1)
-        write_kv_cache(kv_cache, batch.slot_mapping, latent.to(kv_cache.dtype))
+        c = kv[:, : self.kv_lora_rank]
+        self.kv_a_layernorm(c, out=c)  # in place: kv is now the cache's row [c | k_pe], with no concatenation
+        write_kv_cache(kv_cache, batch.slot_mapping, kv)
 
         split = batch.num_decode_tokens
         parts = []
@@ -73,21 +78,21 @@ class MLAAttention(Sharded):
             parts.append(self._decode(q[:split], batch, kv_cache))
         if split < T:
             parts.append(self._prefill(q[split:], batch, kv_cache))
-        o = torch.cat(parts) if len(parts) > 1 else parts[0]  # [T, H, v_dim]
-        if gate:
-            o = o * torch.sigmoid(gate[0].float()).reshape(T, H, self.v_dim)  # gate on the layer input
-        return self.tp.all_reduce(self.o_proj(o.reshape(T, H * self.v_dim).to(x.dtype)))
+        o = (torch.cat(parts) if len(parts) > 1 else parts[0]).reshape(T, H * self.v_dim)  # fp32
+        # the gate (a projection of the layer input) and the rounding into x's dtype: one launch
+        o = sigmoid_gate(o, gate[0], x.dtype) if gate else o.to(x.dtype)
+        return self.tp.all_reduce(self.o_proj(o))
 
     def _decode(self, q: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         n = batch.num_decode
-        q_latent = torch.einsum("nhd,hdl->nhl", q[..., : self.nope].float(), self.w_uk)
+        q_latent = head_matmul(q[..., : self.nope], self.w_uk)  # fp32, from q's head-strided view
         # q_latent fp32, q_pe a strided view in q's dtype: the reference widens both to fp32, the Triton kernel
         # rounds both to the cache dtype as it loads them (no copies)
         o_latent, _ = mla_decode_paged(
             q_latent, q[..., self.nope :], kv_cache,
             batch.block_tables[:n], batch.seq_lens[:n], self.scale, self.kv_lora_rank,
         )
-        return torch.einsum("nhl,hvl->nhv", o_latent.float(), self.w_uv)
+        return head_matmul(o_latent, self.w_uv.transpose(1, 2))  # o_latent is fp32 (q_latent's dtype)
 
     def _prefill(self, q: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         n0, H = batch.num_decode, self.num_heads

@@ -1,6 +1,6 @@
 """The norm cases that the Triton kernel must match the torch reference on, shared by the GPU test and the
 CPU test under the Triton interpreter: K3's shapes (hidden 7168, MLA latent 512 read out of a 576-wide row,
-KDA head 128 with its gate), bf16 and fp32 inputs, and no weight."""
+and normalized in place there, KDA head 128 with its gate), bf16 and fp32 inputs, and no weight."""
 
 from __future__ import annotations
 
@@ -34,6 +34,10 @@ def check_norms_match_reference(norms: Norms, device: str, rows: int) -> None:
         out = rms_norm(kv, w_latent, EPS)
         assert out.is_contiguous()
         assert_close(f"rms_norm {dtype} latent", naive.rms_norm(kv, w_latent, EPS), out, tol, tol)
+        row = torch.randn(rows, 576, device=device).to(dtype)  # MLA's row [c | k_pe]: c normalized in place
+        expected = torch.cat([naive.rms_norm(row[:, :512], w_latent, EPS), row[:, 512:]], dim=-1)
+        assert rms_norm(row[:, :512], w_latent, EPS, out=row[:, :512]).data_ptr() == row.data_ptr()
+        assert_close(f"rms_norm {dtype} in place", expected, row, tol, tol)
 
         o = torch.randn(rows, 12, 128, device=device).to(dtype)
         gate = (torch.randn(rows, 12, 128, device=device) * 4).to(dtype)

@@ -73,7 +73,8 @@ def _cache_write_matches_reference() -> None:
     """Rows land bit-exactly at their slots (shuffled, across blocks), rows of slot -1 write nothing and
     nothing else changes (the NaN poison stays bit-identical, also in a guard block in front of the cache,
     where a row of slot -1 written as block -1 would land): K3's 576-wide rows and 1100-wide ones (two
-    column programs, the second masked), bf16 and fp32."""
+    column programs, the second masked), bf16 and fp32, read where they are as the columns of wider rows
+    (MLA's latent is a column slice of the fused projection of x)."""
     import torch
 
     from k3serve.kernels.mla import naive, triton_cache
@@ -83,7 +84,7 @@ def _cache_write_matches_reference() -> None:
             guarded = torch.full((1 + 6, BLOCK, width), float("nan"), dtype=dtype)
             slots = torch.randperm(6 * BLOCK)[:21]
             slots[[0, 7, 20]] = -1
-            latent = torch.randn(21, width).to(dtype)
+            latent = torch.randn(21, 40 + width).to(dtype)[:, 40:]
             ref = guarded.clone()
             naive.write_kv_cache(ref[1:], slots, latent)
             triton_cache.write_kv_cache(guarded[1:], slots, latent)
