@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from k3serve.kernels.embedding import shard_embedding
 from k3serve.kernels.linear import linear
 from k3serve.model.layers.common import Sharded
 from k3serve.model.parallel import TensorParallel
@@ -55,13 +56,9 @@ class VocabParallelEmbedding(VocabParallel):
 
     def forward(self, token_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[T, hidden] embeddings of `token_ids` [T], written into `out` when given; the same on every rank."""
-        if self.tp.world_size == 1:
+        if self.tp.world_size == 1:  # the whole table: an id outside it is an error (not a zero row)
             return torch.index_select(self.weight, 0, token_ids, out=out)
-        local = token_ids - self.shard.start
-        elsewhere = (local < 0) | (local >= self.shard.rows)
-        rows = torch.index_select(self.weight, 0, local.masked_fill(elsewhere, 0), out=out)
-        rows.masked_fill_(elsewhere[:, None], 0)
-        return self.tp.all_reduce(rows)
+        return self.tp.all_reduce(shard_embedding(self.weight, token_ids, self.shard.start, out))
 
 
 class ParallelLMHead(VocabParallel):
