@@ -6,9 +6,11 @@ split by the source file that issued them; `kernels/` ops run their torch refere
 counts stand in for the GPU kernels only loosely, while the rest (model/) are the GPU's own counts.
 On CUDA (`--device cuda`, e.g. `--config k3-rank-slice --layers 4`) the GPU kernels run, so the counts are
 exactly the torch launches a step adds to its Triton and cuBLAS kernels; `--lines` lists them by source line.
+`--tp N` runs rank 0 of a TP N model instead (collectives skipped), so the CPU counts the TP > 1 paths too
+(the vocab-parallel embedding's gather, the MoE's fp32 all-reduce of the shared experts).
 
     python benchmarks/count_decode_ops.py [--batch 1] [--ctx 64] [--device cpu] [--config k3-tiny-gpu]
-                                          [--layers 12] [--lines 40] [--json out.json]
+                                          [--layers 12] [--tp N] [--lines 40] [--json out.json]
 """
 
 from __future__ import annotations
@@ -26,9 +28,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_engine import CONFIGS, build_model, decode_step_fn, make_cache, rank_slice_hf  # noqa: E402
 
+from k3serve.kernels.embedding import naive as embedding_naive  # noqa: E402
+from k3serve.kernels.gate import naive as gate_naive  # noqa: E402
+from k3serve.kernels.head_matmul import naive as head_matmul_naive  # noqa: E402
 from k3serve.kernels.norm import naive as norm_naive  # noqa: E402
 
 _ROOT = str(Path(__file__).resolve().parents[1]) + "/"
+# The torch references of the ops that are one launch a call on CUDA (a Triton kernel or one cuBLAS GEMM):
+# reference file -> (module, functions)
+_ONE_LAUNCH = {
+    "kernels/norm/naive.py": (norm_naive, ("rms_norm", "gated_rms_norm", "l2_normalize")),
+    "kernels/gate/naive.py": (gate_naive, ("sigmoid_gate",)),
+    "kernels/embedding/naive.py": (embedding_naive, ("shard_embedding",)),
+    "kernels/head_matmul/naive.py": (head_matmul_naive, ("head_matmul",)),
+}
 _FREE = {"empty", "empty_strided", "new_empty", "new_empty_strided", "detach", "detach_", "lift_fresh",
          "_local_scalar_dense", "is_nonzero", "item", "set_"}  # host-only: no kernel launched
 
@@ -106,8 +119,10 @@ def _counting_calls(module, names: tuple[str, ...]):
             setattr(module, name, fn)
 
 
-def count_step(batch: int, ctx: int, device: str = "cpu", config: str = "k3-tiny-gpu", layers: int = 12) -> dict:
+def count_step(batch: int, ctx: int, device: str = "cpu", config: str = "k3-tiny-gpu", layers: int = 12,
+               tp: int | None = None) -> dict:
     hf, tp_size = CONFIGS[config]
+    tp_size = tp or tp_size
     hf = rank_slice_hf(layers) if hf is None else hf
     dev, dtype = torch.device(device), torch.bfloat16
     model = build_model(hf, tp_size, dev, dtype)
@@ -115,18 +130,19 @@ def count_step(batch: int, ctx: int, device: str = "cpu", config: str = "k3-tiny
     step = decode_step_fn(model, cache, batch, ctx)
     step()  # warm-up: lazy imports, first-call paths
     counter = OpCounter()
-    with counter, _counting_calls(norm_naive, ("rms_norm", "gated_rms_norm", "l2_normalize")) as norm_calls:
+    with counter, contextlib.ExitStack() as stack:
+        calls = [stack.enter_context(_counting_calls(module, names)) for module, names in _ONE_LAUNCH.values()]
         step()
     model_ops = sum(n for f, n in counter.by_file.items() if f.startswith("model/"))
     return {
-        "config": config, "device": device, "dtype": "bf16", "batch": batch, "ctx": ctx,
+        "config": config, "device": device, "dtype": "bf16", "batch": batch, "ctx": ctx, "tp": tp_size,
         "layers": model.config.num_hidden_layers,
         "ops_total": sum(counter.by_file.values()),
         "ops_in_model": model_ops,
         "casts_total": sum(counter.casts.values()),
-        # on CUDA each norm call is one Triton launch instead of its reference's ops
-        "ops_with_norms_as_one": sum(counter.by_file.values()) - counter.by_file["kernels/norm/naive.py"]
-        + sum(norm_calls.values()),
+        # on CUDA each call of those ops is one launch instead of its reference's ops
+        "ops_with_kernels_as_one": sum(counter.by_file.values()) - sum(counter.by_file[f] for f in _ONE_LAUNCH)
+        + sum(sum(c.values()) for c in calls),
         "casts_in_model": sum(n for f, n in counter.casts.items() if f.startswith("model/")),
         "ops_by_file": dict(counter.by_file.most_common()),
         "casts_by_file": dict(counter.casts.most_common()),
@@ -141,15 +157,18 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--config", default="k3-tiny-gpu", choices=sorted(CONFIGS))
     parser.add_argument("--layers", type=int, default=12, help="k3-rank-slice: K3's first LAYERS layers")
+    parser.add_argument("--tp", type=int, help="rank 0 of this TP size (default: the config's, 1 or 8)")
     parser.add_argument("--lines", type=int, default=0, help="also list the N source lines that launch most")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    result = count_step(args.batch, args.ctx, args.device, args.config, args.layers)
-    print(f"{result['config']} {result['layers']} layers, batch {args.batch}, ctx {args.ctx}: "
+    result = count_step(args.batch, args.ctx, args.device, args.config, args.layers, args.tp)
+    print(f"{result['config']} {result['layers']} layers, TP {result['tp']} rank 0, batch {args.batch}, "
+          f"ctx {args.ctx}: "
           f"{result['ops_total']} aten ops per decode step ({result['ops_in_model']} issued by model/), "
           f"{result['casts_total']} casts ({result['casts_in_model']} by model/); "
-          f"{result['ops_with_norms_as_one']} with each norm call one launch (its Triton kernel on CUDA)")
+          f"{result['ops_with_kernels_as_one']} with each call of an op that is one launch on CUDA (norms, sigmoid "
+          f"gate, shard embedding, head matmul) counted one")
     for name, n in result["ops_by_file"].items():
         print(f"  {n:6d}  {name}  ({result['casts_by_file'].get(name, 0)} casts)")
     for name, n in list(result["ops_by_line"].items())[: args.lines]:
