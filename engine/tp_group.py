@@ -43,8 +43,9 @@ rank loads its model next, then captures its graphs: every capture follows every
 store of its own, opened by rank 0 and held by rank 0's NCCL group for as long as it lives: unlike
 gloo, NCCL reads its store after the join (its monitor polls it for other ranks' failure signals), so
 this is the one port that outlives `TPGroup()`, on CUDA engines only. The communicator is created by a
-warm-up all-reduce before anything is captured. Ranks that share a GPU (NCCL refuses them), a torch
-without NCCL, or `K3SERVE_TP_NCCL=0` on any rank keep the model on gloo, with a warning. Unlike gloo,
+warm-up all-reduce before anything is captured. NCCL is opt-in (`K3SERVE_TP_NCCL=1` on every rank) until it
+has run on a multi-GPU machine; ranks that share a GPU (NCCL refuses them), a torch without NCCL, or a rank
+without the switch keep the model on gloo, with a warning when some rank asked for NCCL. Unlike gloo,
 NCCL notices a dead peer only at the group's timeout (`timeout_s`; torch's watchdog then ends the
 process, by default).
 """
@@ -67,7 +68,9 @@ from k3serve.model.parallel import TensorParallel, is_nccl
 
 _IDLE_TIMEOUT = datetime.timedelta(days=365)  # how long a follower waits for rank 0's next action
 _JOIN_TIMEOUT = datetime.timedelta(seconds=600)  # how long the ranks take to find each other
-NCCL_SWITCH = "K3SERVE_TP_NCCL"  # "0": a CUDA engine's model collectives stay on gloo (an A/B switch)
+# "1" on every rank: a CUDA engine's model collectives on NCCL (and graphs at TP > 1); unset or "0": gloo. Opt-in
+# until it has run on a multi-GPU machine (written 2026-12-01 with none lent: tests/engine/test_tp_nccl_gpu.py).
+NCCL_SWITCH = "K3SERVE_TP_NCCL"
 
 
 def leader_store(world_size: int, host: str, timeout_s: float = 600.0) -> tuple[dist.TCPStore, str]:
@@ -218,7 +221,7 @@ def rank_device(device: str, rank: int, world_size: int) -> torch.device:
 
 
 def _nccl_switch() -> bool:
-    value = os.environ.get(NCCL_SWITCH, "1")
+    value = os.environ.get(NCCL_SWITCH, "0")
     if value not in ("0", "1"):
         raise ValueError(f"{NCCL_SWITCH}={value!r}: must be 0 (model collectives on gloo) or 1 (NCCL)")
     return value == "1"
@@ -228,7 +231,7 @@ def _nccl_refused(offers: list[str | None]) -> str | None:
     """Why the ranks that offered these GPUs (None: a rank that declined) cannot share an NCCL group."""
     declined = [rank for rank, gpu in enumerate(offers) if gpu is None]
     if declined:
-        return f"rank(s) {declined} declined NCCL ({NCCL_SWITCH}=0, or a torch without NCCL)"
+        return f"rank(s) {declined} without {NCCL_SWITCH}=1 (NCCL is opt-in), or a torch without NCCL"
     if len(set(offers)) < len(offers):
         return "ranks share a GPU (NCCL needs one GPU per rank)"
     return None

@@ -35,6 +35,7 @@ import pytest
 import torch
 
 from k3serve.cluster.local_followers import start_tp_engine
+from k3serve.engine.tp_group import NCCL_SWITCH
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.llm_engine import LLMEngine
 from k3serve.engine.outputs import TokenLogprobs
@@ -101,7 +102,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(copy.deepcopy(K3_TINY_GPU), tmp_path_factory.mktemp("k3-tiny-gpu"), seed=0)
 
 
-def test_tp2_on_nccl_replays_graphs_on_both_ranks_and_generates_what_tp1_eager_does(checkpoint: Path) -> None:
+def test_tp2_on_nccl_replays_graphs_on_both_ranks_and_generates_what_tp1_eager_does(
+        checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(NCCL_SWITCH, "1")  # opt-in; the follower process inherits it
     reference_engine = LLMEngine(EngineArgs(model=str(checkpoint), **ENGINE_ARGS, enforce_eager=True))
     reference = _generate(reference_engine)
     del reference_engine
