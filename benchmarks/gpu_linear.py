@@ -12,7 +12,7 @@ after an L2 flush (each sample pays the graph's launch); `*_in_graph` is one cal
 cycle through copies of the weight larger than L2 together, as in a decode step, and `read_in_graph` the
 same for a kernel that only reads the weight once (the practical floor of one launch: `ours_vs_read`).
 The router rows (fp32 logits) compare ours from the bf16 weight with the path before kernels/linear (an fp32 GEMV over an fp32 copy of the weight) and with
-torch.mm(out_dtype=fp32), which linear runs for them (fp32 outputs stay on cuBLAS: see its __init__.py).
+torch.mm(out_dtype=fp32) (cuBLAS, which linear ran for them before fp32 outputs took the skinny kernel too).
 --smoke: tiny shapes on the CPU through the Triton interpreter (fp16: it cannot multiply bf16), the rule's
 tiles for an H200 (132 SMs, 227 KB)."""
 

@@ -4,9 +4,9 @@
 Decode multiplies a few rows by a large weight, where a GEMM is a weight stream: on CUDA, bf16/fp16 x of
 at most 16 rows against a contiguous weight of at least 2^20 elements runs `triton_skinny.py` (one launch,
 split-K reduced in the same launch, tiles by a fixed rule: `tile_rule.py`); everything else runs `naive.py`
-(`F.linear`, cuBLAS on CUDA). fp32 outputs of 16-bit inputs (the MoE router's logits) stay on cuBLAS too: they
-pick experts, and every EP rank must pick the same, which takes one summation order per shape and device model
-(cuBLAS's; the tile rule fixes ours per device model too, but the router has not been moved over).
+(`F.linear`, cuBLAS on CUDA). fp32 outputs of 16-bit inputs (the MoE router's logits, the shared experts'
+partial sums) take the same kernel: the router's picks must be the same on every EP rank, which takes one
+summation order per shape and device model, and the tile rule fixes exactly that (as cuBLAS fixes its own).
 `last_backend["linear"]` records which."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def linear(x: Tensor, weight: Tensor, out_dtype: torch.dtype | None = None) -> T
     out_dtype = out_dtype or x.dtype
     if out_dtype not in (x.dtype, torch.float32):
         raise ValueError(f"out_dtype must be x's dtype ({x.dtype}) or torch.float32, got {out_dtype}")
-    if out_dtype == x.dtype and _triton_fits(x, weight):
+    if _triton_fits(x, weight):
         from . import triton_skinny
 
         last_backend["linear"] = "triton"

@@ -10,7 +10,7 @@ weight rows take the MMA's M side (swap AB) and the rows of x its N side, padded
                     the stream); their outputs are never stored
 
 Split-K, for few weight rows over a long K (MLA's stacked q_a|kv_a|g, 3648 x 7168: 57 tiles of 64 rows for
-132 SMs, split in 2 on the H200; the router's logits are fp32 and stay on cuBLAS, see __init__.py):
+132 SMs, split in 2 on the H200; the router's fp32 logits, 896 x 7168, split in 4):
 each split writes its fp32 partial tile to a workspace and takes a ticket from the tile's counter; the
 split that draws the last ticket sums the partials in split order (the same sum whichever finishes
 last), stores the tile and puts the counter back to 0 for the next call. No memset, no second launch,
