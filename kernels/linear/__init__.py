@@ -26,10 +26,11 @@ MIN_TRITON_WEIGHT = 1 << 20  # weight elements below which a launch costs more t
 _TRITON_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def linear(x: Tensor, weight: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
-    """x [..., K] @ weight [N, K]^T -> [..., N] in out_dtype (default x.dtype). x and weight share one
-    floating dtype; out_dtype may also be fp32 for 16-bit inputs: the exact products summed in fp32,
-    rounded once (the router's logits)."""
+def linear(x: Tensor, weight: Tensor, out_dtype: torch.dtype | None = None, add: Tensor | None = None) -> Tensor:
+    """x [..., K] @ weight [N, K]^T (+ add [..., N]) -> [..., N] in out_dtype (default x.dtype). x and weight share
+    one floating dtype; out_dtype may also be fp32 for 16-bit inputs: the exact products summed in fp32, rounded
+    once (the router's logits). add (any float dtype: a residual, the shared experts' all-reduced partial sums)
+    joins the fp32 sums before that one rounding: no launch of its own, one rounding fewer than adding after."""
     if weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x must be [..., K] and weight [N, K] with the same K, got x {tuple(x.shape)} "
                          f"and weight {tuple(weight.shape)}")
@@ -40,14 +41,19 @@ def linear(x: Tensor, weight: Tensor, out_dtype: torch.dtype | None = None) -> T
     out_dtype = out_dtype or x.dtype
     if out_dtype not in (x.dtype, torch.float32):
         raise ValueError(f"out_dtype must be x's dtype ({x.dtype}) or torch.float32, got {out_dtype}")
-    if _triton_fits(x, weight):
+    if add is not None and (add.shape != (*x.shape[:-1], weight.shape[0]) or not add.is_floating_point()
+                            or add.device != x.device):
+        raise ValueError(f"add must be a floating [..., N] = {(*x.shape[:-1], weight.shape[0])} tensor on "
+                         f"{x.device}, got {add.dtype} {tuple(add.shape)} on {add.device}")
+    if _triton_fits(x, weight) and (add is None or add.stride(-1) == 1):
         from . import triton_skinny
 
         last_backend["linear"] = "triton"
-        out = triton_skinny.linear(x.reshape(-1, x.shape[-1]), weight, out_dtype)
+        rows = None if add is None else add.reshape(-1, add.shape[-1])
+        out = triton_skinny.linear(x.reshape(-1, x.shape[-1]), weight, out_dtype, rows)
         return out.reshape(*x.shape[:-1], weight.shape[0])
     last_backend["linear"] = "naive"
-    return naive.linear(x, weight, out_dtype)
+    return naive.linear(x, weight, out_dtype, add)
 
 
 def _triton_fits(x: Tensor, weight: Tensor) -> bool:

@@ -8,7 +8,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def linear(x: Tensor, weight: Tensor, out_dtype: torch.dtype) -> Tensor:
+def linear(x: Tensor, weight: Tensor, out_dtype: torch.dtype, add: Tensor | None = None) -> Tensor:
+    if add is not None:  # the fp32 sums plus add, rounded once
+        return (linear(x, weight, torch.float32) + add.float()).to(out_dtype)
     if out_dtype == x.dtype:
         return F.linear(x, weight)
     # out_dtype is fp32, x and weight bf16/fp16: their products are exact in fp32

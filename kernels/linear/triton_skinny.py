@@ -37,10 +37,11 @@ from .tile_rule import Tiles, block_t, tile_order
 
 
 @triton.jit(do_not_specialize=["T", "N", "blocks_per_split"])  # no binary of its own per row count or N
-def _skinny_kernel(x, w, out, partials, tickets, T, N, K, stride_x, blocks_per_split,
+def _skinny_kernel(x, w, out, add, partials, tickets, T, N, K, stride_x, stride_add, blocks_per_split,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                   SPLIT: tl.constexpr, EVEN_K: tl.constexpr):
-    """x [T, K] (unit inner stride), w [N, K] contiguous, out [T, N] contiguous; partials fp32
+                   SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_ADD: tl.constexpr):
+    """x [T, K] (unit inner stride), w [N, K] contiguous, out [T, N] contiguous; add [T, N] (unit inner stride)
+    only read when HAS_ADD, added to the fp32 sums before their one rounding; partials fp32
     [splits, tiles, BLOCK_N, BLOCK_T] and tickets int32 [>= tiles] only read when SPLIT."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -77,6 +78,8 @@ def _skinny_kernel(x, w, out, partials, tickets, T, N, K, stride_x, blocks_per_s
                 acc += tl.load(tile_partials + s * split_stride, cache_modifier=".cg")
             tl.store(tickets + tile, 0)
         store_ok = store_ok & last
+    if HAS_ADD:
+        acc += tl.load(add + offs_t[None, :] * stride_add + offs_n[:, None], mask=store_ok, other=0.0).to(tl.float32)
     tl.store(out + offs_t[None, :] * N + offs_n[:, None], acc.to(out.dtype.element_ty), mask=store_ok)
 
 
@@ -93,8 +96,9 @@ def _tickets_for(device: torch.device, tiles: int) -> Tensor:
     return _tickets[key]
 
 
-def launch(x: Tensor, weight: Tensor, out: Tensor, tiles: Tiles) -> Tensor:
-    """out [T, N] = x [T, K] @ weight [N, K]^T with the given tiles (x rows with a unit inner stride)."""
+def launch(x: Tensor, weight: Tensor, out: Tensor, tiles: Tiles, add: Tensor | None = None) -> Tensor:
+    """out [T, N] = x [T, K] @ weight [N, K]^T (+ add [T, N]) with the given tiles (x and add rows with a unit
+    inner stride)."""
     T, K = x.shape
     N = weight.shape[0]
     blocks = triton.cdiv(K, tiles.block_k)
@@ -110,9 +114,10 @@ def launch(x: Tensor, weight: Tensor, out: Tensor, tiles: Tiles) -> Tensor:
         partials = tickets = out  # never read
     with device_of(x):
         _skinny_kernel[(num_tiles, tiles.splits)](
-            x, weight, out, partials, tickets, T, N, K, x.stride(0), blocks // tiles.splits,
-            BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, BLOCK_T=block_t(T), SPLIT=tiles.splits > 1,
-            EVEN_K=K % tiles.block_k == 0, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            x, weight, out, out if add is None else add, partials, tickets, T, N, K, x.stride(0),
+            0 if add is None else add.stride(0), blocks // tiles.splits, BLOCK_N=tiles.block_n,
+            BLOCK_K=tiles.block_k, BLOCK_T=block_t(T), SPLIT=tiles.splits > 1, EVEN_K=K % tiles.block_k == 0,
+            HAS_ADD=add is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
     return out
 
@@ -120,14 +125,14 @@ def launch(x: Tensor, weight: Tensor, out: Tensor, tiles: Tiles) -> Tensor:
 _launched: dict[tuple, Tiles] = {}  # (N, K, BLOCK_T, x dtype, out dtype, device) -> the tiles linear runs
 
 
-def linear(x: Tensor, weight: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """x [T, K] @ weight [N, K]^T -> [T, N] in out_dtype, with the first tiles of the rule's order that launch on
-    this device (found on the shape's first call, eager or captured, then kept)."""
+def linear(x: Tensor, weight: Tensor, out_dtype: torch.dtype, add: Tensor | None = None) -> Tensor:
+    """x [T, K] @ weight [N, K]^T (+ add [T, N]) -> [T, N] in out_dtype, with the first tiles of the rule's order
+    that launch on this device (found on the shape's first call, eager or captured, then kept)."""
     out = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype, device=x.device)
     key = (*weight.shape, block_t(x.shape[0]), x.dtype, out_dtype, x.device)
     if key in _launched:
-        return launch(x, weight, out, _launched[key])
-    _launched[key] = launch_first_fitting(x, weight, out, tile_order_for(x, weight))
+        return launch(x, weight, out, _launched[key], add)
+    _launched[key] = launch_first_fitting(x, weight, out, tile_order_for(x, weight), add)
     return out
 
 
@@ -138,13 +143,14 @@ def tile_order_for(x: Tensor, weight: Tensor) -> list[Tiles]:
                       props.shared_memory_per_block_optin)
 
 
-def launch_first_fitting(x: Tensor, weight: Tensor, out: Tensor, order: list[Tiles]) -> Tiles:
+def launch_first_fitting(x: Tensor, weight: Tensor, out: Tensor, order: list[Tiles],
+                         add: Tensor | None = None) -> Tiles:
     """Launches the first tiles of `order` that this device can run and returns them: Triton raises OutOfResources
     before launching a binary whose shared memory (or threads) the device lacks, so nothing half-ran."""
     error = None
     for tiles in order:
         try:
-            launch(x, weight, out, tiles)
+            launch(x, weight, out, tiles, add)
             return tiles
         except OutOfResources as exc:
             error = exc

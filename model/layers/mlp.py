@@ -165,14 +165,11 @@ class SparseMoE(Sharded):
         if not is_latent:  # one all-reduce for routed + shared partial sums (fp32: routed's dtype)
             shared = self.shared_experts.output(*projected) if projected else None
             return self.tp.all_reduce(routed if shared is None else routed + shared).to(x.dtype)
-        # the shared experts' partial sums all-reduced in fp32, straight from their down-projection (no casts);
-        # one rank's own in the weights' dtype, as the up-projection's output it is added to
-        shared_dtype = torch.float32 if self.tp.world_size > 1 else None
-        shared = self.shared_experts.output(*projected, out_dtype=shared_dtype) if projected else None
+        # the shared experts' partial sums in fp32 straight from their down-projection, all-reduced so, then
+        # added to the up-projection's fp32 sums: no cast and no add of their own, one rounding for both
+        shared = self.shared_experts.output(*projected, out_dtype=torch.float32) if projected else None
         routed = self.tp.all_reduce(routed)  # sum the experts of every rank in latent space ...
         if cfg.latent_moe_use_norm:
             routed = self.routed_expert_norm(routed, out_dtype=x.dtype)  # ... then normalize, into x's dtype
-        out = self.routed_expert_up_proj(routed.to(x.dtype))
-        if shared is not None:  # in place: one launch adds in fp32 and rounds once into out's dtype
-            out += self.tp.all_reduce(shared)
-        return out
+        return self.routed_expert_up_proj(routed.to(x.dtype),
+                                          add=None if shared is None else self.tp.all_reduce(shared))

@@ -37,6 +37,21 @@ def test_fp32_out_sums_the_exact_products_in_fp32(dtype: torch.dtype) -> None:
     assert (rounded - exact).abs().max() > 100 * (out.double() - exact).abs().max()  # far more than fp32 sums
 
 
+@pytest.mark.parametrize("add_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_add_joins_the_fp32_sums_before_the_one_rounding(add_dtype: torch.dtype) -> None:
+    """The shared experts' sum added to the up-projection: (exact products summed in fp32 + add) rounded once,
+    closer to the exact result than rounding the product first and adding after."""
+    x, w = torch.randn(3, 2, 512).bfloat16(), torch.randn(70, 512).bfloat16()
+    add = (16 * torch.randn(3, 2, 70)).to(add_dtype)
+    out = linear(x, w, add=add)
+    assert out.dtype == torch.bfloat16 and out.shape == (3, 2, 70)
+    exact = x.double() @ w.double().t() + add.double()
+    assert_close("bf16 out + add", exact, out.double(), 1e-3, 2**-8)  # one bf16 rounding of the exact value
+    assert torch.equal(linear(x, w, torch.float32, add), (linear(x, w, torch.float32) + add.float()))
+    with pytest.raises(ValueError, match="add must be"):
+        linear(x, w, add=torch.randn(3, 2, 71))
+
+
 def test_empty_and_single_row_inputs_keep_their_shape() -> None:
     w = torch.randn(8, 16)
     assert linear(torch.randn(0, 16), w).shape == (0, 8)

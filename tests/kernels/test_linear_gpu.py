@@ -24,6 +24,7 @@ pytestmark = pytest.mark.gpu
 K3_RANK_WEIGHTS = k3_rank_weights()
 STREAMED = [(name, N, K) for name, N, K in K3_RANK_WEIGHTS if N * K >= MIN_TRITON_WEIGHT]
 ROUTER = next(w for w in K3_RANK_WEIGHTS if w[0] == "MoE router")
+WITH_ADD = [w for w in STREAMED if w[0] in ("MoE latent up", "MoE router")]  # unsplit and split-K on an H200
 
 
 def _weight(N: int, K: int) -> torch.Tensor:
@@ -50,6 +51,20 @@ def test_k3_rank_weights_run_triton_and_match(name: str, N: int, K: int, T: int,
     assert linear_op.last_backend["linear"] == "triton" and out.shape == (T, N) and out.dtype == out_dtype
     _check(f"{name} T{T}", x, w, out)
     assert torch.equal(linear(x, w, out_dtype), out), "a second call differs (split-K is deterministic)"
+
+
+@pytest.mark.parametrize("T", [1, 16], ids=lambda T: f"T{T}")
+@pytest.mark.parametrize(("name", "N", "K"), WITH_ADD, ids=[name for name, _, _ in WITH_ADD])
+def test_add_joins_the_sums_before_the_rounding(name: str, N: int, K: int, T: int) -> None:
+    """The shared experts' fp32 sum added to the latent up-projection in the kernel (the last split adds it)."""
+    w = _weight(N, K)
+    x = torch.randn(T, K, device="cuda").bfloat16()
+    add = torch.randn(T, N, device="cuda")
+    out = linear(x, w, add=add)
+    assert linear_op.last_backend["linear"] == "triton" and out.dtype == torch.bfloat16
+    assert_close(f"{name} T{T} + add", naive.linear(x, w, torch.float32) + add, out.float(),
+                 1e-5 * add.abs().max().item(), 2**-8)
+    assert torch.equal(linear(x, w, torch.float32, add), linear(x, w, torch.float32) + add)
 
 
 def test_leading_dims_and_strided_rows() -> None:

@@ -14,7 +14,8 @@ pytestmark = needs_triton
 def _tilings_match_exact_products() -> None:
     """Awkward sizes: N = 100 leaves a partial tile of rows, K = 200 a partial K block (K = 256 none);
     T = 1, 5 (8-row tiles) and 11, 16 (16-row tiles); x a column slice of a wider tensor (row stride 300).
-    Unsplit (K blocks of 64 and of 256, the wide pick's), and split in 2, 4 and one K block a split (7 or 8)."""
+    Unsplit (K blocks of 64 and of 256, the wide pick's), and split in 2, 4 and one K block a split (7 or 8); each
+    also with an fp32 tensor added to the sums before the store."""
     import pytest
     import torch
 
@@ -35,6 +36,9 @@ def _tilings_match_exact_products() -> None:
                 assert_close(case, exact, out.double(), 1e-4, tol)
                 again = triton_skinny.launch(x, w, torch.empty(T, 100, dtype=out_dtype), tiles)
                 assert torch.equal(out, again), f"{case}: a second call differs"
+            add = torch.randn(T, 130)[:, 3:103]  # a residual, rows strided: joins the fp32 sums of the last split
+            out = triton_skinny.launch(x, w, torch.empty(T, 100), tiles, add)
+            assert_close(f"T{T} K{K} {tiles} + add", exact + add.double(), out.double(), 1e-4, 1e-5)
         order = tile_order(100, K, block_t(T), 132, 232448)  # an H200's: n64 k128 unsplit (K too short to split)
         out = torch.empty(T, 100, dtype=torch.float32)
         assert triton_skinny.launch_first_fitting(x, w, out, order) == order[0], "the rule's pick did not launch"
