@@ -161,12 +161,15 @@ def test_smem_estimate_bounds_what_triton_compiles_for_sm90(tmp_path: Path, monk
 
     from k3serve.kernels.linear.triton_skinny import _skinny_kernel
 
-    signature = {"x": "*bf16", "w": "*bf16", "out": "*bf16", "partials": "*fp32", "tickets": "*i32", "T": "i32",
-                 "N": "i32", "K": "i32", "stride_x": "i32", "blocks_per_split": "i32"}
-    aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 7, 8)}
-    orders = {(bt, t) for bt in (8, 16) for N, K in ((896, 7168), (8448, 7168)) for t in tile_order(N, K, bt, 132, H200_SMEM)}
+    signature = {"x": "*bf16", "w": "*bf16", "out": "*bf16", "add": "*fp32", "partials": "*fp32", "tickets": "*i32",
+                 "T": "i32", "N": "i32", "K": "i32", "stride_x": "i32", "stride_add": "i32", "blocks_per_split": "i32"}
+    aligned = {(signature_index,): [["tt.divisibility", 16]] for signature_index in (0, 1, 2, 3, 4, 5, 8, 9, 10)}
+    orders = {(bt, t) for bt in (8, 16) for N, K in ((896, 7168), (8448, 7168))
+              for t in tile_order(N, K, bt, 132, H200_SMEM)}
     for bt, tiles in sorted(orders, key=str):
-        constants = dict(BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, BLOCK_T=bt, SPLIT=tiles.splits > 1, EVEN_K=True)
-        kernel = triton.compile(ASTSource(_skinny_kernel, signature, constants, aligned), target=GPUTarget("cuda", 90, 32),
+        constants = dict(BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, BLOCK_T=bt, SPLIT=tiles.splits > 1, EVEN_K=True,
+                         HAS_ADD=True)
+        kernel = triton.compile(ASTSource(_skinny_kernel, signature, constants, aligned),
+                                target=GPUTarget("cuda", 90, 32),
                                 options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
         assert 0 < kernel.metadata.shared <= tiles.smem_bytes(bt) <= H200_SMEM, (bt, str(tiles), kernel.metadata.shared)

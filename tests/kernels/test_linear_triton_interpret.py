@@ -1,7 +1,8 @@
 """The skinny-GEMM kernel (triton_skinny.py) run by the Triton interpreter on CPU tensors: tilings of every
 kind the tile rule and its fallbacks launch give x @ weight^T, split-K included, and leave their ticket
 counters at 0 for the next call; the first tiling of the rule's order is the one that launches. The
-interpreter cannot multiply bf16 in tl.dot (see _triton_interpret.py), so the inputs are fp16; bf16 outputs are only a cast of the same fp32 sums (which the interpreter truncates: within 2^-7, where
+interpreter cannot multiply bf16 in tl.dot (see _triton_interpret.py), so the inputs are fp16; bf16 outputs are
+only a cast of the same fp32 sums (which the interpreter truncates: within 2^-7, where
 the GPU rounds to within 2^-8)."""
 
 from __future__ import annotations
