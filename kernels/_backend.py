@@ -55,6 +55,13 @@ def gpu_kernels(*tensors: Tensor | None) -> bool:
     return not _force_reference and on_cuda(*tensors)
 
 
+def unit_stride_rows(t: Tensor) -> Tensor:
+    """t [..., N] as [R, N] rows with a unit inner stride, as the row-wise kernels read them (a copy only when
+    it cannot be a view)."""
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def device_of(t: Tensor) -> contextlib.AbstractContextManager:
     """The CUDA device context of t (launches go to its device); a no-op for CPU tensors (Triton interpreter)."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .._backend import device_of
+from .._backend import device_of, unit_stride_rows
 
 _BLOCK = 1024
 
@@ -24,18 +24,12 @@ def _gate_kernel(x, gate, out, N, stride_x, stride_g, BLOCK: tl.constexpr):
     tl.store(out + row * N + cols, (xf * tl.sigmoid(g)).to(out.dtype.element_ty), mask=ok)
 
 
-def _rows(t: Tensor) -> Tensor:
-    """t [..., N] as [R, N] rows with a unit inner stride (a copy only when it cannot be a view)."""
-    rows = t.reshape(-1, t.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
 def sigmoid_gate(x: Tensor, gate: Tensor, out_dtype: torch.dtype) -> Tensor:
     """x * sigmoid(gate) (same shape [..., N]) in out_dtype, contiguous."""
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     if x.numel() == 0:
         return out
-    xr, gr = _rows(x), _rows(gate)
+    xr, gr = unit_stride_rows(x), unit_stride_rows(gate)
     N = xr.shape[1]
     with device_of(x):
         _gate_kernel[(xr.shape[0], triton.cdiv(N, _BLOCK))](

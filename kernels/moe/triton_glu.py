@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .._backend import device_of
+from .._backend import device_of, unit_stride_rows
 
 _BLOCK = 1024
 
@@ -31,18 +31,12 @@ def _glu_kernel(gate, up, out, I, stride_g, stride_u, beta, linear_beta, SITU: t
     tl.store(out + row * I + cols, y.to(out.dtype.element_ty), mask=ok)
 
 
-def _rows(t: Tensor) -> Tensor:
-    """t [..., I] as [N, I] rows with a unit inner stride (a copy only when it cannot be a view)."""
-    rows = t.reshape(-1, t.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
 def glu(gate: Tensor, up: Tensor, situ: bool, beta: float = 0.0, linear_beta: float = 0.0) -> Tensor:
     """SiTU-GLU (situ=True, with beta and linear_beta) or SwiGLU of gate, up [..., I], in gate.dtype."""
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if gate.numel() == 0:
         return out
-    g, u = _rows(gate), _rows(up)
+    g, u = unit_stride_rows(gate), unit_stride_rows(up)
     I = g.shape[1]
     with device_of(gate):
         _glu_kernel[(g.shape[0], triton.cdiv(I, _BLOCK))](
