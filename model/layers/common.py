@@ -55,9 +55,11 @@ class Linear(Sharded):
         super().__init__()
         self.weight = self.add_param("weight", (out_features, in_features), dtype, tp_dim)
 
-    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-        """x W^T (+ add, summed before the output's one rounding: `kernels.linear.linear`)."""
-        return linear(x.to(self.weight.dtype), self.weight, add=add)
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x W^T (+ add, summed before the output's one rounding) in out_dtype (default the weight's; fp32 for
+        an unrounded partial sum): `kernels.linear.linear`."""
+        return linear(x.to(self.weight.dtype), self.weight, out_dtype, add)
 
 
 def stack_rows(current: torch.Tensor | None, linears: Sequence[Linear]) -> torch.Tensor:

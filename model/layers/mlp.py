@@ -60,8 +60,7 @@ class DenseMLP(Sharded):
     def output(self, gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """down(act(gate, up)) from the gate and up projections of the input; out_dtype (default the weights'
         dtype) may be fp32: the partial sum of a rank unrounded, as the all-reduce sums it."""
-        h = self.act(gate, up)
-        return linear(h.to(self.down_proj.weight.dtype), self.down_proj.weight, out_dtype)
+        return self.down_proj(self.act(gate, up), out_dtype=out_dtype)
 
 
 class RoutedExperts(Sharded):
@@ -171,5 +170,4 @@ class SparseMoE(Sharded):
         routed = self.tp.all_reduce(routed)  # sum the experts of every rank in latent space ...
         if cfg.latent_moe_use_norm:
             routed = self.routed_expert_norm(routed, out_dtype=x.dtype)  # ... then normalize, into x's dtype
-        return self.routed_expert_up_proj(routed.to(x.dtype),
-                                          add=None if shared is None else self.tp.all_reduce(shared))
+        return self.routed_expert_up_proj(routed, add=None if shared is None else self.tp.all_reduce(shared))
