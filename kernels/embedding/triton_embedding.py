@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .._backend import device_of
+from .._backend import device_of, unit_stride_rows
 
 _BLOCK = 1024
 
@@ -32,8 +32,7 @@ def shard_embedding(weight: Tensor, token_ids: Tensor, start: int, out: Tensor |
         out = torch.empty(T, D, dtype=weight.dtype, device=weight.device)
     if T == 0 or D == 0:
         return out
-    if weight.stride(-1) != 1:
-        weight = weight.contiguous()
+    weight = unit_stride_rows(weight)
     token_ids = token_ids.contiguous()
     with device_of(weight):
         _embedding_kernel[(T, triton.cdiv(D, _BLOCK))](

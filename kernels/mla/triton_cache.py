@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .._backend import device_of
+from .._backend import device_of, unit_stride_rows
 
 
 @triton.jit
@@ -34,8 +34,7 @@ def write_kv_cache(kv_cache: Tensor, slot_mapping: Tensor, latent: Tensor) -> No
     T, D = latent.shape
     if T == 0:
         return
-    if latent.stride(-1) != 1:
-        latent = latent.contiguous()  # rows of any stride are read where they are (a fused projection's columns)
+    latent = unit_stride_rows(latent)  # rows of any stride are read where they are (a fused projection's columns)
     slot_mapping = slot_mapping.contiguous()
     BLOCK_D = min(triton.next_power_of_2(D), 1024)
     with device_of(latent):
