@@ -3,8 +3,8 @@ that this rank holds, zero rows for the ids it does not, so that an all-reduce o
 the whole embedding.
 
 `shard_embedding` checks arguments here, then runs `triton_embedding.py` (one launch) when every tensor is
-on CUDA, else the torch reference in `naive.py` (7 launches on a GPU: shift, two compares, or, clamp the ids,
-gather, zero the foreign rows); `last_backend["shard_embedding"]` records which."""
+on CUDA, else the torch reference in `naive.py` (7 launches on a GPU: shift, two compares, or, point the foreign ids
+at row 0, gather, zero the foreign rows); `last_backend["shard_embedding"]` records which."""
 
 from __future__ import annotations
 

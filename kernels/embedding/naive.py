@@ -1,4 +1,4 @@
-"""Plain-torch lookup of one vocab shard's rows: the foreign ids clamped to row 0 for the gather, their rows
+"""Plain-torch lookup of one vocab shard's rows: the foreign ids pointed at row 0 for the gather, their rows
 zeroed after."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ RMSNorm that closes a KDA layer (fla FusedRMSNormGated), and the q/k L2 norm of 
 
 Each function checks shapes here, then runs `triton_norm.py` (one kernel launch) when every tensor is on
 CUDA, else the fp32 reference in `naive.py`; `last_backend[name]` records which. The output dtype is
-x.dtype."""
+x.dtype (rms_norm: out_dtype or out's dtype when given)."""
 
 from __future__ import annotations
 
