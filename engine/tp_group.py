@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 
 from k3serve.engine.host_ip import uri_host
-from k3serve.model.parallel import TensorParallel, is_nccl
+from k3serve.model.parallel import TensorParallel
 
 _IDLE_TIMEOUT = datetime.timedelta(days=365)  # how long a follower waits for rank 0's next action
 _JOIN_TIMEOUT = datetime.timedelta(seconds=600)  # how long the ranks take to find each other
@@ -178,16 +178,18 @@ class TPGroup:
 
     def _join_nccl(self, cuda: torch.device) -> Any | None:
         """The model's NCCL group on `cuda`, its communicator made; None where every rank cannot have one
-        (then rank 0 warns why). Every rank offers its GPU (None: declines) and rank 0 the address of the
+        (then rank 0 warns why, if some rank asked for NCCL: gloo is the default). Every rank offers whether
+        it asked, its GPU (None: it did not ask, or its torch has no NCCL) and rank 0 the address of the
         group's store; all decide alike from what all offered."""
-        wants = _nccl_switch() and dist.is_nccl_available()
+        asked = _nccl_switch()
+        wants = asked and dist.is_nccl_available()
         store, init = leader_store(self.world_size, self.host, self._join.total_seconds()) \
             if self.is_leader and wants else (None, None)
-        offers = self.all_gather((str(torch.cuda.get_device_properties(cuda).uuid) if wants else None, init))
-        init = offers[0][1]
-        why = _nccl_refused([gpu for gpu, _ in offers])
+        offers = self.all_gather((asked, str(torch.cuda.get_device_properties(cuda).uuid) if wants else None, init))
+        init = offers[0][2]
+        why = _nccl_refused([(asked, gpu) for asked, gpu, _ in offers])
         if why is not None:
-            if self.is_leader:
+            if self.is_leader and any(asked for asked, _, _ in offers):
                 warnings.warn(f"TP group: the model's collectives run on gloo, through the host (no CUDA "
                               f"graphs): {why}", stacklevel=2)
             return None
@@ -227,12 +229,17 @@ def _nccl_switch() -> bool:
     return value == "1"
 
 
-def _nccl_refused(offers: list[str | None]) -> str | None:
-    """Why the ranks that offered these GPUs (None: a rank that declined) cannot share an NCCL group."""
-    declined = [rank for rank, gpu in enumerate(offers) if gpu is None]
-    if declined:
-        return f"rank(s) {declined} without {NCCL_SWITCH}=1 (NCCL is opt-in), or a torch without NCCL"
-    if len(set(offers)) < len(offers):
+def _nccl_refused(offers: list[tuple[bool, str | None]]) -> str | None:
+    """Why the ranks that made these offers (by rank: whether it asked for NCCL, its GPU or None) cannot
+    share an NCCL group; None where they can."""
+    unasked = [rank for rank, (asked, _) in enumerate(offers) if not asked]
+    if unasked:
+        return f"rank(s) {unasked} without {NCCL_SWITCH}=1 (NCCL is opt-in)"
+    without_nccl = [rank for rank, (_, gpu) in enumerate(offers) if gpu is None]
+    if without_nccl:
+        return f"rank(s) {without_nccl} on a torch without NCCL"
+    gpus = [gpu for _, gpu in offers]
+    if len(set(gpus)) < len(gpus):
         return "ranks share a GPU (NCCL needs one GPU per rank)"
     return None
 

@@ -5,9 +5,13 @@ NCCL group itself needs two GPUs: tests/engine/test_tp_nccl_gpu.py).
   Ray); an indexed device, the CPU, or a one-rank engine's device is taken as given.
 * Graphs at TP > 1 need collectives a graph can record: NCCL's, not gloo's; the memory plan sets their
   memory aside whenever the arguments allow them (before the ranks have chosen their group).
+* The ranks keep the model on gloo unless every one asked for NCCL (`K3SERVE_TP_NCCL=1`), has a torch with
+  NCCL and a GPU of its own; rank 0 warns why only when some rank asked (gloo is the default: no warning).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -15,7 +19,7 @@ import torch.distributed as dist
 
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.cuda_graphs import graphs_allowed, graphs_enabled
-from k3serve.engine.tp_group import rank_device
+from k3serve.engine.tp_group import NCCL_SWITCH, TPGroup, _nccl_refused, leader_store, rank_device
 from k3serve.model.parallel import TensorParallel
 
 
@@ -50,3 +54,31 @@ def test_graphs_at_tp2_need_collectives_a_graph_can_record() -> None:
     assert not graphs_enabled(args, TensorParallel(0, 2, group=gloo))
     assert TensorParallel().capturable and graphs_enabled(EngineArgs(device="cuda"))
     assert not graphs_allowed(EngineArgs(device="cuda", tensor_parallel_size=2, enforce_eager=True))
+
+
+def test_nccl_needs_every_rank_to_ask_and_have_nccl_and_a_gpu_of_its_own() -> None:
+    assert _nccl_refused([(True, "GPU-a"), (True, "GPU-b")]) is None
+    assert _nccl_refused([(True, "GPU-a"), (False, None)]) == f"rank(s) [1] without {NCCL_SWITCH}=1 (NCCL is opt-in)"
+    assert _nccl_refused([(True, None), (True, "GPU-b")]) == "rank(s) [0] on a torch without NCCL"
+    assert _nccl_refused([(True, "GPU-a"), (True, "GPU-a")]) == "ranks share a GPU (NCCL needs one GPU per rank)"
+
+
+@pytest.mark.skipif(dist.is_nccl_available(), reason="a torch without NCCL: the choice runs without a GPU")
+def test_the_default_keeps_gloo_silently_and_an_unmet_ask_for_nccl_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the real choice over a one-rank group (`tensor_parallel("cuda")` itself needs a GPU)."""
+    store, init = leader_store(1, "127.0.0.1")
+    group = TPGroup(0, 1, init, store=store.clone())
+    del store
+    try:
+        monkeypatch.delenv(NCCL_SWITCH, raising=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the default says nothing
+            assert group._join_nccl(torch.device("cuda", 0)) is None
+        monkeypatch.setenv(NCCL_SWITCH, "1")
+        with pytest.warns(UserWarning, match=r"on gloo.*rank\(s\) \[0\] on a torch without NCCL"):
+            assert group._join_nccl(torch.device("cuda", 0)) is None
+        monkeypatch.setenv(NCCL_SWITCH, "yes")
+        with pytest.raises(ValueError, match=f"{NCCL_SWITCH}='yes': must be 0"):
+            group._join_nccl(torch.device("cuda", 0))
+    finally:
+        group.close()
