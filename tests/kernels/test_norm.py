@@ -72,3 +72,21 @@ def test_rms_norm_out_dtype_rounds_once() -> None:
     out = rms_norm(x, w, EPS, out_dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, rms_norm(x, w, EPS).bfloat16())
+
+
+def test_rms_norm_out_is_written_in_place_and_checked() -> None:
+    """out= normalizes into a given buffer (MLA's latent inside its projection row) and is what returns; an out of
+    another shape, a strided last dim or a dtype other than out_dtype is refused by name."""
+    x, w = torch.randn(4, 96), torch.randn(96)
+    row = torch.randn(4, 160)
+    c = row[:, :96]
+    c.copy_(x)
+    got = rms_norm(c, w, EPS, out=c)
+    assert got.data_ptr() == c.data_ptr() and torch.equal(got, rms_norm(x, w, EPS))
+    assert torch.equal(row[:, :96], rms_norm(x, w, EPS))
+    with pytest.raises(ValueError, match="out must be"):
+        rms_norm(x, w, EPS, out=torch.empty(4, 95))
+    with pytest.raises(ValueError, match="out must be"):
+        rms_norm(x, w, EPS, out=torch.empty(96, 4).t())
+    with pytest.raises(ValueError, match="differs from out's dtype"):
+        rms_norm(x, w, EPS, out_dtype=torch.bfloat16, out=torch.empty(4, 96))
