@@ -50,7 +50,7 @@ class TensorParallel:
         if self.world_size == 1:
             return x
         if self.group is not None:
-            self.group.allreduce([x], _on_callers_stream(dist.AllreduceOptions())).wait()
+            self.group.allreduce([x], _ALL_REDUCE).wait()
         else:
             dist.all_reduce(x)
         return x
@@ -64,9 +64,7 @@ class TensorParallel:
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
         if self.group is not None:
-            options = _on_callers_stream(dist.GatherOptions())
-            options.rootRank = 0
-            self.group.gather([parts] if parts is not None else [], [x], options).wait()
+            self.group.gather([parts] if parts is not None else [], [x], _GATHER_TO_0).wait()
         else:
             dist.gather(x, parts, dst=0)
         return parts
@@ -83,6 +81,13 @@ def _on_callers_stream(options: Any) -> Any:
     if hasattr(options, "asyncOp"):
         options.asyncOp = False
     return options
+
+
+# Made once: the process groups read their options, never change them, and an eager TP step makes two
+# collectives a layer (building each call's options took ~0.4 us on this host: ~75 us an eager K3 step, 93 layers).
+_ALL_REDUCE = _on_callers_stream(dist.AllreduceOptions())
+_GATHER_TO_0 = _on_callers_stream(dist.GatherOptions())
+_GATHER_TO_0.rootRank = 0
 
 
 SINGLE = TensorParallel()
