@@ -100,7 +100,8 @@ def test_graph_reserve_counts_the_static_inputs_and_grows_with_the_largest_bucke
 
 
 def test_k3serve_plan_lists_the_pad_slot_and_graphs_at_tp1_and_tp2_and_neither_eager() -> None:
-    """At TP > 1 the graphs capture on NCCL (one GPU per rank), so the plan sets their memory aside too."""
+    """At TP > 1 too: the plan is made before the ranks choose NCCL (graphs) or gloo (the default: none,
+    and what was set aside stays unused)."""
     config = preset_config("k3-tiny")
 
     def rows(**kw) -> dict[str, str]:
