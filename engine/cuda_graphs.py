@@ -38,6 +38,7 @@ import torch
 
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.scheduler_output import ScheduledSeq
+from k3serve.engine.tp_group import nccl_requested
 from k3serve.kernels._backend import reference_forced
 from k3serve.model.batch import ModelCache, StaticDecodeInputs
 from k3serve.model.model import KimiForCausalLM
@@ -45,9 +46,10 @@ from k3serve.model.parallel import TensorParallel
 
 
 def graphs_allowed(args: EngineArgs) -> bool:
-    """Whether `args` let an engine capture decode graphs (the memory plan sets their memory aside then)."""
+    """Whether `args` let an engine capture decode graphs (the memory plan sets their memory aside then): at
+    TP > 1 only where this process asks for NCCL collectives (gloo's cannot be recorded; `tp_group.py`)."""
     return (not args.enforce_eager and args.device.startswith("cuda") and args.torch_dtype == torch.bfloat16
-            and not reference_forced())
+            and not reference_forced() and (args.tensor_parallel_size == 1 or nccl_requested()))
 
 
 def graphs_enabled(args: EngineArgs, tp: TensorParallel | None = None) -> bool:

@@ -101,7 +101,8 @@ def plan_engine_pools(config: ModelConfig, args: EngineArgs, usable_bytes: int |
     else in `usable_bytes` (on CUDA: what `gpu_memory_utilization` leaves of the free memory) less this
     engine's weights (planned before they load) and the captured graphs' memory; else the CPU default.
     With CUDA graphs (`graphs_allowed(args)`: not under `enforce_eager`, ...) the cache holds the pad slot
-    too. A TP engine plans them before its ranks choose their group: should they not capture (ranks on gloo,
+    too; at TP > 1 only where NCCL is asked for (`K3SERVE_TP_NCCL=1`: gloo's collectives cannot be recorded).
+    The plan is made before the ranks join: should NCCL be refused there (ranks sharing a GPU,
     `engine/tp_group.py`), what was set aside for them stays unused. NCCL's own buffers, not counted here,
     come out of what `gpu_memory_utilization` leaves free (they are made after the plan)."""
     from k3serve.engine.cuda_graphs import graphs_allowed

@@ -181,7 +181,7 @@ class TPGroup:
         (then rank 0 warns why, if some rank asked for NCCL: gloo is the default). Every rank offers whether
         it asked, its GPU (None: it did not ask, or its torch has no NCCL) and rank 0 the address of the
         group's store; all decide alike from what all offered."""
-        asked = _nccl_switch()
+        asked = nccl_requested()
         wants = asked and dist.is_nccl_available()
         store, init = leader_store(self.world_size, self.host, self._join.total_seconds()) \
             if self.is_leader and wants else (None, None)
@@ -222,7 +222,8 @@ def rank_device(device: str, rank: int, world_size: int) -> torch.device:
     return torch.device("cuda", rank % count)
 
 
-def _nccl_switch() -> bool:
+def nccl_requested() -> bool:
+    """Whether this process asks for NCCL model collectives (`K3SERVE_TP_NCCL=1`; opt-in)."""
     value = os.environ.get(NCCL_SWITCH, "0")
     if value not in ("0", "1"):
         raise ValueError(f"{NCCL_SWITCH}={value!r}: must be 0 (model collectives on gloo) or 1 (NCCL)")

@@ -13,6 +13,7 @@ from k3serve.engine.config import EngineArgs
 from k3serve.engine.cuda_graphs import graphs_enabled
 from k3serve.engine.memory import (GRAPH_POOL_SLACK_BYTES, PoolPlan, cache_sizes, decode_activation_bytes,
                                    describe_plan, graph_reserve_bytes, plan_engine_pools, weight_bytes)
+from k3serve.engine.tp_group import NCCL_SWITCH
 from k3serve.model.batch import ModelCache, StaticDecodeInputs
 from k3serve.model.config import ModelConfig
 from k3serve.model.loader import load_model
@@ -99,9 +100,10 @@ def test_graph_reserve_counts_the_static_inputs_and_grows_with_the_largest_bucke
         inputs.device_bytes - StaticDecodeInputs(4, 8, 8, 0, "meta").device_bytes + 60 * per_row)
 
 
-def test_k3serve_plan_lists_the_pad_slot_and_graphs_at_tp1_and_tp2_and_neither_eager() -> None:
-    """At TP > 1 too: the plan is made before the ranks choose NCCL (graphs) or gloo (the default: none,
-    and what was set aside stays unused)."""
+def test_k3serve_plan_lists_the_pad_slot_and_graphs_at_tp1_and_tp2_and_neither_eager(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """At TP > 1 only when NCCL is asked for (K3SERVE_TP_NCCL=1; gloo, the default, cannot be recorded, so
+    nothing is set aside for graphs that would never be captured)."""
     config = preset_config("k3-tiny")
 
     def rows(**kw) -> dict[str, str]:
@@ -109,6 +111,9 @@ def test_k3serve_plan_lists_the_pad_slot_and_graphs_at_tp1_and_tp2_and_neither_e
                                                      **kw), 2**30))
 
     eager = rows(enforce_eager=True)
+    gloo_tp2 = rows(tensor_parallel_size=2)
+    assert gloo_tp2["KDA slots for max_num_seqs=8"].startswith("8 slots") and gloo_tp2["CUDA graphs"].startswith("off")
+    monkeypatch.setenv(NCCL_SWITCH, "1")
     for graphs in (rows(), rows(tensor_parallel_size=2)):
         assert graphs["KDA slots for max_num_seqs=8 + the CUDA-graph pad slot"].startswith("9 slots")
     assert eager["KDA slots for max_num_seqs=8"].startswith("8 slots") and eager["CUDA graphs"].startswith("off")

@@ -44,11 +44,13 @@ def test_a_bare_cuda_without_a_visible_gpu_fails_naming_the_rank(monkeypatch: py
         rank_device("cuda", 1, 2)
 
 
-def test_graphs_at_tp2_need_collectives_a_graph_can_record() -> None:
+def test_graphs_at_tp2_need_collectives_a_graph_can_record(monkeypatch: pytest.MonkeyPatch) -> None:
     store = dist.HashStore()
     gloo = dist.ProcessGroupGloo(store, 0, 1)  # a one-rank gloo group stands for a TP engine's
     args = EngineArgs(device="cuda", tensor_parallel_size=2)
-    assert graphs_allowed(args)  # the plan sets the pad slot and the graphs' pool aside
+    assert not graphs_allowed(args)  # gloo by default: no pad slot, no graphs' pool set aside
+    monkeypatch.setenv(NCCL_SWITCH, "1")
+    assert graphs_allowed(args)  # NCCL asked for: the plan sets the pad slot and the graphs' pool aside
     assert not graphs_enabled(args)  # the group is not known yet
     assert not TensorParallel(0, 2, group=gloo).capturable
     assert not graphs_enabled(args, TensorParallel(0, 2, group=gloo))

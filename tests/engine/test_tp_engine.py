@@ -2,7 +2,8 @@
 step) generates what the TP1 engine generates: greedy tokens, their logprobs and the prompt logprobs, over
 a vocab of 509 that 2 does not divide. Each rank holds half the vocab rows of the embedding and the
 lm_head; the logits are gathered to rank 0, which alone samples, and the padded vocab row never shows.
-On CUDA (`-m gpu`, one device shared by both ranks) gloo moves the CUDA tensors through the host; fp32,
+On CUDA (`-m gpu`: rank r on GPU r of those visible, so one device shared on a 1-GPU machine; gloo unless
+K3SERVE_TP_NCCL=1) gloo moves the CUDA tensors through the host; fp32,
 with a looser logprob bound since the Triton kernels' dots may round through tf32."""
 
 from __future__ import annotations
