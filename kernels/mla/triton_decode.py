@@ -21,6 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .._backend import device_of
+from .split_rule import split_plan
 
 LN2 = 0.6931471805599453
 LOG2E = 1.4426950408889634
@@ -161,22 +162,17 @@ def mla_decode_paged(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, block_tab
                      num_warps: int = 4, num_stages: int | None = None) -> tuple[Tensor, Tensor]:
     """q_latent [N, H, L], q_pe [N, H, R] (any float dtype and head/sequence strides, rounded to the cache dtype
     in the kernel) -> (o_latent [N, H, L] in q_latent's dtype, lse [N, H] fp32). max_seq_len sizes the grid;
-    num_splits None picks enough splits for about `waves` waves of programs. waves, num_warps and num_stages
-    are the knobs `benchmarks/gpu_mla.py --sweep` times; the defaults are its winners on an H200 (2026-11-30):
-    one wave once 64+ (sequence, head group) pairs fill the GPU by themselves, else two (long splits beat a
-    second partial wave there); three pages in flight for 16-head groups, two for 32 (register pressure)."""
+    num_splits None picks as many splits as fill `waves` whole waves of programs (split_rule.py; waves None: its
+    default). waves, num_splits, num_warps and num_stages are the knobs `benchmarks/gpu_mla.py --sweep` times; the
+    warps and stages defaults are its winners on an H200 (2026-11-30): three pages in flight for 16-head groups,
+    two for 32 (register pressure)."""
     N, H, L = q_latent.shape
     R, PAGE = q_pe.shape[-1], kv_cache.shape[1]
     BLOCK_H = 16 if H <= 16 else 32
     head_groups = triton.cdiv(H, BLOCK_H)
-    max_pages = max(triton.cdiv(max_seq_len, PAGE), 1)
-    waves = waves or (1 if N * head_groups >= 64 else 2)
     num_stages = num_stages or (3 if BLOCK_H == 16 else 2)
-    if num_splits is None:
-        want = triton.cdiv(waves * _num_sm(q_latent.device), N * head_groups)
-        num_splits = max(1, min(want, triton.cdiv(max_pages, 2)))  # at least two pages per split
-    pages_per_split = triton.cdiv(max_pages, num_splits)
-    num_splits = triton.cdiv(max_pages, pages_per_split)
+    num_splits, pages_per_split = split_plan(N, head_groups, triton.cdiv(max_seq_len, PAGE),
+                                             _num_sm(q_latent.device), waves, num_splits)
     block_tables, seq_lens = block_tables.to(q_latent.device), seq_lens.to(q_latent.device)  # int32 or int64
     o = q_latent.new_empty(N, H, L)
     lse = torch.empty(N, H, dtype=torch.float32, device=q_latent.device)
