@@ -25,6 +25,11 @@ synchronized, wall clock, median; the caches hold --ctx random tokens per sequen
 state), the step appends the next one. Graphs: `DecodeGraphs` captured for every batch size (no padding),
 block tables as wide as --max-model-len (as in the engine), step = `DecodeGraphs.run` (inputs into the static
 buffers + replay) + `compute_logits`; capture time (warm-up + record, all sizes) reported.
+Device ms beside each wall time (CUDA only; None on a CPU): the median over 15 eager / 30 graph steps of the
+GPU time between CUDA events around the step's device work (eager: the model and the logits, the batch built
+before; graphs: the whole step), the GPU held until the host has queued it all (`time_device`), so it does not
+depend on the host's speed as the wall time does (lent machines' hosts differ). A step that waits for the GPU
+inside (a host sync) is left out and counted ("synced" in the table).
 Floor = bytes one step must read (the weights the step reads, as stored: the memory plan's storages,
 `engine.memory.held_tensors`, that one step with the reference ops takes as inputs, so the fp32 router and
 the fp32 MLA absorption weights count and the bf16 forms they replace do not; of the routed experts only
@@ -47,6 +52,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import functools
 import json
 import math
 import signal
@@ -82,13 +88,14 @@ BLOCK = 64
 
 class LocalTP(TensorParallel):
     """Rank 0's shapes of a TP group, without the group: collectives are skipped (one rank's compute). The
-    logits gather hands back this rank's shard in every rank's place, so rank 0 still pays its concatenation."""
+    logits gather hands back this rank's shard in every rank's place (a view), so rank 0 still pays the copy
+    that orders and widens the gathered logits."""
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
-    def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
-        return [x] * self.world_size
+    def gather(self, x: torch.Tensor) -> torch.Tensor | None:
+        return x.unsqueeze(0).expand(self.world_size, *x.shape)
 
 
 def rank_slice_hf(num_layers: int = 4) -> dict:
@@ -165,16 +172,25 @@ def decode_seqs(model: KimiForCausalLM, n: int, ctx: int) -> list[ScheduledSeq]:
             for i in range(n)]
 
 
-def decode_step_fn(model: KimiForCausalLM, cache: ModelCache, n: int, ctx: int):
+def decode_step_parts(model: KimiForCausalLM, cache: ModelCache, n: int, ctx: int):
+    """The eager step in two: `build()` (host lists -> device tensors, blocking copies) and `forward(batch)`
+    (the model and the logits), so that the device time can leave out the host's part."""
     dev = next(model.parameters()).device
     seqs = decode_seqs(model, n, ctx)
 
-    def step() -> torch.Tensor:
-        batch = ForwardBatch.build([s.token_ids for s in seqs], [ctx] * n, [s.block_ids for s in seqs],
-                                   [s.slot_id for s in seqs], BLOCK, device=dev)
+    def build() -> ForwardBatch:
+        return ForwardBatch.build([s.token_ids for s in seqs], [ctx] * n, [s.block_ids for s in seqs],
+                                  [s.slot_id for s in seqs], BLOCK, device=dev)
+
+    def forward(batch: ForwardBatch) -> torch.Tensor:
         return model.compute_logits(model(batch, cache))
 
-    return step
+    return build, forward
+
+
+def decode_step_fn(model: KimiForCausalLM, cache: ModelCache, n: int, ctx: int):
+    build, forward = decode_step_parts(model, cache, n, ctx)
+    return lambda: forward(build())
 
 
 def graph_step_fn(model: KimiForCausalLM, graphs: DecodeGraphs, n: int, ctx: int):
@@ -205,6 +221,46 @@ def time_step(step, dev: torch.device, warmup: int, iters: int,
         sync()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times), times
+
+
+@functools.cache
+def sleep_cycles_per_ms() -> float:
+    """Clock cycles `torch.cuda._sleep` spins per ms on this GPU (measured once; a hold's length needs no more
+    than its order of magnitude)."""
+    torch.cuda._sleep(1000)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(1 << 24)
+    end.record()
+    end.synchronize()
+    return (1 << 24) / start.elapsed_time(end)
+
+
+def time_device(run, iters: int, hold_ms: float, prepare=lambda: None) -> tuple[float | None, list[float], int]:
+    """Median device ms of `run(prepare())` between CUDA events over `iters` steps (`prepare` untimed), the
+    timed steps' ms, and how many steps the hold did not cover (left out of the median; None if all).
+
+    Events alone would time the host: on an idle GPU the start event fires as soon as it is queued, and the
+    GPU then waits for each launch. So the GPU is held (`torch.cuda._sleep`, `hold_ms`) until the host has
+    queued the whole step; the events then time the GPU's work back to back, whatever the host's speed. A
+    step that waits for the GPU inside (a host sync) finds the start event already fired: not covered."""
+    cycles = int(hold_ms * sleep_cycles_per_ms())
+    times, uncovered = [], 0
+    for _ in range(iters):
+        inputs = prepare()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)
+        start.record()
+        run(inputs)
+        end.record()
+        covered = not start.query()
+        end.synchronize()
+        if covered:
+            times.append(start.elapsed_time(end))
+        else:
+            uncovered += 1
+    return (statistics.median(times) if times else None), times, uncovered
 
 
 def copy_bandwidth(dev: torch.device, smoke: bool) -> float:
@@ -359,6 +415,10 @@ def graph_memory(dev: torch.device) -> int:
     return torch.cuda.memory_reserved(dev)
 
 
+def ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} ms"
+
+
 def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -366,20 +426,26 @@ def tensor_bytes(tensors) -> int:
 def time_ours_and_graphs(cfg_name: str, model: KimiForCausalLM, cache: ModelCache, graphs: DecodeGraphs, n: int,
                          ctx: int, dev: torch.device, bw: float, smoke: bool, read: dict[int, int]) -> dict:
     """A row without its reference: ours eager, ours as a graph replay (when captured), bytes and floor."""
+    build, forward = decode_step_parts(model, cache, n, ctx)
     step = decode_step_fn(model, cache, n, ctx)
     t0 = time.perf_counter()
     ours_ms, ours_all = time_step(step, dev, warmup=3, iters=3 if smoke else 15)
     used = backends()
     hits = experts_hit(step)
     first_s = time.perf_counter() - t0
+    ours_device = graphs_device = (None, [], 0)  # a CPU has no device time
+    if dev.type == "cuda":  # holding the GPU twice the wall step covers the step's queueing
+        ours_device = time_device(forward, 15, 2 * ours_ms + 1, prepare=build)
     graphs_ms, graphs_all = None, []
+    graph_step = graph_step_fn(model, graphs, n, ctx)
     if graphs.captured:
         before = graphs.num_replays
-        graphs_ms, graphs_all = time_step(graph_step_fn(model, graphs, n, ctx), dev, warmup=3, iters=30)
+        graphs_ms, graphs_all = time_step(graph_step, dev, warmup=3, iters=30)
         if graphs.num_replays - before != 33:
             raise RuntimeError(f"{cfg_name} N{n}: the graph step replayed {graphs.num_replays - before} of 33 times")
+        graphs_device = time_device(lambda _: graph_step(), 30, 2 * graphs_ms + 1)
     else:  # on a CPU nothing is captured: the padded body runs once, as a code check
-        graph_step_fn(model, graphs, n, ctx)()
+        graph_step()
     moved = step_bytes(model, cache, n, ctx, hits, read)
     floor_ms = 1e3 * moved["total"] / bw
     return {"config": cfg_name, "layers": model.config.num_hidden_layers, "batch": n, "ctx": ctx,
@@ -389,7 +455,10 @@ def time_ours_and_graphs(cfg_name: str, model: KimiForCausalLM, cache: ModelCach
             "graphs_x_floor": None if graphs_ms is None else graphs_ms / floor_ms,
             "ours_backends": used, "reference_backends": None, "bytes": moved,
             "ours_times_ms": ours_all, "graphs_times_ms": graphs_all, "reference_times_ms": [],
-            "ours_warmup_and_timing_s": first_s}
+            "ours_warmup_and_timing_s": first_s, "ours_device_ms": ours_device[0],
+            "ours_device_times_ms": ours_device[1], "ours_device_uncovered": ours_device[2],
+            "graphs_device_ms": graphs_device[0], "graphs_device_times_ms": graphs_device[1],
+            "graphs_device_uncovered": graphs_device[2]}
 
 
 def time_reference(row: dict, model: KimiForCausalLM, cache: ModelCache, dev: torch.device, iters: int,
@@ -466,8 +535,8 @@ def run_config(cfg_name: str, args: argparse.Namespace, dev: torch.device, bw: f
             result["rows"].append(rows[n])
             save()
             r = rows[n]
-            shown = "-" if r["graphs_ms"] is None else f"{r['graphs_ms']:.2f} ms"
-            print(f"{cfg_name} N{n}: ours {r['ours_ms']:.2f} ms ({r['ours_backends']}), graphs {shown}, "
+            print(f"{cfg_name} N{n}: ours {r['ours_ms']:.2f} ms (device {ms(r['ours_device_ms'])}; "
+                  f"{r['ours_backends']}), graphs {ms(r['graphs_ms'])} (device {ms(r['graphs_device_ms'])}), "
                   f"floor {r['floor_ms']:.3f} ms", flush=True)
     ref_iters = 3 if (args.smoke or cfg_name == "k3-rank-slice") else 7
 
@@ -493,7 +562,8 @@ def run_config(cfg_name: str, args: argparse.Namespace, dev: torch.device, bw: f
 def print_report(result: dict) -> None:
     print(f"\n### Decode step, eager and CUDA graphs ({result['device']}, {result['date']}; {result['ctx']} cached "
           f"tokens per sequence; copy {result['copy_bytes_per_s'] / 1e12:.2f} TB/s measured in this run)\n")
-    cols = ["model", "layers", "batch", "ours ms", "graphs ms", "reference ms (steps)", "speedup", "graphs vs ours",
+    cols = ["model", "layers", "batch", "ours ms", "ours device ms", "graphs ms", "graphs device ms",
+            "reference ms (steps)", "speedup", "graphs vs ours",
             "floor ms", "ours x floor", "graphs x floor", "MB / step", "local experts hit / layer", "ours ran"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
@@ -501,11 +571,16 @@ def print_report(result: dict) -> None:
     def opt(value: float | None, fmt: str, unit: str = "") -> str:
         return "-" if value is None else format(value, fmt) + unit
 
+    def device(r: dict, kind: str) -> str:  # steps the hold did not cover: they waited on the GPU inside
+        left_out = r[f"{kind}_device_uncovered"]
+        return opt(r[f"{kind}_device_ms"], ".2f") + (f" ({left_out} synced, left out)" if left_out else "")
+
     for r in result["rows"]:
         hits = r["bytes"]["experts_hit_per_layer"]
         hit_range = f"{min(hits)}-{max(hits)} (mean {statistics.mean(hits):.0f})" if hits else "-"
         ref = "-" if r["reference_ms"] is None else f"{r['reference_ms']:.2f} ({r['reference_steps']})"
-        print(f"| {r['config']} | {r['layers']} | {r['batch']} | {r['ours_ms']:.2f} | {opt(r['graphs_ms'], '.2f')} | "
+        print(f"| {r['config']} | {r['layers']} | {r['batch']} | {r['ours_ms']:.2f} | {device(r, 'ours')} | "
+              f"{opt(r['graphs_ms'], '.2f')} | {device(r, 'graphs')} | "
               f"{ref} | {opt(r['speedup'], '.1f', 'x')} | {opt(r['graphs_speedup_vs_ours'], '.1f', 'x')} | "
               f"{r['floor_ms']:.3f} | {r['ours_x_floor']:.1f} | {opt(r['graphs_x_floor'], '.1f')} | "
               f"{r['bytes']['total'] / 1e6:.0f} | {hit_range} | {r['ours_backends']} |")

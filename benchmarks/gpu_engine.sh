@@ -6,7 +6,8 @@
 #    no host sync); beside them in a second process, tests/kernels/test_kda_gpu.py (all mostly compile
 #    fla/Triton kernels on a fresh machine);
 # 2. then, alone on the GPU, benchmarks/gpu_decode_step.sh (gpu_engine.py --profile: k3-rank-slice, 12 layers, 8K
-#    context, batch 1..64: ours eager, CUDA graphs, reference, floor, kernels of the replays; DECODE_ARGS passes on).
+#    context, batch 1..64: ours eager, CUDA graphs (wall and device ms), reference, floor, kernels of the replays;
+#    DECODE_ARGS passes on).
 # Each stage has its own time limit (ENGINE_S, KDA_S, BENCH_S; at most 590 s in all); logs and JSON land in $OUT.
 set -u
 OUT=${OUT:-/tmp/k3serve-gpu-engine}

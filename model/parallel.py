@@ -55,19 +55,21 @@ class TensorParallel:
             dist.all_reduce(x)
         return x
 
-    def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
-        """Every rank's `x` (the same shape and dtype on every rank) at rank 0, in rank order; None on the
-        other ranks. A gather, not an all-gather: the other ranks need none of it, and rank 0 receives
-        the same bytes either way."""
+    def gather(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's `x` (the same shape and dtype on every rank) at rank 0 as one [world_size, *x.shape]
+        tensor, in rank order; None on the other ranks. A gather, not an all-gather: the other ranks need none
+        of it, and rank 0 receives the same bytes either way. Each rank's `x` lands in its own contiguous row
+        of that one buffer (NCCL receives into each part's address as a flat run), so nothing concatenates."""
         if self.world_size == 1:
-            return [x]
+            return x.unsqueeze(0)
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
+        out = x.new_empty(self.world_size, *x.shape) if self.rank == 0 else None
+        parts = None if out is None else list(out.unbind(0))  # views: the collective writes into `out`
         if self.group is not None:
             self.group.gather([parts] if parts is not None else [], [x], _GATHER_TO_0).wait()
         else:
             dist.gather(x, parts, dst=0)
-        return parts
+        return out
 
 
 def is_nccl(group: Any) -> bool:

@@ -6,8 +6,9 @@ engine holds both and reads the whole lm_head every decode step; sharded, a rank
 Rank r holds vocab rows [r*S, (r+1)*S), S = ceil(vocab / tp):
 
     embedding  each rank looks up the ids of its rows (the others give 0), `all_reduce` sums the ranks
-    lm_head    each rank computes the logits of its rows; `gather` assembles [rows, vocab] on rank 0,
-               the only rank that samples (`engine/tp_group.py`)
+    lm_head    each rank computes the logits of its rows; `gather` assembles [rows, vocab] fp32 on rank 0,
+               the only rank that samples (`engine/tp_group.py`): one collective into one buffer, then
+               one copy that widens and orders them
 
 A vocab that tp does not divide is padded: the rows past `vocab` (on the last ranks) are zero (the
 loader fills real rows only) and their logits are cut off in `gather`, so nothing ever samples them.
@@ -71,10 +72,17 @@ class ParallelLMHead(VocabParallel):
     def gather(self, local: torch.Tensor) -> torch.Tensor | None:
         """[rows, vocab_size] fp32 in vocab order on rank 0 (padding cut off); None on the other ranks. Every
         rank must call it, in the same order (a collective). The ranks send their logits in the weights' dtype
-        (half the bytes of fp32 at bf16) and rank 0 widens them: the same values as widening first."""
+        (half the bytes of fp32 at bf16) into one [tp, rows, shard.rows] buffer on rank 0: one collective, no
+        concatenation. They cannot land in [rows, vocab] order directly (NCCL receives a rank's part as one
+        flat run; there it is a column block), so one copy on rank 0 orders them and widens them in the same
+        pass: the same values as widening first. With padding and more than one row, the result is a view
+        whose rows are tp * shard.rows apart."""
         if self.tp.world_size == 1:
             return local.float()
         shards = self.tp.gather(local)
         if shards is None:
             return None
-        return torch.cat(shards, dim=-1)[:, : self.shard.vocab_size].float()
+        tp, rows, shard_rows = shards.shape
+        logits = torch.empty(rows, tp, shard_rows, dtype=torch.float32, device=shards.device)
+        logits.copy_(shards.transpose(0, 1))
+        return logits.view(rows, tp * shard_rows)[:, : self.shard.vocab_size]

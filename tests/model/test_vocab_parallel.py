@@ -1,24 +1,30 @@
 """Specification of the vocab-parallel embedding and lm_head (`model/layers/vocab.py`): rank r of tp holds
 vocab rows [r*S, (r+1)*S), S = ceil(V/tp), loaded from the checkpoint's unchanged [V, hidden] tensors (its
-real rows only, the padding zero); the memory plan counts those S rows, not V. That the sharded model
-gives the unsharded one's logits: tests/model/test_tensor_parallel.py; through a TP engine:
+real rows only, the padding zero); the memory plan counts those S rows, not V; rank 0 receives the ranks'
+logits in one collective and assembles them without a concatenation or a cast of its own. That the sharded
+model gives the unsharded one's logits: tests/model/test_tensor_parallel.py; through a TP engine:
 tests/engine/test_tp_engine.py."""
 
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
+import socket
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3serve.engine.memory import weight_bytes
+from k3serve.engine.tp_group import TPGroup
 from k3serve.model.layers.vocab import VocabShard
 from k3serve.model.loader import load_model
 from k3serve.model.parallel import TensorParallel
 from k3serve.model.presets import preset_config
 
 from _checkpoint_files import read_tensor
+from _lm_head_ranks import follower, lm_head
 
 ODD_VOCAB = 509
 
@@ -65,3 +71,48 @@ def test_the_plan_counts_a_ranks_vocab_rows_not_the_whole_vocab() -> None:
     assert per_rank(512, 2) - per_rank(510, 2) == row
     assert per_rank(512, 4) - per_rank(508, 4) == row
     assert per_rank(ODD_VOCAB, 2) == per_rank(510, 2)
+
+
+class _Ops(TorchDispatchMode):
+    """Every op run under it, with the dtype it returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, torch.dtype | None]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops.append((func.overloadpacket.__name__, out.dtype if isinstance(out, torch.Tensor) else None))
+        return out
+
+
+@pytest.mark.timeout(60)
+def test_rank_0_gathers_tp1s_logits_in_one_buffer_without_a_cat_or_a_cast() -> None:
+    """Two gloo ranks of a TPGroup (the engine's path), a vocab of 7 (rank 1's last row is padding), 3 rows:
+    rank 0's fp32 logits are the unsharded head's exactly (bf16 products, widened), the padding cut off;
+    assembling them writes fp32 once (the copy that orders and widens) and concatenates nothing."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    rank_1 = multiprocessing.get_context("spawn").Process(target=follower, args=(init,), daemon=True)
+    rank_1.start()
+    try:
+        group = TPGroup(0, 2, init, timeout_s=20.0)
+        head, hidden = lm_head(group.tensor_parallel())
+        local = head.compute_logits(hidden)
+        recorded = _Ops()
+        with recorded:
+            got = head.gather(local)
+        group.close()
+        rank_1.join(20)
+        assert rank_1.exitcode == 0
+    finally:
+        if rank_1.is_alive():
+            rank_1.kill()
+    whole, _ = lm_head(TensorParallel())
+    want = whole.gather(whole.compute_logits(hidden))
+    assert got.dtype == torch.float32 and got.shape == want.shape == (3, 7)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    names = [name for name, _ in recorded.ops]
+    assert "cat" not in names and "_to_copy" not in names, names
+    assert [name for name, dtype in recorded.ops if dtype == torch.float32 and name == "copy_"] == ["copy_"], names
