@@ -1,8 +1,11 @@
 """Shared by benchmarks/gpu_*.py: the two ceilings measured in the same run, timing, the table.
 
 Timing: CUDA events through triton.testing.do_bench (it clears a 256 MB buffer before every run, so
-small inputs are read from HBM, not L2), warm-up first, median of the timed runs. `--smoke` runs the
-same code on tiny shapes (on the CPU, with host timers) to check the script, not to measure."""
+small inputs are read from HBM, not L2), warm-up first, median of the timed runs. Two graph timings:
+`graph_ms` replays a graph of one call, so every sample also pays the graph's own launch (`graph_launch_us`
+says how much); `in_graph_us` is one call amid a graph of many over copies of the operands larger than L2,
+what the op costs inside a decode step's graph. `--smoke` runs the same code on tiny shapes (on the CPU,
+with host timers) to check the script, not to measure."""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ import argparse
 import datetime
 from collections.abc import Callable
 import json
+import math
+import os
 import statistics
 import sys
 import time
@@ -34,6 +39,16 @@ def device(smoke: bool) -> torch.device:
     if not smoke:
         sys.exit("needs a CUDA device (or --smoke)")
     return torch.device("cpu")
+
+
+def use_triton_interpreter() -> None:
+    """The smoke without CUDA: Triton's interpreter (switched on before triton is first imported), with the tests'
+    fix for numpy >= 2.4 scalars (tests/_triton_interpret.py)."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from _triton_interpret import _fix_scalar_index
+
+    _fix_scalar_index()
 
 
 def time_ms(fn, dev: torch.device, rep_ms: int = 100) -> float:
@@ -72,12 +87,51 @@ def graph_ms(fn, dev: torch.device) -> float | None:
         return None
 
 
+L2_SPAN = 128 * 10**6  # bytes of operand copies an in-graph timing cycles through: the H200's 50 MB L2, 2.5 times
+
+
+def l2_copies(bytes_per_call: float, dev: torch.device) -> int:
+    """How many copies of a call's operands `in_graph_us` cycles through: together at least L2_SPAN, so no call
+    finds its operands left in L2 by the calls before it; at least 2. Off CUDA 2 (the smoke only runs them)."""
+    if dev.type != "cuda":
+        return 2
+    return max(2, math.ceil(L2_SPAN / bytes_per_call))
+
+
+def graph_us(fn, dev: torch.device) -> float | None:
+    """`graph_ms` in us."""
+    ms = graph_ms(fn, dev)
+    return None if ms is None else ms * 1e3
+
+
 def in_graph_us(calls: list, dev: torch.device, per_graph: int = 16) -> float | None:
-    """Median us of one call inside a CUDA graph of per_graph calls cycling through `calls` (the same op on
-    copies of its operands, together larger than L2): what the op costs amid a decode step's graph, without
-    `graph_ms`'s one launch of the whole graph in every sample, nor an L2 still warm from the call before."""
-    ms = graph_ms(lambda: [calls[i % len(calls)]() for i in range(per_graph)], dev)
-    return None if ms is None else ms * 1e3 / per_graph
+    """Median us of one call inside a CUDA graph of max(per_graph, len(calls)) calls cycling through `calls` (the
+    same op on copies of its operands, together larger than L2): what the op costs amid a decode step's graph,
+    without `graph_ms`'s one launch of the whole graph in every sample, nor an L2 still warm from the call before.
+    Off CUDA (the smoke): host time of each call once."""
+    if dev.type != "cuda":
+        return time_ms(lambda: [call() for call in calls], dev) * 1e3 / len(calls)
+    n = max(per_graph, len(calls))
+    ms = graph_ms(lambda: [calls[i % len(calls)]() for i in range(n)], dev)
+    return None if ms is None else ms * 1e3 / n
+
+
+def graph_launch_us(dev: torch.device) -> float | None:
+    """Median us of a one-call graph of a one-element fill: what every `graph_ms` sample pays besides the op."""
+    one = torch.empty(1, device=dev)
+    return graph_us(lambda: one.fill_(0.0), dev)
+
+
+def graph_launch_note(us: float | None) -> str:
+    return (f"A one-call graph of a one-element fill takes {fmt(us)} us: about what every `graph_1call` sample pays "
+            "on top of the op (the graph's launch); `in_graph` = one call amid a graph of many over operand copies "
+            "larger than L2.")
+
+
+def check_finite(name: str, *tensors: torch.Tensor) -> None:
+    """After timing an op that updates its operands in place: thousands of steps must not have drifted to inf/NaN."""
+    if not all(bool(torch.isfinite(t).all()) for t in tensors):
+        raise SystemExit(f"{name}: inf/NaN after the timed calls; the timings above ran on a diverged state")
 
 
 def ceilings(dev: torch.device, smoke: bool) -> dict[str, float]:
@@ -95,6 +149,11 @@ def ceilings(dev: torch.device, smoke: bool) -> dict[str, float]:
 
 def floor_us(bytes_moved: float, flops: float, ceil: dict[str, float]) -> float:
     return 1e6 * max(bytes_moved / ceil["copy_bytes_per_s"], flops / ceil["bf16_flop_per_s"])
+
+
+def x_floor(us: float | None, floor: float) -> str:
+    """us / floor as a table cell ("-" where the timing is missing)."""
+    return "-" if us is None else f"{us / floor:.2f}"
 
 
 def rel_err(ref: torch.Tensor, out: torch.Tensor) -> float:
@@ -117,20 +176,23 @@ def device_name(dev: torch.device) -> str:
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
 
 
-def print_table(title: str, columns: list[str], rows: list[dict], ceil: dict[str, float], dev: torch.device) -> None:
-    """One markdown table (times in us), titled with the device and the ceilings of this run."""
+def print_table(title: str, columns: list[str], rows: list[dict], ceil: dict[str, float], dev: torch.device,
+                note: str = "") -> None:
+    """One markdown table (times in us), titled with the device and the ceilings of this run, and a note under it."""
     print(f"\n### {title}  ({device_name(dev)}, {datetime.date.today()}; copy {ceil['copy_bytes_per_s'] / 1e12:.2f} "
           f"TB/s, bf16 matmul {ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s measured in this run)\n")
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
     for row in rows:
         print("| " + " | ".join(row[c] if isinstance(row[c], str) else fmt(row[c]) for c in columns) + " |")
+    if note:
+        print(f"\n{note}")
 
 
 def report(title: str, columns: list[str], rows: list[dict], ceil: dict[str, float], out: Path | None,
-           dev: torch.device) -> None:
-    """Print ONE markdown table and write everything as JSON."""
-    print_table(title, columns, rows, ceil, dev)
+           dev: torch.device, note: str = "", extra: dict | None = None) -> None:
+    """Print ONE markdown table (and its note) and write everything, `extra` too, as JSON."""
+    print_table(title, columns, rows, ceil, dev, note)
     if out is not None:
-        out.write_text(json.dumps({"title": title, "device": device_name(dev), "ceilings": ceil, "rows": rows},
-                                  indent=1))
+        out.write_text(json.dumps({"title": title, "device": device_name(dev), "ceilings": ceil, "rows": rows,
+                                   **(extra or {})}, indent=1))

@@ -1,22 +1,41 @@
 """Absorbed MLA decode over the paged latent cache (block 64, 576-dim keys, 512-dim values), ours vs torch.
 
-    python benchmarks/gpu_mla.py [--out gpu_mla.json] [--smoke] [--sweep]
+    python benchmarks/gpu_mla.py [--out gpu_mla.json] [--smoke] [--sweep [--splits 4,6,7,8,9,12,16]]
 
-ours = k3serve.kernels.mla.mla_decode_paged (Triton split-KV + merge; seq_lens on the GPU, no sync);
-graph = CUDA-graph replay of the kernels alone; anchor = torch gather of the blocks + einsum/softmax
-(the reference a serving stack would write without a kernel). Floor = KV + q + o bytes / copy bandwidth."""
+ours = k3serve.kernels.mla.mla_decode_paged (Triton split-KV + merge; seq_lens on the GPU, no sync), eager;
+`graph_1call` = a CUDA graph of the kernels alone, one call, replayed after an L2 flush (every sample also pays the
+graph's launch, printed under the table); `in_graph` = one call amid a graph that cycles through copies of the
+cache: each copy is the same sequences' pages elsewhere in one larger cache (other block tables), the copies
+together >= 128 MB, so every call reads its pages from HBM, as in a decode step whose layers' caches lie far apart.
+anchor = torch gather of the blocks + einsum/softmax (the reference a serving stack would write without a kernel),
+eager only. Floor = KV + q + o bytes / copy bandwidth; bw = floor / in_graph (the share of copy bandwidth).
+`splits` = the split count kernels/mla/split_rule.py picks.
+
+--sweep: a second table at N16 ctx8K, N64 ctx8K, N16 ctx32K, N4 ctx32K, N1 ctx32K (12 heads): the rule's pick,
+each `waves` of the rule, and each explicit split count of --splits, all timed in graph, each first checked
+against the fp32 reference. --smoke: tiny shapes on the CPU, the kernels through the Triton interpreter (fp16:
+it cannot multiply bf16)."""
 
 from __future__ import annotations
 
+import json
+import sys
+
 import torch
 
-from _gpu_common import ceilings, check, device, floor_us, graph_ms, parse_args, rel_err, report, time_ms
+from _gpu_common import (ceilings, check, device, device_name, floor_us, graph_launch_note, graph_launch_us, graph_us,
+                         in_graph_us, l2_copies, parse_args, print_table, rel_err, time_ms, use_triton_interpreter,
+                         x_floor)
 from k3serve.kernels import mla
 from k3serve.kernels.mla import mla_decode_paged
+from k3serve.kernels.mla.split_rule import head_groups, split_plan
 
 L, R, BLOCK = 512, 64, 64
 SCALE = 192**-0.5
 TOL = 1e-2
+SWEEP_SHAPES = [(16, 8192), (64, 8192), (16, 32768), (4, 32768), (1, 32768)]
+SWEEP_HEADS = 12
+SWEEP_WAVES = (1, 2, 4)
 
 
 def torch_decode(q_latent, q_pe, kv, tables, lens, dtype=None):
@@ -31,67 +50,147 @@ def torch_decode(q_latent, q_pe, kv, tables, lens, dtype=None):
     return o, lse
 
 
-def row(N: int, ctx: int, H: int, dev, ceil, dtype, sweep: bool = False) -> dict:
-    blocks = -(-ctx // BLOCK)
-    kv = torch.randn(N * blocks + 7, BLOCK, L + R, device=dev, dtype=dtype)
-    tables = torch.randperm(N * blocks + 7, device=dev)[: N * blocks].reshape(N, blocks).int()
-    lens = torch.full((N,), ctx, device=dev)
-    lens[0] = max(ctx - 100, 1)  # one ragged sequence
-    q_latent = torch.randn(N, H, L, device=dev, dtype=dtype)
-    q_pe = torch.randn(N, H, R, device=dev, dtype=dtype)
-    o, lse = mla_decode_paged(q_latent, q_pe, kv, tables, lens, SCALE, L)
-    backend = mla.last_backend["mla_decode_paged"]
-    ref_o, ref_lse = torch_decode(q_latent, q_pe, kv, tables, lens, torch.float32)
-    err = max(rel_err(ref_o, o), (lse - ref_lse).abs().max().item())
-    check(f"mla N{N} ctx{ctx} H{H}", err, TOL)
-    anchor_o, _ = torch_decode(q_latent, q_pe, kv, tables, lens)
-    check("torch anchor", rel_err(ref_o, anchor_o), TOL)
+class DecodeCase:
+    """N sequences of ctx tokens (the first 100 shorter: one ragged), H heads, and `copies` block tables over one
+    cache: copy i's pages are its own, so cycling through the tables reads copies * N * ctx tokens' pages."""
 
-    ours = lambda: mla_decode_paged(q_latent, q_pe, kv, tables, lens, SCALE, L)  # noqa: E731
-    graph, swept = None, {"best": "-"}
-    if dev.type == "cuda":
+    def __init__(self, N: int, ctx: int, H: int, dev: torch.device, dtype: torch.dtype) -> None:
+        blocks = -(-ctx // BLOCK)
+        self.copies = l2_copies(N * blocks * BLOCK * (L + R) * 2, dev)
+        num_blocks = self.copies * N * blocks + 7
+        self.kv = torch.randn(num_blocks, BLOCK, L + R, device=dev, dtype=dtype)
+        self.tables = torch.randperm(num_blocks, device=dev)[: self.copies * N * blocks].reshape(
+            self.copies, N, blocks).int()
+        self.lens = torch.full((N,), ctx, device=dev)
+        self.lens[0] = max(ctx - 100, 1)
+        self.lens32 = self.lens.int()
+        self.q_latent = torch.randn(N, H, L, device=dev, dtype=dtype)
+        self.q_pe = torch.randn(N, H, R, device=dev, dtype=dtype)
+        self.ctx = ctx
+        total = int(self.lens.sum())
+        self.bytes_moved = total * (L + R) * 2 + N * H * (L + R) * 2 + N * H * (L * 2 + 4)
+        self.flops = 2 * H * total * (L + R + L)
+
+    def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fp32 torch answer on the first copy's tables."""
+        return torch_decode(self.q_latent, self.q_pe, self.kv, self.tables[0], self.lens, torch.float32)
+
+    def public(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return mla_decode_paged(self.q_latent, self.q_pe, self.kv, self.tables[0], self.lens, SCALE, L)
+
+    def kernel(self, copy: int = 0, **knobs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Triton kernels alone (what the public call runs on CUDA) on one copy's tables; knobs: num_splits,
+        waves, num_warps, num_stages."""
         from k3serve.kernels.mla import triton_decode
 
-        lens32 = lens.int()
-        graph = graph_ms(lambda: triton_decode.mla_decode_paged(q_latent, q_pe, kv, tables, lens32, SCALE, ctx), dev)
-        if sweep and N >= 16 and ctx >= 8192:  # the issue's goal region: >= 75% of bandwidth
-            knobs = [(w, wp, st) for w in (1, 2, 4) for wp in (4, 8) for st in (1, 2, 3)]
-            tried = {}
-            for waves, warps, stages in knobs:
-                ms = graph_ms(lambda: triton_decode.mla_decode_paged(  # noqa: B023
-                    q_latent, q_pe, kv, tables, lens32, SCALE, ctx, waves=waves, num_warps=warps, num_stages=stages),
-                    dev)
-                tried[f"waves{waves}w{warps}s{stages}"] = None if ms is None else round(ms * 1e3, 1)
-            swept = dict(sweep=tried, best=min((t, c) for c, t in tried.items() if t is not None)[1])
-    total = int(lens.sum())
-    bytes_moved = total * (L + R) * 2 + N * H * (L + R) * 2 + N * H * (L * 2 + 4)
-    flops = 2 * H * total * (L + R + L)
-    return dict(op="mla decode", shape=f"N{N} ctx{ctx} H{H}", ours=time_ms(ours, dev) * 1e3,
-                graph=None if graph is None else graph * 1e3,
-                anchor=time_ms(lambda: torch_decode(q_latent, q_pe, kv, tables, lens), dev) * 1e3,
-                anchor_is="torch gather + einsum", floor=floor_us(bytes_moved, flops, ceil), err=f"{err:.1e}",
-                backend=backend, **swept)
+        return triton_decode.mla_decode_paged(self.q_latent, self.q_pe, self.kv, self.tables[copy], self.lens32,
+                                              SCALE, self.ctx, **knobs)
+
+    def in_graph(self, dev: torch.device, **knobs) -> float | None:
+        return in_graph_us([lambda c=c: self.kernel(c, **knobs) for c in range(self.copies)], dev)
+
+
+def _err(ref: tuple[torch.Tensor, torch.Tensor], out: tuple[torch.Tensor, torch.Tensor]) -> float:
+    return max(rel_err(ref[0], out[0]), (out[1] - ref[1]).abs().max().item())
+
+
+def _bw(floor: float, us: float | None) -> str:
+    return "-" if us is None else f"{100 * floor / us:.0f}%"
+
+
+def _num_sm(dev: torch.device) -> int:
+    from k3serve.kernels.mla import triton_decode
+
+    return triton_decode.num_sm(dev)
+
+
+def row(N: int, ctx: int, H: int, dev, ceil, dtype) -> dict:
+    case = DecodeCase(N, ctx, H, dev, dtype)
+    ref = case.reference()
+    out = case.public()
+    backend = mla.last_backend["mla_decode_paged"]
+    err = max(_err(ref, out), _err(ref, case.kernel()))
+    check(f"mla N{N} ctx{ctx} H{H}", err, TOL)
+    anchor_o, _ = torch_decode(case.q_latent, case.q_pe, case.kv, case.tables[0], case.lens)
+    check("torch anchor", rel_err(ref[0], anchor_o), TOL)
+    graph = graph_us(case.kernel, dev)
+    in_graph = case.in_graph(dev)
+    floor = floor_us(case.bytes_moved, case.flops, ceil)
+    splits, _ = split_plan(N, head_groups(H), -(-ctx // BLOCK), _num_sm(dev))
+    return dict(op="mla decode", shape=f"N{N} ctx{ctx} H{H}", splits=splits, ours=time_ms(case.public, dev) * 1e3,
+                graph_1call=graph, in_graph=in_graph,
+                anchor=time_ms(lambda: torch_decode(case.q_latent, case.q_pe, case.kv, case.tables[0], case.lens),
+                               dev) * 1e3,
+                anchor_is="torch gather + einsum", floor=floor, graph_1call_x_floor=x_floor(graph, floor),
+                in_graph_x_floor=x_floor(in_graph, floor), bw=_bw(floor, in_graph), copies=case.copies,
+                err=f"{err:.1e}", backend=backend)
+
+
+def sweep_rows(N: int, ctx: int, dev, ceil, dtype, split_counts: list[int]) -> list[dict]:
+    """The rule's pick, each waves of the rule and each explicit split count, one row each, timed in graph."""
+    case = DecodeCase(N, ctx, SWEEP_HEADS, dev, dtype)
+    ref = case.reference()
+    floor = floor_us(case.bytes_moved, case.flops, ceil)
+    sms, pages = _num_sm(dev), -(-ctx // BLOCK)
+    variants = {"rule": {}, **{f"waves {w}": {"waves": w} for w in SWEEP_WAVES},
+                **{f"splits {s}": {"num_splits": s} for s in split_counts}}
+    rows = []
+    for name, knobs in variants.items():
+        check(f"mla N{N} ctx{ctx} {name}", _err(ref, case.kernel(**knobs)), TOL)
+        splits, per_split = split_plan(N, head_groups(SWEEP_HEADS), pages, sms, **knobs)
+        us = case.in_graph(dev, **knobs)
+        rows.append(dict(shape=f"N{N} ctx{ctx} H{SWEEP_HEADS}", variant=name, splits=splits, pages_per_split=per_split,
+                         programs=N * head_groups(SWEEP_HEADS) * splits,
+                         wave_fill=f"{N * head_groups(SWEEP_HEADS) * splits / sms:.2f}", in_graph=us, floor=floor,
+                         in_graph_x_floor=x_floor(us, floor), bw=_bw(floor, us)))
+    rule_us = rows[0]["in_graph"]
+    for r in rows:
+        r["vs_rule"] = "-" if None in (r["in_graph"], rule_us) else f"{r['in_graph'] / rule_us:.2f}"
+    return rows
 
 
 def main() -> None:
-    args = parse_args(__doc__, lambda p: p.add_argument(
-        "--sweep", action="store_true", help="also time the kernel's waves/warps/stages at N >= 16, ctx >= 8K"))
+    def options(parser) -> None:
+        parser.add_argument("--sweep", action="store_true",
+                            help="also time the rule's waves and explicit split counts at the sweep shapes")
+        parser.add_argument("--splits", default="4,6,7,8,9,12,16", help="explicit split counts the sweep times")
+
+    args = parse_args(__doc__, options)
     dev = device(args.smoke)
+    if dev.type == "cpu":
+        use_triton_interpreter()
     torch.manual_seed(0)
     ceil = ceilings(dev, args.smoke)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float16
+    split_counts = [int(s) for s in args.splits.split(",")]
     if args.smoke:
-        shapes = [(1, 100, 12), (3, 300, 16)]
+        shapes, sweep_shapes, split_counts = [(1, 100, 12), (2, 200, 16)], [(2, 200)], split_counts[:1]
     else:
         shapes = [(N, ctx, 12) for N in (1, 4, 16, 64) for ctx in (2048, 8192, 32768)]
         shapes += [(16, 8192, 16), (16, 8192, 128), (64, 8192, 128)]
-    rows = [row(N, ctx, H, dev, ceil, dtype, sweep=args.sweep) for N, ctx, H in shapes]
-    for r in rows:
-        r["x_floor"] = f"{r['ours'] / r['floor']:.1f}"
-        r["graph_x_floor"] = "-" if r["graph"] is None else f"{r['graph'] / r['floor']:.1f}"
-    columns = ["op", "shape", "ours", "graph", "anchor", "anchor_is", "floor", "x_floor", "graph_x_floor", "err",
-               "backend", "best"]
-    report("MLA decode (us; block 64, L 512 + R 64, bf16 cache)", columns, rows, ceil, args.out, dev)
+        sweep_shapes = SWEEP_SHAPES
+    result = {"device": device_name(dev), "ceilings": ceil, "graph_launch_us": graph_launch_us(dev), "rows": [],
+              "sweep": []}
+
+    def save() -> None:  # after every table: a time limit that cuts the run keeps what was measured
+        if args.out is not None:
+            args.out.write_text(json.dumps(result, indent=1))
+
+    for N, ctx, H in shapes:
+        result["rows"].append(row(N, ctx, H, dev, ceil, dtype))
+        print(result["rows"][-1], file=sys.stderr, flush=True)
+    save()
+    columns = ["op", "shape", "splits", "ours", "graph_1call", "in_graph", "anchor", "anchor_is", "floor",
+               "graph_1call_x_floor", "in_graph_x_floor", "bw", "err", "backend"]
+    print_table("MLA decode (us; block 64, L 512 + R 64, bf16 cache)", columns, result["rows"], ceil, dev,
+                graph_launch_note(result["graph_launch_us"]))
+    if args.sweep:
+        for N, ctx in sweep_shapes:
+            result["sweep"] += sweep_rows(N, ctx, dev, ceil, dtype, split_counts)
+            save()
+        print_table("MLA decode split sweep (us in graph; vs_rule = time / the rule's time)",
+                    ["shape", "variant", "splits", "pages_per_split", "programs", "wave_fill", "in_graph", "floor",
+                     "in_graph_x_floor", "bw", "vs_rule"], result["sweep"], ceil, dev)
 
 
 if __name__ == "__main__":

@@ -8,16 +8,26 @@ top-k sum fused), timed on both of its kernel pairs in the same run: gemv (trito
 what decode batches dispatch to) and dot (the tensor-core kernels: ours before the GEMV pair). Anchors =
 dequantize the routed experts to bf16 + torch bmm, and the same bmm on an already-bf16 bank (4x the
 weight bytes). Floor = routed experts' MXFP4 bytes / copy bandwidth (FLOPs are far below the matmul
-rate at these token counts); gemv_TBps = those bytes / the gemv graph time. Every path is checked
-against the torch reference before it is timed."""
+rate at these token counts). Every path is checked against the torch reference before it is timed.
+
+Three timings of each of our pairs: eager; `graph_1call`, a CUDA graph of one call replayed after an L2 flush
+(every sample also pays the graph's launch, printed under the table); `in_graph`, one call amid a graph of 16 that
+cycle through routings hitting other experts, so no call finds its experts' weights in L2, as in a decode step
+(where each layer streams its own bank). The routings are the checked one (copy 0) and copies with the rank's
+expert ids relabeled by a bijection of 0..E-1 (`relabeled`): the same number of experts, rows per expert and tokens
+per pair, on other weights; there are enough copies for >= 128 MB of expert weights, and neighbours in the cycle
+share no expert while hits x copies <= E (T1-T16); past that (T64: 70-80 hits of 112) a call alone reads 25
+times L2. x_floor columns: a timing / floor; gemv_TBps = the floor's bytes / the gemv in-graph time."""
 
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 
-from _gpu_common import ceilings, check, device, floor_us, graph_ms, parse_args, rel_err, report, time_ms
+from _gpu_common import (ceilings, check, device, floor_us, graph_launch_note, graph_launch_us, graph_us, in_graph_us,
+                         l2_copies, parse_args, rel_err, report, time_ms, x_floor)
 from k3serve.kernels import moe
 from k3serve.kernels.moe import ExpertWeights, fused_experts, naive, situ_glu, triton_moe
 from k3serve.kernels.mxfp4 import MXFP4Tensor, dequantize_mxfp4
@@ -63,16 +73,42 @@ class TorchExperts:
         return self.run(*(self.dequant(w) for w in (self.weights.w1, self.weights.w3, self.weights.w2)))
 
 
-def path_us(path: str, x, weights, topk_weights, topk_ids, ref, dev) -> tuple[float | None, float | None]:
-    """(CUDA-graph us, eager us) of one kernel pair of ours, after checking it against the reference;
-    (None, None) off CUDA (the Triton kernels need the device; --smoke on CPU checks the script only)."""
+def relabeled(topk_ids: torch.Tensor, num_local: int, copy: int) -> torch.Tensor:
+    """topk_ids with the local experts (ids 0..num_local-1) renamed by a bijection: copy 0 as it is; copy c sends
+    the j-th hit expert to the ((c - 1) x hits + j)-th id, mod num_local, of the ids not hit followed by the hit
+    ones; the other local ids fill the rest in order, other ranks' ids stay. Rows per expert and per token stay."""
+    local = topk_ids < num_local
+    hit = torch.unique(topk_ids[local])
+    if copy == 0:
+        return topk_ids
+    ids = torch.arange(num_local, device=hit.device)
+    order = torch.cat([ids[~torch.isin(ids, hit)], hit])
+    targets = order[((copy - 1) * hit.numel() + torch.arange(hit.numel(), device=hit.device)) % num_local]
+    rename = torch.empty_like(ids)
+    rename[hit] = targets
+    rename[~torch.isin(ids, hit)] = ids[~torch.isin(ids, targets)]
+    out = torch.where(local, rename[topk_ids.clamp(max=num_local - 1)], topk_ids)
+    counts = lambda t: torch.bincount(t[t < num_local], minlength=num_local).sort().values  # noqa: E731
+    assert torch.equal(counts(out), counts(topk_ids)) and torch.equal(torch.unique(out[local]), targets.sort().values)
+    return out
+
+
+def path_us(path: str, x, weights, topk_weights, routings: list[torch.Tensor], refs: list[torch.Tensor],
+            dev) -> dict[str, float | None]:
+    """Eager, one-call graph and in-graph us of one kernel pair of ours (eager and one-call on the first routing,
+    in graph over all), after checking it on the first and the last routing against their references (`refs`);
+    None off CUDA (the Triton kernels need the device; --smoke on CPU checks the script only)."""
     if dev.type != "cuda":
-        return None, None
-    run = lambda: triton_moe.fused_experts(x, weights, topk_weights, topk_ids, SITU, 0, path=path)  # noqa: E731
-    check(f"moe {path} T{x.shape[0]}", rel_err(ref, run()), TOL)
-    assert triton_moe.last_path == path
-    graph = graph_ms(run, dev)
-    return None if graph is None else graph * 1e3, time_ms(run, dev) * 1e3
+        return {path: None, f"{path}_graph_1call": None, f"{path}_in_graph": None}
+
+    def run(ids: torch.Tensor = routings[0]) -> torch.Tensor:
+        return triton_moe.fused_experts(x, weights, topk_weights, ids, SITU, 0, path=path)
+
+    for ids, ref in zip((routings[0], routings[-1]), refs):
+        check(f"moe {path} T{x.shape[0]}", rel_err(ref, run(ids)), TOL)
+        assert triton_moe.last_path == path
+    return {path: time_ms(run, dev) * 1e3, f"{path}_graph_1call": graph_us(run, dev),
+            f"{path}_in_graph": in_graph_us([lambda ids=ids: run(ids) for ids in routings], dev)}
 
 
 def row(T: int, weights: ExpertWeights, top_k: int, num_total: int, dev, ceil) -> dict:
@@ -88,23 +124,27 @@ def row(T: int, weights: ExpertWeights, top_k: int, num_total: int, dev, ceil) -
     ref = naive.fused_experts(x, weights, topk_weights, topk_ids, SITU, 0)
     err = rel_err(ref, out)
     check(f"moe T{T}", err, TOL)
-    gemv_graph, gemv = path_us("gemv", x, weights, topk_weights, topk_ids, ref, dev)
-    dot_graph, dot = path_us("dot", x, weights, topk_weights, topk_ids, ref, dev)
+    num_active = int(torch.unique(topk_ids[topk_ids < E]).numel())
+    expert_bytes = num_active * 3 * I * D * (0.5 + 1 / 32)
+    routings = [relabeled(topk_ids, E, c) for c in range(l2_copies(expert_bytes, dev))]
+    refs = [ref, naive.fused_experts(x, weights, topk_weights, routings[-1], SITU, 0)]
+    gemv = path_us("gemv", x, weights, topk_weights, routings, refs, dev)
+    dot = path_us("dot", x, weights, topk_weights, routings, refs, dev)
     anchor = TorchExperts(x, weights, topk_weights, topk_ids, 0)
     check("torch anchor", rel_err(ref, anchor.run(*anchor.bf16)), TOL)
-    num_active = anchor.experts.numel()
     pairs = int(((topk_ids >= 0) & (topk_ids < E)).sum())
-    bytes_moved = num_active * 3 * I * D * (0.5 + 1 / 32) + T * D * (2 + 4)
+    bytes_moved = expert_bytes + T * D * (2 + 4)
     flops = pairs * 6 * I * D
     floor = floor_us(bytes_moved, flops, ceil)
-    return dict(op="moe mxfp4", shape=f"T{T} (experts {num_active}, rows {pairs})", gemv_graph=gemv_graph,
-                gemv=gemv, dot_graph=dot_graph, dot=dot,
+    gemv_in_graph = gemv["gemv_in_graph"]
+    return dict(op="moe mxfp4", shape=f"T{T} (experts {num_active}, rows {pairs})", **gemv, **dot,
                 anchor=time_ms(anchor.dequant_and_run, dev) * 1e3, anchor_is="dequant to bf16 + bmm",
                 bf16_bank=time_ms(lambda: anchor.run(*anchor.bf16), dev) * 1e3, floor=floor,
-                gemv_x_floor="-" if gemv_graph is None else f"{gemv_graph / floor:.1f}",
-                dot_x_floor="-" if dot_graph is None else f"{dot_graph / floor:.1f}",
-                gemv_TBps="-" if gemv_graph is None else f"{bytes_moved / gemv_graph / 1e6:.2f}",
-                err=f"{err:.1e}", backend=backend)
+                gemv_graph_1call_x_floor=x_floor(gemv["gemv_graph_1call"], floor),
+                gemv_in_graph_x_floor=x_floor(gemv_in_graph, floor),
+                dot_in_graph_x_floor=x_floor(dot["dot_in_graph"], floor),
+                gemv_TBps="-" if gemv_in_graph is None else f"{bytes_moved / gemv_in_graph / 1e6:.2f}",
+                routings=len(routings), err=f"{err:.1e}", backend=backend)
 
 
 def main() -> None:
@@ -116,11 +156,16 @@ def main() -> None:
                                                                                      [1, 4, 16, 64])
     weights = ExpertWeights(random_mxfp4(E, I, D, dev=dev), random_mxfp4(E, I, D, dev=dev),
                             random_mxfp4(E, D, I, dev=dev))
-    rows = [row(T, weights, top_k, total, dev, ceil) for T in tokens]
-    columns = ["op", "shape", "gemv_graph", "gemv", "dot_graph", "dot", "anchor", "anchor_is", "bf16_bank", "floor",
-               "gemv_x_floor", "dot_x_floor", "gemv_TBps", "err", "backend"]
+    rows = []
+    for T in tokens:  # each row on stderr as it lands: a time limit that cuts the run keeps what was measured
+        rows.append(row(T, weights, top_k, total, dev, ceil))
+        print(rows[-1], file=sys.stderr, flush=True)
+    columns = ["op", "shape", "gemv", "gemv_graph_1call", "gemv_in_graph", "dot", "dot_graph_1call", "dot_in_graph",
+               "anchor", "anchor_is", "bf16_bank", "floor", "gemv_graph_1call_x_floor", "gemv_in_graph_x_floor",
+               "dot_in_graph_x_floor", "gemv_TBps", "err", "backend"]
+    launch = graph_launch_us(dev)
     report(f"MXFP4 MoE, one EP rank (us; D {D}, I {I}, {E} local of {total} experts, top-{top_k})", columns, rows,
-           ceil, args.out, dev)
+           ceil, args.out, dev, graph_launch_note(launch), {"graph_launch_us": launch})
 
 
 if __name__ == "__main__":

@@ -15,6 +15,15 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def block_h(num_heads: int) -> int:
+    """Heads a program: 16 (the smallest tl.dot operand) up to 16 heads, else 32, sharing each page load."""
+    return 16 if num_heads <= 16 else 32
+
+
+def head_groups(num_heads: int) -> int:
+    return _cdiv(num_heads, block_h(num_heads))
+
+
 def default_waves(num_seqs: int, head_groups: int) -> int:
     """One wave once 64+ (sequence, head group) pairs fill the GPU nearly by themselves, else two (the H200 sweep of
     2026-11-30: 2 waves of 8 pages beat 1.09 waves of 15 at N16 ctx8K, 60 vs 69 us)."""

@@ -21,7 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .._backend import device_of
-from .split_rule import split_plan
+from .split_rule import block_h, head_groups, split_plan
 
 LN2 = 0.6931471805599453
 LOG2E = 1.4426950408889634
@@ -142,7 +142,7 @@ def _merge(o_parts: Tensor, lse_parts: Tensor, part_strides: tuple[int, int, int
     )
 
 
-def _num_sm(device: torch.device) -> int:
+def num_sm(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
@@ -168,11 +168,10 @@ def mla_decode_paged(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, block_tab
     two for 32 (register pressure)."""
     N, H, L = q_latent.shape
     R, PAGE = q_pe.shape[-1], kv_cache.shape[1]
-    BLOCK_H = 16 if H <= 16 else 32
-    head_groups = triton.cdiv(H, BLOCK_H)
+    BLOCK_H, groups = block_h(H), head_groups(H)
     num_stages = num_stages or (3 if BLOCK_H == 16 else 2)
-    num_splits, pages_per_split = split_plan(N, head_groups, triton.cdiv(max_seq_len, PAGE),
-                                             _num_sm(q_latent.device), waves, num_splits)
+    num_splits, pages_per_split = split_plan(N, groups, triton.cdiv(max_seq_len, PAGE), num_sm(q_latent.device),
+                                             waves, num_splits)
     block_tables, seq_lens = block_tables.to(q_latent.device), seq_lens.to(q_latent.device)  # int32 or int64
     o = q_latent.new_empty(N, H, L)
     lse = torch.empty(N, H, dtype=torch.float32, device=q_latent.device)
@@ -185,7 +184,7 @@ def mla_decode_paged(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, block_tab
         lse_part = torch.empty(N, H, num_splits, dtype=torch.float32, device=q_latent.device)
         so = o_part.stride()[:3]
     with device_of(q_latent):
-        _decode_kernel[(N, num_splits, head_groups)](
+        _decode_kernel[(N, num_splits, groups)](
             q_latent, q_pe, kv_cache, block_tables, seq_lens, o_part, lse_part, o, lse,
             scale * LOG2E, H, pages_per_split,
             q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
