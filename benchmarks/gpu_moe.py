@@ -77,10 +77,10 @@ def relabeled(topk_ids: torch.Tensor, num_local: int, copy: int) -> torch.Tensor
     """topk_ids with the local experts (ids 0..num_local-1) renamed by a bijection: copy 0 as it is; copy c sends
     the j-th hit expert to the ((c - 1) x hits + j)-th id, mod num_local, of the ids not hit followed by the hit
     ones; the other local ids fill the rest in order, other ranks' ids stay. Rows per expert and per token stay."""
-    local = topk_ids < num_local
-    hit = torch.unique(topk_ids[local])
     if copy == 0:
         return topk_ids
+    local = topk_ids < num_local
+    hit = torch.unique(topk_ids[local])
     ids = torch.arange(num_local, device=hit.device)
     order = torch.cat([ids[~torch.isin(ids, hit)], hit])
     targets = order[((copy - 1) * hit.numel() + torch.arange(hit.numel(), device=hit.device)) % num_local]
