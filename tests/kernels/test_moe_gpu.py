@@ -106,10 +106,19 @@ def test_unknown_activation_falls_back() -> None:
     assert moe.last_backend["fused_experts"] == "naive"
 
 
-def _assert_gemv_fp32_exact(T: int, case: str) -> None:
+def _skewed_routing(T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank 0's experts 0..6 take 4 of each token's TOP_K pairs (~36 rows each at T 64: long row loops on every
+    tile), the rest go to other ranks."""
+    ids = torch.stack([torch.cat([torch.randperm(7, device="cuda")[:4], E + torch.randperm(E_TOTAL - E, device="cuda")
+                                  [:TOP_K - 4]]) for _ in range(T)])
+    weights = torch.rand(T, TOP_K, device="cuda")
+    return weights / weights.sum(-1, keepdim=True), ids
+
+
+def _assert_gemv_fp32_exact(T: int, case: str, skewed: bool = False) -> None:
     weights = k3_bank()
     x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
-    topk_weights, topk_ids = _routing(T, 0)
+    topk_weights, topk_ids = _skewed_routing(T) if skewed else _routing(T, 0)
     topk_ids[0, 0] = 5  # at least one pair on this rank
     out = triton_moe.fused_experts(x, weights, topk_weights, topk_ids, SITU, 0, path="gemv")
     assert_rel_rms(case, naive.fused_experts(x, weights, topk_weights, topk_ids, SITU, 0), out, 1e-5)
@@ -126,7 +135,8 @@ def test_gemv_path_is_fp32_exact_at_k3_shapes(T: int) -> None:
 @pytest.mark.parametrize("kernel_name", ["gemv_up_kernel", "gemv_down_kernel"])
 def test_every_gemv_config_is_fp32_exact(kernel_name: str) -> None:
     """Each tile config the autotuner may pick, run alone (the other kernel autotuned), is fp32-exact at T 1 and
-    16: a config that loses the timing on this GPU but wins on another cannot hide a wrong result."""
+    16 and at T 64 with skewed routing (experts of many rows): a config that loses the timing on this GPU but
+    wins on another cannot hide a wrong result."""
     from k3serve.kernels.moe import triton_gemv
 
     kernel = getattr(triton_gemv, kernel_name)
@@ -135,8 +145,8 @@ def test_every_gemv_config_is_fp32_exact(kernel_name: str) -> None:
         for config in saved:
             kernel.configs = [config]  # one config: launched without benchmarking
             kernel.cache.clear()
-            for T in (1, 16):
-                _assert_gemv_fp32_exact(T, f"{kernel_name} {config} T{T}")
+            for T, skewed in ((1, False), (16, False), (64, True)):
+                _assert_gemv_fp32_exact(T, f"{kernel_name} {config} T{T}", skewed)
     finally:
         kernel.configs = saved
         kernel.cache.clear()
