@@ -33,6 +33,7 @@ from k3serve.kernels.mla.split_rule import head_groups, split_plan
 L, R, BLOCK = 512, 64, 64
 SCALE = 192**-0.5
 TOL = 1e-2
+ANCHOR_TOL = 2e-2  # the anchor runs its einsum/softmax in bf16: 1.05e-2 seen at N4 ctx2K on the H200
 SWEEP_SHAPES = [(16, 8192), (64, 8192), (16, 32768), (4, 32768), (1, 32768)]
 SWEEP_HEADS = 12
 SWEEP_WAVES = (1, 2, 4)
@@ -112,7 +113,7 @@ def row(N: int, ctx: int, H: int, dev, ceil, dtype) -> dict:
     err = max(_err(ref, out), _err(ref, case.kernel()))
     check(f"mla N{N} ctx{ctx} H{H}", err, TOL)
     anchor_o, _ = torch_decode(case.q_latent, case.q_pe, case.kv, case.tables[0], case.lens)
-    check("torch anchor", rel_err(ref[0], anchor_o), TOL)
+    check("torch anchor", rel_err(ref[0], anchor_o), ANCHOR_TOL)
     graph = graph_us(case.kernel, dev)
     in_graph = case.in_graph(dev)
     floor = floor_us(case.bytes_moved, case.flops, ceil)

@@ -1,14 +1,18 @@
 """How many KV splits the paged MLA decode (triton_decode.py) runs: a rule of the batch, the head groups, the
 longest sequence's pages and the SM count, kept apart from the kernel so the CPU suite checks it without triton.
 
-A decode program holds a 64-row page tile of 576 bf16 columns in each of its 2-3 pipeline stages, so an H200 SM
-runs one program at a time: the grid runs in waves of `num_sm` programs. The splits are the largest count whose
-N x head_groups x splits programs fit in `waves` whole waves (floor, not ceil: a ceil spilled a few programs into
-one more, nearly empty wave, e.g. N64 with 3 splits ran 192 programs, 1.45 waves, on 132 SMs)."""
+The grid runs in waves of `num_sm` programs. The splits are the largest count whose N x head_groups x splits
+programs fit in `waves` whole waves (floor, not ceil: a ceil spilled a few programs into one more, partly empty
+wave, e.g. N64 with 3 splits ran 192 programs, 1.45 waves, on 132 SMs)."""
 
 from __future__ import annotations
 
 MIN_PAGES_PER_SPLIT = 2  # a split shorter than this pays the merge for less than it saves
+# Two whole waves at every batch: the H200 sweep of 2026-12-01 (in graph; gpu_mla_sweep.log in
+# benchmarks/results/h200-2026-12-01c) timed them fastest at N16 ctx8K (51.6 us vs 59.2 on one wave), N64 ctx8K
+# (157.7 vs 204.6: 91% of copy bandwidth), N16 and N4 ctx32K; only one sequence of 32K ran faster on one wave
+# (28.0 vs 32.1 us).
+DEFAULT_WAVES = 2
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -22,12 +26,6 @@ def block_h(num_heads: int) -> int:
 
 def head_groups(num_heads: int) -> int:
     return _cdiv(num_heads, block_h(num_heads))
-
-
-def default_waves(num_seqs: int, head_groups: int) -> int:
-    """One wave once 64+ (sequence, head group) pairs fill the GPU nearly by themselves, else two (the H200 sweep of
-    2026-11-30: 2 waves of 8 pages beat 1.09 waves of 15 at N16 ctx8K, 60 vs 69 us)."""
-    return 1 if num_seqs * head_groups >= 64 else 2
 
 
 def split_plan(num_seqs: int, head_groups: int, max_pages: int, num_sm: int, waves: int | None = None,
@@ -44,7 +42,7 @@ def split_plan(num_seqs: int, head_groups: int, max_pages: int, num_sm: int, wav
         raise ValueError(f"num_splits and waves must be >= 1, got {num_splits} and {waves}")
     max_pages = max(max_pages, 1)
     if num_splits is None:
-        waves = waves or default_waves(num_seqs, head_groups)
+        waves = waves or DEFAULT_WAVES
         fit = max(1, waves * num_sm // (num_seqs * head_groups))
         num_splits = min(fit, max(1, _cdiv(max_pages, MIN_PAGES_PER_SPLIT)))
     pages_per_split = _cdiv(max_pages, num_splits)

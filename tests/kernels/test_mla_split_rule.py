@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from k3serve.kernels.mla.split_rule import MIN_PAGES_PER_SPLIT, default_waves, split_plan
+from k3serve.kernels.mla.split_rule import DEFAULT_WAVES, MIN_PAGES_PER_SPLIT, split_plan
 
 H200_SMS = 132
 PAGE = 64
@@ -19,7 +19,8 @@ def _pages(ctx: int) -> int:
 @pytest.mark.parametrize(("N", "ctx", "waves", "splits"), [
     (16, 8192, None, 16),  # 2 waves of 8 pages: 256 programs
     (16, 8192, 1, 8),  # one whole wave of 16 pages: 128 programs (ceil gave 9: 144, a second wave of 12)
-    (64, 8192, None, 2),  # one wave: 128 programs (ceil gave 3: 192, 1.45 waves)
+    (64, 8192, None, 4),  # two waves: 256 programs (ceil gave 3 at one wave: 192, 1.45 waves)
+    (64, 8192, 1, 2),  # one wave: 128 programs
     (16, 32768, None, 16),
     (4, 32768, None, 64),  # 66 fit; 8 pages a split cover 512 pages in 64
     (1, 32768, None, 256),  # batch 1: 264 fit, capped at two pages a split
@@ -29,7 +30,7 @@ def test_k3_rank_shapes_fill_whole_waves(N: int, ctx: int, waves: int | None, sp
     """K3 at TP8 (12 heads: one head group) at the shapes benchmarks/gpu_mla.py --sweep times."""
     num_splits, pages_per_split = split_plan(N, 1, _pages(ctx), H200_SMS, waves)
     assert num_splits == splits
-    assert N * num_splits <= (waves or default_waves(N, 1)) * H200_SMS
+    assert N * num_splits <= (waves or DEFAULT_WAVES) * H200_SMS
 
 
 @pytest.mark.parametrize("head_groups", [1, 2, 4, 8])
@@ -39,7 +40,7 @@ def test_programs_never_spill_into_another_wave(head_groups: int, waves: int | N
     grid fits in the waves, splits hold at least MIN_PAGES_PER_SPLIT pages (unless the sequence is shorter), and
     the longest sequence's pages are covered by the splits with none left empty."""
     for N in range(1, 200):
-        budget = (waves or default_waves(N, head_groups)) * H200_SMS
+        budget = (waves or DEFAULT_WAVES) * H200_SMS
         for max_pages in (*range(0, 40), 127, 128, 129, 511, 512, 513, 1024):
             num_splits, per_split = split_plan(N, head_groups, max_pages, H200_SMS, waves)
             case = f"N{N} groups {head_groups} pages {max_pages} waves {waves}: {num_splits} x {per_split}"
