@@ -67,10 +67,11 @@ def supports(q: Tensor, k: Tensor, v: Tensor, g: Tensor, state_pool: Tensor) -> 
 
 def default_block_v(N: int, H: int, V: int) -> tuple[int, int]:
     """(BV, num_warps) by the number of (sequence, head) pairs: the winners of `benchmarks/gpu_kda.py`'s
-    graph-timed sweep on an H200 (2026-11-30; K = V = 128): narrow one-warp tiles spread a few heads over
-    more SMs, 64-column four-warp tiles stream the state best from ~400 pairs up."""
+    graph-timed sweep on an H200 (2026-11-30, and 2026-12-01: 32 columns on one warp beat two by 4% at N16 H12
+    and N4 H32; K = V = 128): narrow one-warp tiles spread a few heads over more SMs, 64-column four-warp tiles
+    stream the state best from ~400 pairs up."""
     pairs = N * H
-    bv, warps = (16, 1) if pairs < 64 else (32, 2) if pairs < 384 else (64, 4)
+    bv, warps = (16, 1) if pairs < 64 else (32, 1) if pairs < 384 else (64, 4)
     return min(bv, V), warps
 
 
