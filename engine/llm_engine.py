@@ -15,10 +15,9 @@ from pathlib import Path
 import torch
 
 from k3serve.engine.block_pool import BlockPool
-from k3serve.engine.budget import default_token_budget
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.detokenizer import IncrementalDetokenizer
-from k3serve.engine.memory import PoolPlan, plan_engine_pools
+from k3serve.engine.memory import PoolPlan, base_token_budget, plan_engine_pools
 from k3serve.engine.outputs import RequestDelta, TokenLogprobs
 from k3serve.engine.prefix_cache import PrefixCache
 from k3serve.engine.request import Request
@@ -99,11 +98,10 @@ class LLMEngine:
         tp = group.tensor_parallel(args.device) if group is not None else TensorParallel(0, args.tensor_parallel_size)
         self.runner = load_runner(args, self.model_dir, self.plan, tp, group)
         block_pool, state_pool = BlockPool(self.plan.num_blocks, args.block_size), StatePool(self.plan.num_slots)
-        budget = args.max_num_batched_tokens or default_token_budget(_device_memory(args.device))
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=max(budget, args.max_num_seqs),
+                max_num_batched_tokens=base_token_budget(args, _device_memory(args.device)),
                 max_adaptive_batched_tokens=args.max_adaptive_batched_tokens,
                 max_model_len=args.max_model_len,
                 block_size=args.block_size,
@@ -123,12 +121,11 @@ class LLMEngine:
         self.num_preemptions = 0  # requests preempted so far (each recomputes its context)
 
     def _plan_pools(self) -> PoolPlan:
-        args, usable = self.args, None
+        args, usable, total = self.args, None, _device_memory(self.args.device)
         if args.device.startswith("cuda") and args.cache_memory_bytes is None:
             free, _ = torch.cuda.mem_get_info(torch.device(args.device))
-            total = torch.cuda.get_device_properties(torch.device(args.device)).total_memory
             usable = int(free - (1 - args.gpu_memory_utilization) * total)
-        return plan_engine_pools(self.config, args, usable)
+        return plan_engine_pools(self.config, args, usable, total)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(

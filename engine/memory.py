@@ -1,5 +1,5 @@
-"""Per-rank memory accounting: weights, MLA latent KV per token, KDA state per request, and with CUDA
-graphs the pad KDA slot and the graphs' memory.
+"""Per-rank memory accounting: weights, MLA latent KV per token, KDA state per request, the activations of
+one eager prefill step, and with CUDA graphs the pad KDA slot and the graphs' memory.
 
 The same numbers size the engine's pools and answer `k3serve plan`, so an operator can check
 that a deployment of the published K3 fits before renting the hardware.
@@ -12,7 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from k3serve.engine.budget import default_token_budget
 from k3serve.engine.config import DEFAULT_CPU_CACHE_BYTES, EngineArgs
+from k3serve.engine.scheduler import SchedulerConfig
+from k3serve.kernels.kda import CHUNK_SIZE
 from k3serve.model.config import ModelConfig
 
 
@@ -68,6 +71,7 @@ class PoolPlan:
     block_size: int
     pad_slot: bool = False  # one more KDA slot in the cache, for CUDA-graph padding rows (no request owns it)
     graph_bytes: int = 0  # set aside for the captured decode graphs out of a device budget (`graph_reserve_bytes`)
+    prefill_bytes: int = 0  # set aside for an eager step's activations (`prefill_activation_bytes`), likewise
 
     @property
     def num_tokens(self) -> int:
@@ -76,30 +80,34 @@ class PoolPlan:
 
 def plan_pools(
     sizes: CacheSizes, cache_bytes: int, block_size: int, num_slots: int, max_model_len: int,
-    pad_slot: bool = False, graph_bytes: int = 0,
+    pad_slot: bool = False, graph_bytes: int = 0, prefill_bytes: int = 0,
 ) -> PoolPlan:
-    """Give `num_slots` KDA slots (plus the pad slot) and `graph_bytes` their bytes, the rest of `cache_bytes`
-    to MLA blocks."""
+    """Give `num_slots` KDA slots (plus the pad slot), `graph_bytes` and `prefill_bytes` their bytes, the rest of
+    `cache_bytes` to MLA blocks."""
     slot_bytes = (num_slots + pad_slot) * sizes.kda_bytes_per_slot
     block_bytes = block_size * sizes.mla_bytes_per_token
-    num_blocks = (cache_bytes - slot_bytes - graph_bytes) // block_bytes if block_bytes else 0
+    num_blocks = (cache_bytes - slot_bytes - graph_bytes - prefill_bytes) // block_bytes if block_bytes else 0
     needed = math.ceil(max_model_len / block_size)
     if num_blocks < needed:
-        graphs = f" and {graph_bytes / 2**20:.1f} MiB for CUDA graphs" if graph_bytes else ""
+        graphs = f", {graph_bytes / 2**20:.1f} MiB for CUDA graphs" if graph_bytes else ""
+        prefill = f", {prefill_bytes / 2**20:.1f} MiB for a prefill step's activations" if prefill_bytes else ""
         raise ValueError(
             f"a cache budget of {cache_bytes / 2**20:.1f} MiB holds {max(num_blocks, 0)} blocks of {block_size} tokens "
-            f"after {num_slots + pad_slot} KDA slots ({slot_bytes / 2**20:.1f} MiB){graphs}; one request of "
+            f"after {num_slots + pad_slot} KDA slots ({slot_bytes / 2**20:.1f} MiB){graphs}{prefill}; one request of "
             f"max_model_len={max_model_len} needs {needed} blocks. Raise the cache budget or lower max_model_len / "
-            "max_num_seqs."
+            "max_num_seqs" + (" / max_num_batched_tokens" if prefill_bytes else "") + "."
         )
     return PoolPlan(num_blocks=int(num_blocks), num_slots=num_slots, block_size=block_size, pad_slot=pad_slot,
-                    graph_bytes=graph_bytes)
+                    graph_bytes=graph_bytes, prefill_bytes=prefill_bytes)
 
 
-def plan_engine_pools(config: ModelConfig, args: EngineArgs, usable_bytes: int | None = None) -> PoolPlan:
+def plan_engine_pools(config: ModelConfig, args: EngineArgs, usable_bytes: int | None = None,
+                      device_bytes: int | None = None) -> PoolPlan:
     """The pools of an engine run with `args`: in `cache_memory_bytes` when given (MLA blocks and KDA slots);
     else in `usable_bytes` (on CUDA: what `gpu_memory_utilization` leaves of the free memory) less this
-    engine's weights (planned before they load) and the captured graphs' memory; else the CPU default.
+    engine's weights (planned before they load), the captured graphs' memory and one eager step's activations
+    (`prefill_activation_bytes`; `device_bytes`, the device's total memory, sets the default token budget);
+    else the CPU default.
     With CUDA graphs (`graphs_allowed(args)`: not under `enforce_eager`, ...) the cache holds the pad slot
     too; at TP > 1 only where NCCL is asked for (`K3SERVE_TP_NCCL=1`: gloo's collectives cannot be recorded).
     The plan is made before the ranks join: should NCCL be refused there (ranks sharing a GPU,
@@ -109,16 +117,24 @@ def plan_engine_pools(config: ModelConfig, args: EngineArgs, usable_bytes: int |
 
     sizes = cache_sizes(config, args.tensor_parallel_size, args.torch_dtype)
     graphs = graphs_allowed(args)
-    graph_bytes = 0
+    graph_bytes = prefill_bytes = 0
     if args.cache_memory_bytes is not None:
         cache_bytes = args.cache_memory_bytes
     elif usable_bytes is not None:
+        if usable_bytes <= sizes.weight_bytes:
+            raise ValueError(
+                f"this rank's weights ({sizes.weight_bytes / 2**30:.2f} GiB) do not fit in the usable device memory "
+                f"({usable_bytes / 2**30:.2f} GiB: the free memory less 1 - gpu_memory_utilization="
+                f"{1 - args.gpu_memory_utilization:.2f} of the device). Raise gpu_memory_utilization or "
+                "tensor_parallel_size, or free the device."
+            )
         graph_bytes = graph_reserve_bytes(config, args) if graphs else 0
+        prefill_bytes = prefill_activation_bytes(config, args, device_bytes)
         cache_bytes = usable_bytes - sizes.weight_bytes
     else:
         cache_bytes = DEFAULT_CPU_CACHE_BYTES
     return plan_pools(sizes, cache_bytes, args.block_size, args.kda_slots, args.max_model_len, pad_slot=graphs,
-                      graph_bytes=graph_bytes)
+                      graph_bytes=graph_bytes, prefill_bytes=prefill_bytes)
 
 
 GRAPH_POOL_SLACK_BYTES = 64 * 2**20
@@ -156,8 +172,7 @@ def decode_activation_bytes(config: ModelConfig, tp_size: int, dtype: torch.dtyp
     where the layer computes in fp32."""
     b = torch.empty((), dtype=dtype).element_size()
     hidden = config.hidden_size
-    bank = -(-config.num_hidden_layers // config.attn_res_block_size) + 1 if config.attn_res_block_size else 1
-    stream = (bank + 3) * hidden * b  # the bank, a layer's input, its mixer's and its MLP's outputs
+    stream = (residual_rows(config) + 3) * hidden * b  # the bank, a layer's input, its mixer's and its MLP's outputs
     p = config.kda.num_heads // tp_size * config.kda.head_dim
     kda = p * (10 * b + 4) + hidden * b  # projections, conv, q/k/v, gate (fp32), outputs, o_proj
     h, latent = config.num_attention_heads // tp_size, config.kv_lora_rank
@@ -176,10 +191,189 @@ def decode_activation_bytes(config: ModelConfig, tp_size: int, dtype: torch.dtyp
     return stream + max(kda, mla, dense, moe)
 
 
+def residual_rows(config: ModelConfig) -> int:
+    """Rows of the residual stream a forward holds per token: the attention-residual bank (a snapshot a block
+    and the running prefix, `KimiModel.forward`'s `sources`), or the plain residual."""
+    if not config.attn_res_block_size:
+        return 1
+    return -(-config.num_hidden_layers // config.attn_res_block_size) + 1
+
+
+def base_token_budget(args: EngineArgs, device_bytes: int | None) -> int:
+    """The scheduler's base token budget (`engine/budget.py`) for an engine run with `args` on a device of
+    `device_bytes` (None: no GPU): `max_num_batched_tokens`, else the device's default, and at least
+    `max_num_seqs` (every running decode fits one step)."""
+    return max(args.max_num_batched_tokens or default_token_budget(device_bytes), args.max_num_seqs)
+
+
+def max_step_tokens(args: EngineArgs, device_bytes: int | None) -> int:
+    """The most tokens one forward pass runs: the adaptive budget's ceiling, `max_adaptive_batched_tokens`,
+    by default twice the base budget (resolved by `SchedulerConfig`, as the engine's scheduler resolves it)."""
+    budgets = SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                              max_num_batched_tokens=base_token_budget(args, device_bytes),
+                              max_adaptive_batched_tokens=args.max_adaptive_batched_tokens)
+    return budgets.max_adaptive_batched_tokens
+
+
+PREFILL_FIXED_BYTES = 80 * 2**20
+"""What an eager step holds beside its activations, made after the plan: cuBLAS's and cuBLASLt's workspaces for
+the default stream (up to 32 MiB each on Hopper, kept from the first GEMM on), and small buffers that do not grow
+with the tokens (a mixed step's absorbed-decode split-K partials, 8.3 MiB at K3 TP8 on an H200; the KDA chunk
+plan, SDPA's row statistics, the MoE routing's counts)."""
+TRITON_BENCH_FLUSH_BYTES = 256 * 2**20
+"""Triton's autotuner zeroes a 256 MiB buffer (allocated through torch) before timing each candidate, to flush
+L2: the first step with a new MoE row bucket (`kernels/moe/triton_moe.py`) or new fla shapes tunes mid-forward,
+with that layer's activations live."""
+FLA_SUB_CHUNK = 16
+"""fla's KDA intra-chunk sub-block (`BC` of `chunk_kda_fwd_intra`): its fp32 diagonal blocks are [T, H, 16]."""
+SAMPLER_LOGITS_COPIES = 16
+"""fp32 [rows, vocab] tensors alive at once, at most, while a step's rows are sampled (`engine/sampler.py`):
+the gathered logits, their stack, the sampler's clone and temperature-scaled copy, the top-k/top-p sort (values
+and int64 indices), softmax, cumsum, masks, the scatter back, the probabilities, the noise and their quotient."""
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The largest eager step of an engine, as the prefill estimate sizes it."""
+
+    num_tokens: int  # `max_step_tokens`: new tokens of all its sequences
+    num_seqs: int  # its sequences and sampled rows: at most max_num_seqs, at most one a token
+    max_seq_len: int  # max_model_len: one sequence's context, its new tokens included
+    tp_size: int
+    itemsize: int  # bytes of an element of the model's dtype
+
+    @property
+    def max_chunk(self) -> int:
+        """New tokens of one sequence."""
+        return min(self.num_tokens, self.max_seq_len)
+
+    @property
+    def mla_keys(self) -> int:
+        """Keys the MLA prefill gathers at once: the step's new tokens and ONE sequence's cached prefix (see
+        `prefill_activation_bytes` for when more)."""
+        return self.num_tokens + self.max_seq_len
+
+
+def prefill_activation_bytes(config: ModelConfig, args: EngineArgs, device_bytes: int | None = None) -> int:
+    """Device memory one eager step of `max_step_tokens(args, device_bytes)` tokens allocates beyond the weights
+    and pools, at its peak, on the GPU kernels' paths (bf16/fp16, fla installed): an upper bound built from the
+    model's shapes and what each op allocates, held against a measurement by tests/engine/test_prefill_memory_gpu.py.
+
+        peak = max(forward, logits, sampling) + PREFILL_FIXED_BYTES
+        forward  = held across layers: the residual bank (`residual_rows`), the previous layer's output still to
+                   add, the attention output beside the MLP, the batch's int64 token rows
+                   + the largest peak of one layer part, its input and output included (`_kda_prefill_bytes`,
+                   `_mla_prefill_bytes`, `_moe_prefill_bytes`, `_dense_mlp_bytes`): each the max over that
+                   part's phases, with `TRITON_BENCH_FLUSH_BYTES` in those that autotune (fla's KDA, the MoE)
+        logits   = the final hidden states, the sampled rows (one a sequence) and their logits
+        sampling = `SAMPLER_LOGITS_COPIES` fp32 copies of those logits
+
+    Every token of a mixed step counts at prefill rates, its decodes included. Assumes the MLA prefill gathers
+    the cached prefix of at most one sequence beside the step's own tokens (`StepShape.mla_keys`): true without
+    prefix caching (only the one chunked prompt still running has a prefix); with it, prefix hits admitted in
+    one step each gather theirs at once (`MLAAttention._prefill`, ~8 KiB a key at K3 TP8) and can exceed this.
+    Ignores: prompt logprobs (the runner's `chunk_logits`, [chunk, vocab] fp32 a request), fp32 on CUDA and CUDA
+    without fla (the reference ops: e.g. the MLA scores [H, q, k] in fp32), the caching allocator's
+    fragmentation (reserved less allocated, left to 1 - gpu_memory_utilization) and NCCL's buffers."""
+    num_tokens = max_step_tokens(args, device_bytes)
+    step = StepShape(num_tokens, min(args.max_num_seqs, num_tokens), args.max_model_len, args.tensor_parallel_size,
+                     torch.empty((), dtype=args.torch_dtype).element_size())
+    hidden, b, tp = config.hidden_size, step.itemsize, step.tp_size
+    moe_layers = [config.is_moe_layer(i) for i in range(config.num_hidden_layers)]  # as `DecoderLayer` builds them
+    parts = [_kda_prefill_bytes(config, step)] if config.kda_layers else []
+    parts += [_mla_prefill_bytes(config, step)] if config.mla_layers else []
+    parts += [_moe_prefill_bytes(config, step)] if any(moe_layers) else []
+    parts += [_dense_mlp_bytes(config, step)] if not all(moe_layers) else []
+    held = num_tokens * ((residual_rows(config) + 2) * hidden * b + 3 * 8)  # + token ids, positions, slot mapping
+    forward = held + max(parts)
+    rows, vocab = step.num_seqs, config.vocab_size
+    shard = -(-vocab // tp)  # this rank's lm_head rows; rank 0 gathers every rank's, then widens them to fp32
+    logits = num_tokens * hidden * b + rows * (hidden * b + shard * b * (1 + tp * (tp > 1)) + vocab * 4)
+    sampling = SAMPLER_LOGITS_COPIES * rows * vocab * 4
+    return max(forward, logits, sampling) + PREFILL_FIXED_BYTES
+
+
+def _kda_prefill_bytes(config: ModelConfig, step: StepShape) -> int:
+    """Peak of a KDA layer's prefill (`KimiDeltaAttention.forward`): its input and the stacked projections'
+    output [T, 3P + d + H + gate], plus the largest of
+      conv    the short conv's reference loop (prefill runs `kernels/conv/naive.py`): its fp32 output, and for one
+              sequence the fp32 window, its [len, 3P, W] fp32 products and their sum; or the SiLU's fp32 copy;
+      chunk   the conv's output, the fp32 gate and beta, the sequences' fp32 states (initial, final, checkpoint),
+              and fla's chunk_kda (`kernels/kda/fla_ops.py`): q, k, v made contiguous, the fp32 in-chunk gate
+              cumsum, w, u, kg, Aqk, then either the intra-chunk Akk and its fp32 diagonal blocks or the chunk-start
+              states h (a chunk of 64 tokens a sequence, one extra), v_new and o; and an autotune's flush buffer;
+      output  the conv's output, the gate, the chunk's output, the gated norm and o_proj."""
+    kda, T, L, b = config.kda, step.num_tokens, step.max_chunk, step.itemsize
+    H, d, W = kda.num_heads // step.tp_size, kda.head_dim, kda.conv_kernel_size
+    P = H * d
+    C = 3 * P  # the conv's channels: q, k, v
+    gate = P if kda.use_full_rank_gate else d
+    held = T * (config.hidden_size + C + d + H + gate) * b
+    conv = max(4 * C * (T + (L + W - 1) + L * W + L), 8 * C * T)
+    states = 3 * step.num_seqs * H * d * d * 4
+    num_chunks = -(-T // CHUNK_SIZE) + step.num_seqs
+    fla = T * (6 * P * b + 4 * P + H * CHUNK_SIZE * b) + max(
+        T * H * (CHUNK_SIZE * b + FLA_SUB_CHUNK * 4), num_chunks * H * d * d * b + 2 * T * P * b)
+    chunk = T * (C * b + 4 * P + 4 * H) + states + fla + TRITON_BENCH_FLUSH_BYTES
+    output = T * (C * b + 4 * P + 2 * P * b + config.hidden_size * b)
+    return held + max(conv, chunk, output)
+
+
+def _mla_prefill_bytes(config: ModelConfig, step: StepShape) -> int:
+    """Peak of an MLA layer's prefill (`MLAAttention.forward`, `_prefill`): its input, the stacked projections'
+    output and q (q_b's output; q_a_layernorm's too while q_b runs), plus the larger of
+      keys    for `step.mla_keys` keys: the gathered cache rows (and their int64 indices), the latent's copy for
+              kv_b_proj, its k_nope|v output and the concatenated keys; the output rows; and either one
+              sequence's SDPA (v padded to the q/k head size, copies of q, k and v where SDPA wants them, its
+              output and statistics) or the output's fp32 copy;
+      output  the fp32 output (twice where decode rows are concatenated), gated into the model's dtype, o_proj."""
+    T, L, b = step.num_tokens, step.max_chunk, step.itemsize
+    H = config.num_attention_heads // step.tp_size
+    q_width, v_width = H * config.qk_head_dim, H * config.v_head_dim
+    q_lora = config.q_lora_rank or 0
+    gate = v_width if config.mla_use_output_gate else 0
+    held = T * (config.hidden_size + (q_lora or q_width) + config.mla_kv_dim + gate) * b
+    q = T * (q_width + q_lora) * b if q_lora else 0
+    per_key = (config.mla_kv_dim + config.kv_lora_rank + H * (config.qk_nope_head_dim + config.v_head_dim)
+               + q_width) * b + 4 * 8
+    sdpa = (3 * step.max_seq_len + 2 * L) * q_width * b + H * L * 4
+    keys = step.mla_keys * per_key + T * v_width * b + max(sdpa, T * v_width * 4)
+    output = T * (v_width * (2 * 4 + b) + config.hidden_size * b)
+    return held + q + max(keys, output)
+
+
+def _moe_prefill_bytes(config: ModelConfig, step: StepShape) -> int:
+    """Peak of a MoE layer (`SparseMoE.forward`, MXFP4 experts on `kernels/moe/triton_moe.py`): its input, plus
+    the largest of
+      router  the fp32 logits [T, E] and the top-k picks (fp32 weights, int64 ids);
+      experts the picks, the stacked projections' output (latent down-projection, shared gate|up), the experts'
+              contiguous input, their fp32 sum, h [T * top_k, I] in the model's dtype, the routing's sort (int32
+              keys, int64 order, int32 copies) and fp32 weights a pair; and an autotune's flush buffer;
+      output  the picks and projections, the fp32 routed sum and its norm, the shared experts' fp32 sums, the
+              fp32 up-projection, their fp32 sum and its rounding."""
+    T, b, hidden = step.num_tokens, step.itemsize, config.hidden_size
+    top_k, inter = config.num_experts_per_token, config.moe_intermediate_size
+    width = config.routed_expert_hidden_size or hidden
+    shared = inter * config.num_shared_experts // step.tp_size
+    picks = T * top_k * (4 + 8)
+    projected = T * ((width if config.routed_expert_hidden_size else 0) + 2 * shared) * b
+    router = T * config.num_experts * 4 + picks
+    experts = picks + projected + T * (width * (b + 4) + top_k * (inter * b + 32)) + TRITON_BENCH_FLUSH_BYTES
+    output = picks + projected + T * (width * (4 + b) + shared * b + hidden * (12 + b))
+    return T * hidden * b + max(router, experts, output)
+
+
+def _dense_mlp_bytes(config: ModelConfig, step: StepShape) -> int:
+    """A dense MLP layer (`DenseMLP`): its input, gate|up, the activation and the output."""
+    inter = config.intermediate_size // step.tp_size
+    return step.num_tokens * (2 * config.hidden_size + 3 * inter) * step.itemsize
+
+
 def describe_plan(config: ModelConfig, args: EngineArgs, device_bytes: int) -> list[tuple[str, str]]:
     """Rows of `k3serve plan`: what one rank of an engine run with `args` holds and how much context fits
     beside the weights (the engine's KDA slots, `args.kda_slots`: one per running request, and with prefix
-    caching as many for its checkpoints; the pad slot and the graphs' memory when `args` allow CUDA graphs)."""
+    caching as many for its checkpoints; the pad slot and the graphs' memory when `args` allow CUDA graphs;
+    one eager step's activations)."""
     from k3serve.engine.cuda_graphs import graphs_allowed
 
     tp_size, utilization, max_num_seqs = args.tensor_parallel_size, args.gpu_memory_utilization, args.max_num_seqs
@@ -188,9 +382,10 @@ def describe_plan(config: ModelConfig, args: EngineArgs, device_bytes: int) -> l
     budget = int(device_bytes * utilization) - sizes.weight_bytes
     graphs = graphs_allowed(args)
     graph_bytes = graph_reserve_bytes(config, args) if graphs else 0
+    prefill_bytes = prefill_activation_bytes(config, args, device_bytes)
     slots = args.kda_slots + graphs
     slots_bytes = slots * sizes.kda_bytes_per_slot
-    kv_bytes = budget - slots_bytes - graph_bytes
+    kv_bytes = budget - slots_bytes - graph_bytes - prefill_bytes
     gib = 2**30
     rows = [
         ("tensor-parallel ranks", str(tp_size)),
@@ -205,9 +400,12 @@ def describe_plan(config: ModelConfig, args: EngineArgs, device_bytes: int) -> l
         ("CUDA graphs (decode, up to batch "
          f"{args.graph_batch_sizes[-1]}: inputs, output, pool estimate)" if graphs else "CUDA graphs",
          f"{graph_bytes / gib:.2f} GiB" if graphs else "off (enforce_eager or not bf16): eager decode"),
+        (f"prefill activations (an eager step of {max_step_tokens(args, device_bytes):,} tokens, estimate)",
+         f"{prefill_bytes / gib:.2f} GiB"),
     ]
     if kv_bytes <= 0:
-        rows.append(("fits", f"NO: weights + KDA slots + graphs exceed the budget by {-kv_bytes / gib:.2f} GiB"))
+        rows.append(("fits", f"NO: weights + KDA slots + graphs + prefill activations exceed the budget by "
+                             f"{-kv_bytes / gib:.2f} GiB"))
         return rows
     tokens = kv_bytes // sizes.mla_bytes_per_token
     rows += [

@@ -1,6 +1,8 @@
 """The memory plan counts exactly the weight bytes a loaded engine holds: the loaded tensors and what is
 derived from them at load time (fp32 router and MLA absorption weights in a bf16 model), each storage once;
-and, where the engine captures CUDA graphs, the pad KDA slot and the graphs' memory."""
+out of a device budget it sets aside one eager prefill step's activations (for the largest step the engine's
+scheduler runs); and, where the engine captures CUDA graphs, the pad KDA slot and the graphs' memory.
+(That the prefill estimate bounds a real step: test_prefill_memory_gpu.py.)"""
 
 from __future__ import annotations
 
@@ -11,8 +13,10 @@ import torch
 
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.cuda_graphs import graphs_enabled
+from k3serve.engine.llm import LLM
 from k3serve.engine.memory import (GRAPH_POOL_SLACK_BYTES, PoolPlan, cache_sizes, decode_activation_bytes,
-                                   describe_plan, graph_reserve_bytes, plan_engine_pools, weight_bytes)
+                                   describe_plan, graph_reserve_bytes, max_step_tokens, plan_engine_pools,
+                                   plan_pools, prefill_activation_bytes, weight_bytes)
 from k3serve.engine.tp_group import NCCL_SWITCH
 from k3serve.model.batch import ModelCache, StaticDecodeInputs
 from k3serve.model.config import ModelConfig
@@ -76,18 +80,85 @@ def test_the_cache_holds_the_pad_slot_only_when_graphs_are_captured() -> None:
     assert cache.pad_slot == 6 and 0 <= budget - _cache_bytes(cache) < block_bytes
 
 
-def test_a_device_budget_loses_the_weights_and_the_graphs_reserve_first() -> None:
+def _device_budget(config: ModelConfig, args: EngineArgs, num_blocks: int, prefill: bool = True) -> int:
+    """Usable bytes in which the plan of `args` (graphs on) finds exactly `num_blocks` blocks; without the room
+    for the prefill step's activations when `prefill` is False."""
+    sizes = cache_sizes(config, 1, torch.bfloat16)
+    return (sizes.weight_bytes + graph_reserve_bytes(config, args) + (args.kda_slots + 1) * sizes.kda_bytes_per_slot
+            + num_blocks * args.block_size * sizes.mla_bytes_per_token
+            + (prefill_activation_bytes(config, args) if prefill else 0))
+
+
+def test_a_device_budget_loses_the_weights_the_graphs_and_a_prefill_step_first() -> None:
     config = preset_config("k3-tiny")
     args = EngineArgs(**GRAPHS)
     sizes = cache_sizes(config, 1, torch.bfloat16)
-    reserve = graph_reserve_bytes(config, args)
-    assert reserve > GRAPH_POOL_SLACK_BYTES
-    usable = sizes.weight_bytes + reserve + 7 * sizes.kda_bytes_per_slot + 100 * 8 * sizes.mla_bytes_per_token
+    reserve, prefill = graph_reserve_bytes(config, args), prefill_activation_bytes(config, args)
+    assert reserve > GRAPH_POOL_SLACK_BYTES and prefill > 0
+    usable = _device_budget(config, args, 100)
     plan = plan_engine_pools(config, args, usable)
-    assert plan == PoolPlan(num_blocks=100, num_slots=6, block_size=8, pad_slot=True, graph_bytes=reserve)
-    assert sizes.weight_bytes + reserve + _cache_bytes(_allocate(config, plan)) == usable
+    assert plan == PoolPlan(num_blocks=100, num_slots=6, block_size=8, pad_slot=True, graph_bytes=reserve,
+                            prefill_bytes=prefill)
+    assert sizes.weight_bytes + reserve + prefill + _cache_bytes(_allocate(config, plan)) == usable
     eager = plan_engine_pools(config, EngineArgs(**GRAPHS, enforce_eager=True), usable)
     assert eager.graph_bytes == 0 and not eager.pad_slot and eager.num_blocks > plan.num_blocks
+    assert eager.prefill_bytes == prefill  # an eager engine prefills alike
+
+
+def test_the_prefill_reserve_shrinks_the_pools_by_exactly_its_bytes() -> None:
+    config = preset_config("k3-tiny")
+    args = EngineArgs(**GRAPHS)
+    sizes = cache_sizes(config, 1, torch.bfloat16)
+    cache_bytes = _device_budget(config, args, 100) - sizes.weight_bytes
+    kw = dict(block_size=8, num_slots=6, max_model_len=64, pad_slot=True, graph_bytes=graph_reserve_bytes(config, args))
+    prefill = prefill_activation_bytes(config, args)
+    without, with_it = plan_pools(sizes, cache_bytes, **kw), plan_pools(sizes, cache_bytes, **kw, prefill_bytes=prefill)
+    assert with_it.num_blocks == 100 and with_it.num_slots == without.num_slots
+    assert without.num_blocks == 100 + prefill // (8 * sizes.mla_bytes_per_token)
+
+
+def test_too_small_a_device_budget_names_the_prefill_reserve_not_a_negative_pool() -> None:
+    config = preset_config("k3-tiny")
+    args = EngineArgs(**GRAPHS)
+    with pytest.raises(ValueError, match=r"holds 0 blocks .* MiB for a prefill step's activations; one request of "
+                                         r"max_model_len=64 needs 8 blocks.* max_num_batched_tokens"):
+        plan_engine_pools(config, args, _device_budget(config, args, 100, prefill=False))
+    with pytest.raises(ValueError, match=r"weights \(.* GiB\) do not fit in the usable device memory"):
+        plan_engine_pools(config, args, cache_sizes(config, 1, torch.bfloat16).weight_bytes)
+
+
+STEP = dict(device="cuda", max_model_len=8192, max_num_seqs=4)
+
+
+def test_the_prefill_reserve_sizes_the_largest_step_the_scheduler_runs() -> None:
+    """The adaptive budget's ceiling (twice the base by default), not the base: a base of 2048 plans as a static
+    budget of 4096. Without max_num_batched_tokens the device's default base counts (16384 from 80 GiB)."""
+    config = preset_config("k3-tiny")
+
+    def bound(**kw) -> int:
+        return prefill_activation_bytes(config, EngineArgs(**STEP, **kw), 141 * 2**30)
+
+    assert bound(max_num_batched_tokens=2048) == bound(max_num_batched_tokens=4096, max_adaptive_batched_tokens=4096)
+    assert bound(max_num_batched_tokens=2048, max_adaptive_batched_tokens=2048) < bound(max_num_batched_tokens=2048)
+    assert bound() == bound(max_num_batched_tokens=16384)
+    assert prefill_activation_bytes(config, EngineArgs(**STEP), 40 * 2**30) == bound(max_num_batched_tokens=8192)
+
+
+@pytest.mark.parametrize("preset", ["k3-tiny", "kimi-k3"])
+def test_the_prefill_reserve_grows_linearly_with_the_step_tokens(preset: str) -> None:
+    """Each token adds the same bytes (the per-sequence and fixed terms are equal at these sizes): a step of 2048
+    tokens adds to one of 1024 what one of 3072 adds to 2048."""
+    config = preset_config(preset)
+    tp = 8 if preset == "kimi-k3" else 1
+    sizes = [prefill_activation_bytes(config, EngineArgs(**STEP, tensor_parallel_size=tp, max_num_batched_tokens=n,
+                                                         max_adaptive_batched_tokens=n)) for n in (1024, 2048, 3072)]
+    assert sizes[0] < sizes[1] < sizes[2] and sizes[2] - sizes[1] == sizes[1] - sizes[0]
+
+
+def test_the_plan_sizes_the_step_the_engines_scheduler_runs(tiny_checkpoint: Path) -> None:
+    for kw in ({}, {"max_num_batched_tokens": 96}, {"max_num_batched_tokens": 96, "max_adaptive_batched_tokens": 160}):
+        engine = LLM(model=str(tiny_checkpoint), max_model_len=256, max_num_seqs=4, **kw).engine
+        assert engine.scheduler.config.max_adaptive_batched_tokens == max_step_tokens(engine.args, None)
 
 
 def test_graph_reserve_counts_the_static_inputs_and_grows_with_the_largest_bucket() -> None:
@@ -130,9 +201,11 @@ def test_k3serve_plan_counts_the_kda_slots_and_context_the_engine_allocates(kw: 
     config = preset_config("k3-tiny")
     args = EngineArgs(device="cuda", max_num_seqs=8, max_model_len=64, block_size=8, **kw)
     device_bytes = 2**30
-    plan = plan_engine_pools(config, args, int(device_bytes * args.gpu_memory_utilization))
+    plan = plan_engine_pools(config, args, int(device_bytes * args.gpu_memory_utilization), device_bytes)
     rows = dict(describe_plan(config, args, device_bytes))
     (slots,) = [value for key, value in rows.items() if key.startswith("KDA slots")]
     assert slots.startswith(f"{plan.num_slots + plan.pad_slot} slots")
+    (prefill,) = [value for key, value in rows.items() if key.startswith("prefill activations")]
+    assert prefill == f"{plan.prefill_bytes / 2**30:.2f} GiB" and plan.prefill_bytes > 0
     tokens = int(rows["tokens of context that fit"].replace(",", ""))
     assert 0 <= tokens - plan.num_tokens < args.block_size  # the engine's pools are whole blocks

@@ -1,0 +1,82 @@
+"""One eager prefill step on the GPU allocates no more than the memory plan sets aside for it
+(`engine/memory.py` `prefill_activation_bytes`), and not much less: the estimate is a bound, not a guess.
+
+Model: `K3_TINY_GPU` (KDA 12 x 128 heads, MLA latent 512 + 64, MXFP4 latent MoE), bf16, so the step runs the
+GPU kernels the estimate describes (fla's chunk_kda, SDPA, the Triton MoE). Its max_position_embeddings (4096)
+caps one prompt at 4095 tokens, so the step is two whole prompts of 4095: 8190 tokens, the engine's whole token
+budget (`max_step_tokens`), each prompt a sequence of max_model_len, the estimate's longest. The first such
+step compiles and autotunes and makes cuBLAS's workspace (costs the estimate's constants cover); a second one,
+on fresh prompts (no prefix caching), is measured: the peak of `torch.cuda.max_memory_allocated()` during
+`engine.step()` above what was allocated before it (the weights and pools).
+
+Lower bound: at least MIN_FRACTION of the estimate. The estimate adds to the largest layer part's activations
+(here the KDA conv's fp32 loop, ~0.7 GiB) constants this warm step does not allocate again (Triton's 256 MiB
+autotune flush, 80 MiB of workspaces), and for MLA a cached prefix this step does not have; those make up
+about a fifth of it. An estimate off by 2x (a part counted twice, every token counted per sequence) fails.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3serve.engine.config import EngineArgs
+from k3serve.engine.llm_engine import LLMEngine
+from k3serve.engine.memory import max_step_tokens, prefill_activation_bytes
+from k3serve.engine.sampling_params import SamplingParams
+from k3serve.kernels import kda, mla, moe
+from k3serve.model.checkpoint import make_checkpoint
+from k3serve.model.presets import K3_TINY_GPU
+
+pytestmark = pytest.mark.gpu
+
+PROMPT_LEN = 4095
+NUM_PROMPTS = 2
+STEP_TOKENS = NUM_PROMPTS * PROMPT_LEN
+MIN_FRACTION = 0.5
+ENGINE_ARGS = dict(
+    device="cuda", dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False, seed=0,
+    max_model_len=PROMPT_LEN + 1, max_num_seqs=NUM_PROMPTS, max_num_batched_tokens=STEP_TOKENS,
+    max_adaptive_batched_tokens=STEP_TOKENS, cache_memory_bytes=256 * 2**20,
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(copy.deepcopy(K3_TINY_GPU), tmp_path_factory.mktemp("k3-tiny-gpu"), seed=0)
+
+
+def _prefill_step_growth(engine: LLMEngine, gen: torch.Generator) -> int:
+    """Bytes allocated at the peak of one step that prefills NUM_PROMPTS fresh prompts whole and samples their
+    one token, above what was allocated before it."""
+    vocab = engine.config.vocab_size
+    for _ in range(NUM_PROMPTS):
+        prompt = torch.randint(0, vocab, (PROMPT_LEN,), generator=gen).tolist()
+        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    deltas = engine.step()
+    torch.cuda.synchronize()
+    growth = torch.cuda.max_memory_allocated() - before
+    assert len(deltas) == NUM_PROMPTS and all(d.finished for d in deltas), "the prompts did not run as one step"
+    return growth
+
+
+def test_a_prefill_step_stays_within_the_planned_reserve(checkpoint: Path) -> None:
+    engine = LLMEngine(EngineArgs(model=str(checkpoint), **ENGINE_ARGS))
+    assert max_step_tokens(engine.args, None) == STEP_TOKENS
+    bound = prefill_activation_bytes(engine.config, engine.args)
+    gen = torch.Generator().manual_seed(0)
+    _prefill_step_growth(engine, gen)  # compiles, autotunes, makes cuBLAS's workspace
+    growth = _prefill_step_growth(engine, gen)
+    assert (kda.last_backend["chunk_kda"], mla.last_backend["mla_prefill_attention"],
+            moe.last_backend["fused_experts"]) == ("fla", "sdpa", "triton"), "not the kernels the estimate describes"
+    print(f"\nprefill step of {STEP_TOKENS} tokens: peak growth {growth / 2**20:.1f} MiB, estimate "
+          f"{bound / 2**20:.1f} MiB ({growth / bound:.2f})")
+    assert growth <= bound, f"the step took {growth / 2**20:.1f} MiB, the plan set aside {bound / 2**20:.1f} MiB"
+    assert growth >= MIN_FRACTION * bound, (
+        f"the step took {growth / 2**20:.1f} MiB, under {MIN_FRACTION:.0%} of the {bound / 2**20:.1f} MiB estimated")
