@@ -62,6 +62,17 @@ def unit_stride_rows(t: Tensor) -> Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
+@functools.cache
+def _properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def cuda_properties(device: torch.device):
+    """A CUDA device's properties (SM count, shared memory per block), looked up once per device: the kernels'
+    grids and tile rules read them on every launch."""
+    return _properties(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def device_of(t: Tensor) -> contextlib.AbstractContextManager:
     """The CUDA device context of t (launches go to its device); a no-op for CPU tensors (Triton interpreter)."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()

@@ -31,7 +31,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.errors import OutOfResources
 
-from .._backend import device_of
+from .._backend import cuda_properties, device_of
 from . import MAX_TRITON_ROWS
 from .tile_rule import Tiles, block_t, tile_order
 
@@ -138,7 +138,7 @@ def linear(x: Tensor, weight: Tensor, out_dtype: torch.dtype, add: Tensor | None
 
 def tile_order_for(x: Tensor, weight: Tensor) -> list[Tiles]:
     """tile_rule.tile_order for this shape on x's device (its SM count and opt-in shared memory per block)."""
-    props = torch.cuda.get_device_properties(x.device)
+    props = cuda_properties(x.device)
     return tile_order(*weight.shape, block_t(x.shape[0]), props.multi_processor_count,
                       props.shared_memory_per_block_optin)
 

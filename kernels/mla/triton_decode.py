@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .._backend import device_of
+from .._backend import cuda_properties, device_of
 from .split_rule import block_h, head_groups, split_plan
 
 LN2 = 0.6931471805599453
@@ -143,7 +143,7 @@ def _merge(o_parts: Tensor, lse_parts: Tensor, part_strides: tuple[int, int, int
 
 
 def num_sm(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return cuda_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def merge_attn_states(outputs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:

@@ -42,14 +42,14 @@ clock per SM the issue limit is then ~90% of H200 HBM bandwidth (it was ~62%).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from k3serve.kernels.mxfp4 import MXFP4Tensor
+
+from .._backend import cuda_properties
 
 from .triton_moe import _tanh
 
@@ -378,16 +378,10 @@ def _down_row(h, w2_words, w2_scales, out, topk_weights, sorted_pairs, top_k, K,
     tl.atomic_add(out + (pair // top_k).to(tl.int64) * stride_out + offs_n, y, mask=n_ok)
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def programs(device: torch.device, tiles: int, per_sm: int) -> int:
     """Grid of a persistent kernel: per_sm programs per SM (an interpreter run: 3, so programs take several
     tiles), never more than the tiles there can be."""
-    slots = per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 3
+    slots = per_sm * cuda_properties(device).multi_processor_count if device.type == "cuda" else 3
     return max(1, min(tiles, slots))
 
 
