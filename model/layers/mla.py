@@ -95,10 +95,51 @@ class MLAAttention(Sharded):
         return head_matmul(o_latent, self.w_uv.transpose(1, 2))  # o_latent is fp32 (q_latent's dtype)
 
     def _prefill(self, q: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
-        n0, H = batch.num_decode, self.num_heads
-        cached, cu_k = gather_kv_cache(kv_cache, batch.block_tables[n0:], batch.seq_lens_host[n0:])  # host: no sync
+        """The MHA form over each prefill sequence's whole context, gathered from the cache and up-projected by
+        kv_b_proj (~8 KiB a key at K3 TP8), a group of consecutive sequences at a time (`cached_prefix_groups`),
+        so that several prefix-cache hits in one step never hold their prefixes' keys at once. The groups come
+        from the host copies of the batch's indices: no device read-back."""
+        n0 = batch.num_decode
+        cu_q = batch.cu_seqlens_host[n0:] - batch.cu_seqlens_host[n0]  # rows of q
+        seq_lens = batch.seq_lens_host[n0:]
+        prefix_lens = (seq_lens - cu_q.diff()).tolist()
+        bounds = cu_q.tolist()
+        parts = [
+            self._attend(q[bounds[a] : bounds[b]], kv_cache, batch.block_tables[n0 + a : n0 + b], seq_lens[a:b],
+                         cu_q[a : b + 1] - bounds[a])
+            for a, b in cached_prefix_groups(prefix_lens)
+        ]
+        out = q.new_empty(q.shape[0], self.num_heads, self.v_dim, dtype=torch.float32)
+        return torch.cat(parts, out=out)  # widened to fp32 as it is copied
+
+    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                cu_q: torch.Tensor) -> torch.Tensor:
+        """Causal attention of sequences' new tokens (q) over their seq_lens cached tokens (host), in q's dtype.
+        Its keys and values are freed when it returns: one group's, not the step's."""
+        H = self.num_heads
+        cached, cu_k = gather_kv_cache(kv_cache, block_tables, seq_lens)  # host: no sync
         kv = self.kv_b_proj(cached[:, : self.kv_lora_rank]).reshape(-1, H, self.nope + self.v_dim)
         k_pe = cached[:, self.kv_lora_rank :].unsqueeze(1).expand(-1, H, self.rope)
         k = torch.cat([kv[..., : self.nope], k_pe.to(kv.dtype)], dim=-1)
-        cu_q = batch.cu_seqlens_host[n0:] - batch.cu_seqlens_host[n0]
-        return mla_prefill_attention(q, k, kv[..., self.nope :], cu_q, cu_k, self.scale).float()
+        return mla_prefill_attention(q, k, kv[..., self.nope :], cu_q, cu_k, self.scale)
+
+
+def cached_prefix_groups(prefix_lens: list[int]) -> list[tuple[int, int]]:
+    """Consecutive sequences [start, end), in order, whose cached prefixes sum to at most the longest single one.
+
+    The prefill gathers a group's keys at once: its new tokens and its prefixes, so a step's MLA keys at any
+    moment are at most its new tokens plus ONE longest cached prefix (what engine/memory.py sets aside), however
+    many prefix-cache hits it admitted. Sequences with no prefix join any group: a step without cached prefixes,
+    the common case, is one group, as is one with a single prefix (a chunked prompt). Attention is computed a
+    sequence at a time either way; only the rows kv_b_proj multiplies at once change (the same bits on the CPU;
+    cuBLAS may pick another kernel for another row count, as for any other batch)."""
+    if not prefix_lens:
+        return []
+    budget = max(prefix_lens)
+    groups, start, total = [], 0, 0
+    for i, prefix in enumerate(prefix_lens):
+        if total + prefix > budget:  # then i > start: one prefix alone never exceeds the budget
+            groups.append((start, i))
+            start, total = i, 0
+        total += prefix
+    return groups + [(start, len(prefix_lens))]
