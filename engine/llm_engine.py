@@ -23,7 +23,7 @@ from k3serve.engine.prefix_cache import PrefixCache
 from k3serve.engine.request import Request
 from k3serve.engine.runner import load_runner
 from k3serve.engine.tp_group import TPGroup
-from k3serve.engine.sampler import Sampler, prompt_logprobs
+from k3serve.engine.sampler import PromptScoring, Sampler
 from k3serve.engine.sampling_params import SamplingParams
 from k3serve.engine.scheduler import Scheduler, SchedulerConfig
 from k3serve.engine.state_pool import StatePool
@@ -262,11 +262,9 @@ class LLMEngine:
         self.num_preemptions += len(output.preempted_request_ids)
         if output.is_empty:
             return []
-        want_chunk = {
-            s.request_id for s in output.seqs if s.is_prefill and self._tracked[s.request_id].params.prompt_logprobs is not None
-        }
-        result = self.runner.execute(output, want_chunk)
-        self._collect_prompt_logprobs(output, result.chunk_logits)
+        result = self.runner.execute(output, self._prompt_scoring(output))
+        for request_id, entries in result.prompt_logprobs.items():
+            self._tracked[request_id].prompt_logprobs.extend(entries)
 
         ids = list(result.sample_logits)
         sampled = {}
@@ -316,21 +314,24 @@ class LLMEngine:
             prompt_logprobs=tracked.prompt_logprobs if request.num_output_tokens == 1 and tracked.params.prompt_logprobs is not None else None,
         )
 
-    def _collect_prompt_logprobs(self, output, chunk_logits: dict[str, torch.Tensor]) -> None:
-        """logits row i of a chunk starting at p scores prompt token p + i + 1."""
-        for seq in output.seqs:
-            if seq.request_id not in chunk_logits:
-                continue
+    def _prompt_scoring(self, output) -> dict[str, PromptScoring]:
+        """The prompt tokens each prefill chunk scores, for the requests that asked for prompt logprobs: row i of
+        a chunk starting at p scores prompt token p + i + 1 (the runner makes those logits a slice at a time)."""
+        wanted = {}
+        for seq in (s for s in output.seqs if s.is_prefill):
             tracked = self._tracked[seq.request_id]
-            prompt = self.scheduler.requests[seq.request_id].prompt_token_ids
+            if tracked.params.prompt_logprobs is None:
+                continue
             start = seq.num_computed_tokens
             if start == 0:
                 tracked.prompt_logprobs = [None]
             if len(tracked.prompt_logprobs) != start + 1:
                 continue  # a prefix-cache hit skipped these positions; they stay unscored
-            window = prompt[start : start + seq.num_scheduled_tokens + 1]
-            entries = prompt_logprobs(chunk_logits[seq.request_id][: len(window) - 1], window, tracked.params.prompt_logprobs)
-            tracked.prompt_logprobs.extend(entries[1:])
+            prompt = self.scheduler.requests[seq.request_id].prompt_token_ids
+            targets = prompt[start + 1 : start + seq.num_scheduled_tokens + 1]
+            if targets:
+                wanted[seq.request_id] = PromptScoring(targets, tracked.params.prompt_logprobs)
+        return wanted
 
 
 def _position_generator(seed: int | None, num_output_tokens: int) -> torch.Generator | None:

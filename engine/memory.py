@@ -14,6 +14,7 @@ import torch
 
 from k3serve.engine.budget import default_token_budget
 from k3serve.engine.config import DEFAULT_CPU_CACHE_BYTES, EngineArgs
+from k3serve.engine.sampler import PROMPT_LOGPROBS_ROWS
 from k3serve.engine.scheduler import SchedulerConfig
 from k3serve.kernels.kda import CHUNK_SIZE
 from k3serve.model.config import ModelConfig
@@ -259,22 +260,25 @@ def prefill_activation_bytes(config: ModelConfig, args: EngineArgs, device_bytes
     and pools, at its peak, on the GPU kernels' paths (bf16/fp16, fla installed): an upper bound built from the
     model's shapes and what each op allocates, held against a measurement by tests/engine/test_prefill_memory_gpu.py.
 
-        peak = max(forward, logits, sampling) + PREFILL_FIXED_BYTES
+        peak = max(forward, logits, prompt, sampling) + PREFILL_FIXED_BYTES
         forward  = held across layers: the residual bank (`residual_rows`), the previous layer's output still to
                    add, the attention output beside the MLP, the batch's int64 token rows
                    + the largest peak of one layer part, its input and output included (`_kda_prefill_bytes`,
                    `_mla_prefill_bytes`, `_moe_prefill_bytes`, `_dense_mlp_bytes`): each the max over that
                    part's phases, with `TRITON_BENCH_FLUSH_BYTES` in those that autotune (fla's KDA, the MoE)
         logits   = the final hidden states, the sampled rows (one a sequence) and their logits
+        prompt   = the final hidden states and the sampled logits, still held, + one slice of prompt logprobs
+                   (`prompt_logprobs_slice_bytes`: the runner scores prompt rows `PROMPT_LOGPROBS_ROWS` at a time,
+                   however long the chunk and however many of the step's requests ask)
         sampling = `SAMPLER_LOGITS_COPIES` fp32 copies of those logits
 
     Every token of a mixed step counts at prefill rates, its decodes included. Assumes the MLA prefill gathers
     the cached prefix of at most one sequence beside the step's own tokens (`StepShape.mla_keys`): true without
     prefix caching (only the one chunked prompt still running has a prefix); with it, prefix hits admitted in
     one step each gather theirs at once (`MLAAttention._prefill`, ~8 KiB a key at K3 TP8) and can exceed this.
-    Ignores: prompt logprobs (the runner's `chunk_logits`, [chunk, vocab] fp32 a request), fp32 on CUDA and CUDA
-    without fla (the reference ops: e.g. the MLA scores [H, q, k] in fp32), the caching allocator's
-    fragmentation (reserved less allocated, left to 1 - gpu_memory_utilization) and NCCL's buffers."""
+    Ignores: fp32 on CUDA and CUDA without fla (the reference ops: e.g. the MLA scores [H, q, k] in fp32), the
+    caching allocator's fragmentation (reserved less allocated, left to 1 - gpu_memory_utilization) and NCCL's
+    buffers."""
     num_tokens = max_step_tokens(args, device_bytes)
     step = StepShape(num_tokens, min(args.max_num_seqs, num_tokens), args.max_model_len, args.tensor_parallel_size,
                      torch.empty((), dtype=args.torch_dtype).element_size())
@@ -289,8 +293,24 @@ def prefill_activation_bytes(config: ModelConfig, args: EngineArgs, device_bytes
     rows, vocab = step.num_seqs, config.vocab_size
     shard = -(-vocab // tp)  # this rank's lm_head rows; rank 0 gathers every rank's, then widens them to fp32
     logits = num_tokens * hidden * b + rows * (hidden * b + shard * b * (1 + tp * (tp > 1)) + vocab * 4)
+    prompt = num_tokens * hidden * b + rows * tp * shard * 4 + prompt_logprobs_slice_bytes(config, tp, b)
     sampling = SAMPLER_LOGITS_COPIES * rows * vocab * 4
-    return max(forward, logits, sampling) + PREFILL_FIXED_BYTES
+    return max(forward, logits, prompt, sampling) + PREFILL_FIXED_BYTES
+
+
+def prompt_logprobs_slice_bytes(config: ModelConfig, tp_size: int, itemsize: int) -> int:
+    """Peak bytes one slice of `PROMPT_LOGPROBS_ROWS` prompt rows allocates on rank 0
+    (`ModelRunner.score_prompt`), the larger of
+      lm_head  this rank's logits [rows, shard] in the model's dtype, at TP > 1 every rank's gathered into one
+               [tp, rows, shard] buffer, and their fp32 widening [rows, tp * shard] (padding included);
+      softmax  that fp32 widening and two fp32 [rows, vocab]: log_softmax's contiguous copy of it (a view where
+               padding is cut off) and its output; later the output and the ranks' bool mask (`gather_logprobs`),
+               smaller."""
+    rows, vocab = PROMPT_LOGPROBS_ROWS, config.vocab_size
+    shard = -(-vocab // tp_size)
+    lm_head = rows * shard * (itemsize * (1 + tp_size * (tp_size > 1)) + tp_size * 4)
+    softmax = rows * (tp_size * shard * 4 + 2 * vocab * 4)
+    return max(lm_head, softmax)
 
 
 def _kda_prefill_bytes(config: ModelConfig, step: StepShape) -> int:

@@ -3,6 +3,11 @@
 Every rank of a TP engine runs the step, logits included (the vocab-parallel lm_head gathers them, a
 collective); only rank 0 gets them back and samples, the other ranks return empty outputs.
 
+Prompt logprobs score every prompt row of a chunk, so their logits are made a slice of at most
+`prompt_logprobs_rows` rows at a time (`engine/sampler.py` `PROMPT_LOGPROBS_ROWS`), each slice reduced to its
+compact per-token results before the next one: a [chunk, vocab] tensor never exists. Every rank runs the
+same slices (each one's gather is a collective).
+
 The runner is the only place that turns the scheduler's lists into tensors (once per step,
 `ForwardBatch.build`, or `DecodeGraphs.run` for a decode-only step replayed as a CUDA graph) and the
 only place that touches the cache tensors outside the model.
@@ -18,6 +23,8 @@ import torch
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.cuda_graphs import DecodeGraphs, capture_decode_graphs, graphs_enabled
 from k3serve.engine.memory import PoolPlan
+from k3serve.engine.outputs import TokenLogprobs
+from k3serve.engine.sampler import PROMPT_LOGPROBS_ROWS, PromptScoring, prompt_logprobs
 
 from k3serve.engine.scheduler_output import NO_SLOT, ScheduledSeq, SchedulerOutput
 from k3serve.engine.tp_group import TPGroup, rank_device
@@ -30,7 +37,7 @@ from k3serve.model.parallel import TensorParallel
 @dataclass
 class RunnerOutput:
     sample_logits: dict[str, torch.Tensor]  # request_id -> [vocab] fp32, chunks with needs_sample (rank 0)
-    chunk_logits: dict[str, torch.Tensor]  # request_id -> [num_scheduled_tokens, vocab], if asked (rank 0)
+    prompt_logprobs: dict[str, list[TokenLogprobs]]  # request_id -> [len(target_token_ids)], if asked (rank 0)
 
 
 def load_runner(
@@ -59,17 +66,22 @@ def load_runner(
 class ModelRunner:
     def __init__(
         self, model: KimiForCausalLM, cache: ModelCache, group: TPGroup | None = None,
-        graphs: DecodeGraphs | None = None,
+        graphs: DecodeGraphs | None = None, prompt_logprobs_rows: int = PROMPT_LOGPROBS_ROWS,
     ) -> None:
+        if prompt_logprobs_rows < 1:
+            raise ValueError(f"prompt_logprobs_rows must be >= 1, got {prompt_logprobs_rows}")
         self.model = model
         self.cache = cache
         self.group = group  # set on rank 0 of a TP engine: every step is announced to the other ranks
         self.graphs = graphs  # decode-only steps that fit replay these instead of the eager forward
         self.device = next(model.parameters()).device
+        self.prompt_logprobs_rows = prompt_logprobs_rows  # the same on every rank of an engine
 
-    def execute(self, output: SchedulerOutput, want_chunk_logits: set[str] = frozenset()) -> RunnerOutput:
+    def execute(self, output: SchedulerOutput, score_prompts: dict[str, PromptScoring] | None = None) -> RunnerOutput:
+        """`score_prompts`: request_id -> the prompt tokens its chunk's first rows score (prompt logprobs)."""
+        score_prompts = score_prompts or {}
         if self.group is not None and self.group.is_leader:
-            self.group.lead(("step", output, want_chunk_logits))
+            self.group.lead(("step", output, score_prompts))
         # Single-token chunks first: the decode paths get one contiguous slice of the batch.
         seqs = sorted(output.seqs, key=lambda s: s.num_scheduled_tokens != 1)
         # The one zeroing of fresh slots (the model reads whatever a slot holds), all of them at once.
@@ -93,17 +105,31 @@ class ModelRunner:
         rows = slice(len(seqs)) if every_row else sample_rows
         logits = self.model.compute_logits(hidden[rows]) if sample_rows else None
         sample_ids = [s.request_id for s in seqs if s.needs_sample]
-        chunk_logits = {
-            s.request_id: self.model.compute_logits(hidden[starts[i] : starts[i + 1]])
+        scored = {
+            s.request_id: self.score_prompt(hidden[starts[i] : starts[i + 1]], score_prompts[s.request_id])
             for i, s in enumerate(seqs)
-            if s.request_id in want_chunk_logits
+            if s.request_id in score_prompts
         }
         if self.model.tp.rank > 0:  # the logits were gathered to rank 0, which alone samples
-            return RunnerOutput(sample_logits={}, chunk_logits={})
+            return RunnerOutput(sample_logits={}, prompt_logprobs={})
         return RunnerOutput(
             sample_logits={rid: logits[i] for i, rid in enumerate(sample_ids)},
-            chunk_logits=chunk_logits,
+            prompt_logprobs=scored,
         )
+
+    def score_prompt(self, hidden: torch.Tensor, scoring: PromptScoring) -> list[TokenLogprobs]:
+        """Row i of `hidden` [chunk, hidden] scores `scoring.target_token_ids[i]`: the lm_head, log-softmax and
+        gather a slice of `prompt_logprobs_rows` rows at a time. Empty on ranks > 0, which run the same slices."""
+        targets, entries = scoring.target_token_ids, []
+        if len(targets) > hidden.shape[0]:
+            raise ValueError(f"{len(targets)} prompt tokens to score, but the chunk has {hidden.shape[0]} rows")
+        for lo in range(0, len(targets), self.prompt_logprobs_rows):
+            hi = min(lo + self.prompt_logprobs_rows, len(targets))
+            logits = self.model.compute_logits(hidden[lo:hi])  # [hi - lo, vocab] fp32 on rank 0, None elsewhere
+            if logits is not None:
+                entries += prompt_logprobs(logits, targets[lo:hi], scoring.num_top)
+            del logits  # freed before the next slice's are made: one slice's logits at a time
+        return entries
 
     def _build_batch(self, seqs: list[ScheduledSeq]) -> ForwardBatch:
         in_pass = [s.checkpoint_offset for s in seqs]

@@ -181,35 +181,43 @@ def gather_logprobs(logprobs: torch.Tensor, chosen_token_ids: list[int], num_top
     num_top = min(num_top, logprobs.shape[-1])
     top_lp, top_ids = logprobs.topk(num_top, dim=-1)  # [M, num_top], sorted
     ranks = list(range(1, num_top + 1))
-    out = []
-    for j, tid in enumerate(chosen_token_ids):
-        out.append(
-            TokenLogprobs(
-                token_ids=[tid] + top_ids[j].tolist(),
-                logprobs=[chosen_lp[j, 0].item()] + top_lp[j].tolist(),
-                ranks=[int(chosen_rank[j])] + ranks,
-            )
-        )
-    return out
+    # One device-to-host copy a tensor, not one a row.
+    rows = zip(chosen_token_ids, chosen_lp[:, 0].tolist(), chosen_rank.tolist(), top_ids.tolist(), top_lp.tolist())
+    return [
+        TokenLogprobs(token_ids=[tid] + ids, logprobs=[lp] + lps, ranks=[rank] + ranks)
+        for tid, lp, rank, ids, lps in rows
+    ]
 
 
-def prompt_logprobs(logits: torch.Tensor, prompt_token_ids: list[int], num_top: int) -> list[TokenLogprobs | None]:
-    """Logprobs of each prompt token given the tokens before it (vLLM's `prompt_logprobs`).
+PROMPT_LOGPROBS_ROWS = 256
+"""Prompt positions scored at once (`engine/runner.py` runs the lm_head a slice at a time). A whole 32K-token
+chunk at K3's vocab (163840) would be 21 GB of fp32 logits on rank 0; a slice of 256 rows is 160 MiB of them, and
+with everything else the slice makes (`engine/memory.py` `prompt_logprobs_slice_bytes`: the bf16 shards and their
+gather, the log-softmax, the rank mask) about 0.5 GiB at K3 TP8. 256 rows still fill the lm_head GEMM's tiles
+(a 32K chunk is 128 GEMMs and gathers, where a prompt asks for prompt logprobs at all)."""
 
-    `logits[t]` [T, V] is the model output at prompt position t, so it scores prompt token
-    t + 1; T must be at least len(prompt_token_ids) - 1 (extra rows are ignored). Returns one
-    entry per prompt token; the first is None (nothing precedes it). Raw logprobs, as above.
-    """
-    num_prompt_tokens = len(prompt_token_ids)
-    if logits.dim() != 2 or logits.shape[0] < num_prompt_tokens - 1:
+
+@dataclass(frozen=True)
+class PromptScoring:
+    """What one prefill chunk's prompt logprobs need (engine -> runner, and on to the TP followers): its first
+    len(target_token_ids) rows score these prompt tokens, row i the token after row i's position."""
+
+    target_token_ids: list[int]  # [rows scored]: prompt[p + 1 : p + num_scheduled_tokens + 1] of a chunk at p
+    num_top: int  # the request's prompt_logprobs
+
+
+def prompt_logprobs(logits: torch.Tensor, target_token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
+    """Logprobs of prompt tokens given the tokens before them (vLLM's `prompt_logprobs`), for a slice of a
+    prompt's positions: `logits[i]` [rows, V] is the model output at a prompt position, which scores the prompt
+    token after it, `target_token_ids[i]`. Per row, as `gather_logprobs`: that token's logprob and rank, then the
+    top `num_top`. Raw logprobs, as above. Row-wise: scoring a prompt a slice at a time gives what one call over
+    all its rows' logits gives."""
+    if logits.dim() != 2 or logits.shape[0] != len(target_token_ids):
         raise ValueError(
-            f"logits must be [T, V] with T >= len(prompt_token_ids) - 1 = {num_prompt_tokens - 1}, "
+            f"logits must be [rows, V] with one row per target token ({len(target_token_ids)}), "
             f"got shape {tuple(logits.shape)}"
         )
-    if num_prompt_tokens <= 1:
-        return [None] * num_prompt_tokens
-    logprobs = torch.log_softmax(logits[: num_prompt_tokens - 1].float(), dim=-1)
-    return [None] + gather_logprobs(logprobs, prompt_token_ids[1:], num_top)
+    return gather_logprobs(torch.log_softmax(logits.float(), dim=-1), target_token_ids, num_top)
 
 
 def _truncate(entry: TokenLogprobs, num_top: int) -> TokenLogprobs:

@@ -6,6 +6,7 @@ scheduler runs); and, where the engine captures CUDA graphs, the pad KDA slot an
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -14,9 +15,10 @@ import torch
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.cuda_graphs import graphs_enabled
 from k3serve.engine.llm import LLM
-from k3serve.engine.memory import (GRAPH_POOL_SLACK_BYTES, PoolPlan, cache_sizes, decode_activation_bytes,
-                                   describe_plan, graph_reserve_bytes, max_step_tokens, plan_engine_pools,
-                                   plan_pools, prefill_activation_bytes, weight_bytes)
+from k3serve.engine.memory import (GRAPH_POOL_SLACK_BYTES, PREFILL_FIXED_BYTES, PoolPlan, cache_sizes,
+                                   decode_activation_bytes, describe_plan, graph_reserve_bytes, max_step_tokens,
+                                   plan_engine_pools, plan_pools, prefill_activation_bytes,
+                                   prompt_logprobs_slice_bytes, weight_bytes)
 from k3serve.engine.tp_group import NCCL_SWITCH
 from k3serve.model.batch import ModelCache, StaticDecodeInputs
 from k3serve.model.config import ModelConfig
@@ -142,6 +144,27 @@ def test_the_prefill_reserve_sizes_the_largest_step_the_scheduler_runs() -> None
     assert bound(max_num_batched_tokens=2048, max_adaptive_batched_tokens=2048) < bound(max_num_batched_tokens=2048)
     assert bound() == bound(max_num_batched_tokens=16384)
     assert prefill_activation_bytes(config, EngineArgs(**STEP), 40 * 2**30) == bound(max_num_batched_tokens=8192)
+
+
+def test_the_prefill_reserve_holds_a_prompt_logprobs_slice_not_a_chunks_logits() -> None:
+    """Prompt logprobs are scored `PROMPT_LOGPROBS_ROWS` rows at a time: at K3 TP8 a slice takes under 0.5 GiB
+    however long the chunk, and a 32K step's reserve holds it beside the step's hidden states, where that chunk's
+    whole fp32 logits (21 GB) alone would not fit in the reserve. Where the slice is a step's largest allocation (a small
+    step at K3's vocab), the reserve is sized by it."""
+    k3 = preset_config("kimi-k3")
+    step = dict(device="cuda", max_model_len=32768, tensor_parallel_size=8, max_num_seqs=64,
+                max_num_batched_tokens=32768, max_adaptive_batched_tokens=32768)
+    reserve = prefill_activation_bytes(k3, EngineArgs(**step))
+    assert prompt_logprobs_slice_bytes(k3, 8, 2) < 2**29
+    assert 32768 * k3.hidden_size * 2 + prompt_logprobs_slice_bytes(k3, 8, 2) + PREFILL_FIXED_BYTES < reserve
+    assert 32768 * k3.vocab_size * 4 > reserve
+
+    tiny_k3_vocab = dataclasses.replace(preset_config("k3-tiny"), vocab_size=k3.vocab_size)
+    small = EngineArgs(device="cuda", max_model_len=256, max_num_seqs=1, max_num_batched_tokens=256,
+                       max_adaptive_batched_tokens=256)
+    held = 256 * tiny_k3_vocab.hidden_size * 2 + k3.vocab_size * 4  # the hidden states, the sampled row's logits
+    assert prefill_activation_bytes(tiny_k3_vocab, small) == (
+        held + prompt_logprobs_slice_bytes(tiny_k3_vocab, 1, 2) + PREFILL_FIXED_BYTES)
 
 
 @pytest.mark.parametrize("preset", ["k3-tiny", "kimi-k3"])

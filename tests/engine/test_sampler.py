@@ -244,19 +244,30 @@ def test_logprobs_to_dict_merges_the_chosen_token():
     assert list(as_dict) == [0, 1] and as_dict[0].rank == 1 and as_dict[1].rank == 2
 
 
-def test_prompt_logprobs_score_each_next_token():
+def test_prompt_logprobs_score_each_rows_next_prompt_token():
     prompt = [3, 17, 0, 36, 5]
-    logits = torch.randn(len(prompt), V, generator=seeded(5))  # last row predicts the first output
-    result = prompt_logprobs(logits, prompt, 3)
+    logits = torch.randn(len(prompt) - 1, V, generator=seeded(5))  # row t: the output at position t
+    result = prompt_logprobs(logits, prompt[1:], 3)
     ref = torch.log_softmax(logits, dim=-1)
-    assert len(result) == len(prompt) and result[0] is None
-    for t in range(1, len(prompt)):
-        entry = result[t]
-        assert entry.token_ids[0] == prompt[t]
-        assert entry.logprobs[0] == pytest.approx(ref[t - 1, prompt[t]].item(), abs=1e-6)
-        assert entry.token_ids[1:] == ref[t - 1].topk(3).indices.tolist()
-    with pytest.raises(ValueError, match="T >= len"):
-        prompt_logprobs(logits[:2], prompt, 3)
+    assert len(result) == len(prompt) - 1
+    for t, entry in enumerate(result):
+        target = prompt[t + 1]
+        assert entry.token_ids[0] == target
+        assert entry.logprobs[0] == pytest.approx(ref[t, target].item(), abs=1e-6)
+        assert entry.ranks[0] == int((ref[t] > ref[t, target]).sum()) + 1
+        assert entry.token_ids[1:] == ref[t].topk(3).indices.tolist()
+        assert entry.logprobs[1:] == ref[t].topk(3).values.tolist() and entry.ranks[1:] == [1, 2, 3]
+    with pytest.raises(ValueError, match="one row per target token"):
+        prompt_logprobs(logits[:2], prompt[1:], 3)
+
+
+def test_prompt_logprobs_of_slices_equal_those_of_all_rows_at_once():
+    """Row-wise: the runner may score a prompt a slice at a time (here 2 + 2 + a ragged 1)."""
+    targets = [4, 0, 36, 36, 9]
+    logits = torch.randn(len(targets), V, generator=seeded(6))
+    whole = prompt_logprobs(logits, targets, 4)
+    sliced = [e for lo in range(0, len(targets), 2) for e in prompt_logprobs(logits[lo : lo + 2], targets[lo : lo + 2], 4)]
+    assert sliced == whole
 
 
 def test_seeded_row_without_generator_is_rejected():

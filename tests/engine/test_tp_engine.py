@@ -2,6 +2,8 @@
 step) generates what the TP1 engine generates: greedy tokens, their logprobs and the prompt logprobs, over
 a vocab of 509 that 2 does not divide. Each rank holds half the vocab rows of the embedding and the
 lm_head; the logits are gathered to rank 0, which alone samples, and the padded vocab row never shows.
+The TP2 ranks score prompt logprobs in slices of 3 rows (every slice gathered on its own, ragged last ones
+included), the TP1 engine each chunk in one slice.
 On CUDA (`-m gpu`: rank r on GPU r of those visible, so one device shared on a 1-GPU machine; gloo unless
 K3SERVE_TP_NCCL=1) gloo moves the CUDA tensors through the host; fp32,
 with a looser logprob bound since the Triton kernels' dots may round through tf32."""
@@ -26,6 +28,7 @@ pytestmark = pytest.mark.timeout(60)
 
 PROMPTS = [[3, 7, 11, 508, 2], list(range(1, 30))]  # 508: the last real vocab row, on rank 1
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+TP2_PROMPT_LOGPROBS_ROWS = 3  # the prompts score 4 and 28 rows: 2 and 10 slices, the last of each ragged
 
 
 def _follower(rank: int, args: EngineArgs, init_method: str) -> None:
@@ -33,6 +36,7 @@ def _follower(rank: int, args: EngineArgs, init_method: str) -> None:
     from k3serve.engine.tp_group import follow_forever
 
     group, runner, _ = join_engine(rank, args, init_method, num_threads=1)
+    runner.prompt_logprobs_rows = TP2_PROMPT_LOGPROBS_ROWS  # as rank 0's: each slice is a collective
     try:
         follow_forever(group, {"step": lambda output, want: runner.execute(output, want)})
     finally:
@@ -70,6 +74,7 @@ def test_tp2_engine_generates_what_tp1_generates(
     follower.start()
     try:
         engine = LLMEngine(args, TPGroup(0, 2, init, timeout_s=30))
+        engine.runner.prompt_logprobs_rows = TP2_PROMPT_LOGPROBS_ROWS
         try:
             got = _generate(engine)
         finally:
