@@ -250,8 +250,8 @@ class StepShape:
 
     @property
     def mla_keys(self) -> int:
-        """Keys the MLA prefill gathers at once: the step's new tokens and ONE sequence's cached prefix (see
-        `prefill_activation_bytes` for when more)."""
+        """Keys the MLA prefill holds at once: the step's new tokens and one longest cached prefix (its groups, see
+        `prefill_activation_bytes`)."""
         return self.num_tokens + self.max_seq_len
 
 
@@ -272,11 +272,11 @@ def prefill_activation_bytes(config: ModelConfig, args: EngineArgs, device_bytes
                    however long the chunk and however many of the step's requests ask)
         sampling = `SAMPLER_LOGITS_COPIES` fp32 copies of those logits
 
-    Every token of a mixed step counts at prefill rates, its decodes included. Assumes the MLA prefill gathers
-    the cached prefix of at most one sequence beside the step's own tokens (`StepShape.mla_keys`): true without
-    prefix caching (only the one chunked prompt still running has a prefix); with it, prefix hits admitted in
-    one step each gather theirs at once (`MLAAttention._prefill`, ~8 KiB a key at K3 TP8) and can exceed this.
-    Ignores: fp32 on CUDA and CUDA without fla (the reference ops: e.g. the MLA scores [H, q, k] in fp32), the
+    Every token of a mixed step counts at prefill rates, its decodes included. The MLA prefill gathers and
+    up-projects the cached context of consecutive groups of prefill sequences one group at a time, each group's
+    cached prefixes summing to at most the step's longest one (`MLAAttention._prefill`), so the keys held at once
+    are within the step's new tokens plus one longest cached prefix (`StepShape.mla_keys`), however many
+    prefix-cache hits the step admitted. Ignores: fp32 on CUDA and CUDA without fla (the reference ops: e.g. the MLA scores [H, q, k] in fp32), the
     caching allocator's fragmentation (reserved less allocated, left to 1 - gpu_memory_utilization) and NCCL's
     buffers."""
     num_tokens = max_step_tokens(args, device_bytes)
