@@ -95,8 +95,8 @@ class ForwardBatch:
     num_decode: int  # leading sequences with exactly one new token
     pad_slot: int | None = None  # slot of padding rows (may repeat in slot_ids; their outputs are ignored)
     # Host (CPU) copies of the index tensors, for the prefill work that reads indices on the host (the
-    # short conv's per-sequence loop, the KDA chunk plan, the conv window at a checkpoint): reading the
-    # device tensors there would sync once per layer. `build` sets them; a decode-only batch needs none.
+    # KDA chunk plan, which the short conv's token blocks follow too; the conv window at a checkpoint):
+    # reading the device tensors there would sync once per layer. `build` sets them; a decode-only batch needs none.
     cu_seqlens_host: torch.Tensor | None = None  # [N+1] int64
     seq_lens_host: torch.Tensor | None = None  # [N] int64 (MLA prefill gathers the cached prefix by it)
     slot_ids_host: torch.Tensor | None = None  # [N] int64
@@ -124,15 +124,6 @@ class ForwardBatch:
     def num_decode_tokens(self) -> int:
         """Rows of the decode sequences, first in the batch: one token each."""
         return self.num_decode
-
-    @property
-    def conv_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cu_seqlens, slot ids) for the short conv: on the device when every row is one token (its
-        vectorized form, which CUDA graphs capture), else the host copies (its per-sequence loop
-        reads them on the host, so a prefill costs no device read-back)."""
-        if self.num_decode == self.num_seqs:
-            return self.cu_seqlens, self.slot_ids
-        return self.cu_seqlens_host, self.slot_ids_host
 
     def kda_chunk_plan(self, chunk_size: int) -> ChunkPlan:
         """The chunk plan of this batch's chunked KDA, on the batch's device: it depends on the batch

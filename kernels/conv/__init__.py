@@ -3,7 +3,8 @@ tokens, with the conv state of each sequence kept in a slot pool (vLLM/fla seman
 
 The state holds the last W-1 PRE-activation inputs of each sequence, oldest first, so a sequence
 can be fed in any number of pieces (prefill chunks, one-token decode) with the same result.
-On CUDA a decode step (one token per sequence) is one Triton launch (`triton_conv.py`); `last_backend`
+On CUDA a decode step (one token per sequence) is one Triton launch (`triton_conv.py`), and so is a
+prefill (`triton_prefill.py`, over the token blocks of the batch's chunk plan); `last_backend`
 records which form ran."""
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import torch
 from torch import Tensor
 
 from .._backend import gpu_kernels, has_module
+from ..kda import CHUNK_SIZE, ChunkPlan, plan_chunks
 from . import naive
 
 __all__ = ["causal_conv1d"]
 
-last_backend: dict[str, str] = {}  # "causal_conv1d" -> "triton" | "torch" (the batched decode form) | "naive"
+# "causal_conv1d" -> "triton" (decode step) | "triton_prefill" | "torch" (the batched decode form) | "naive"
+last_backend: dict[str, str] = {}
 
 
 def causal_conv1d(
@@ -27,13 +30,19 @@ def causal_conv1d(
     state_indices: Tensor,
     activation: str | None = "silu",
     pad_slot: int | None = None,
+    plan: ChunkPlan | None = None,
 ) -> Tensor:
     """y [T, C] = act(depthwise causal conv of x [T, C] with weight [C, W]), continuing each sequence
     n from conv_state[state_indices[n]] ([S, C, W-1] pool) and updating those rows in place.
 
     cu_seqlens [N+1] int64 packs N sequences of >= 1 token; state_indices [N] int64 are distinct
     slots, except `pad_slot`, which the padding rows of a fixed-shape batch share (their outputs are
-    garbage, to be ignored). A fresh sequence needs its slot zeroed by the caller. activation: "silu" or None."""
+    garbage, to be ignored). A fresh sequence needs its slot zeroed by the caller. activation: "silu" or None.
+
+    Index values on the host are checked there. On a GPU, a decode step's (T == N) and a prefill's with
+    `plan` (the batch's varlen chunk plan, which the KDA layer builds once per step for chunked KDA) come
+    from the engine's batch and slot pool and are trusted: checking them would cost a host sync per layer.
+    Without a plan, device indices are read back once (a sync) to be checked and planned."""
     if x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"x must be a floating [T, C] tensor, got {x.dtype} {tuple(x.shape)}")
     T, C = x.shape
@@ -48,25 +57,50 @@ def causal_conv1d(
         raise ValueError(
             f"cu_seqlens must be int64 [N+1] with N >= 1, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
         )
-    N, S = cu_seqlens.numel() - 1, conv_state.shape[0]
+    N = cu_seqlens.numel() - 1
     if state_indices.dtype != torch.int64 or state_indices.shape != (N,):
         raise ValueError(f"state_indices must be int64 [N={N}], got {state_indices.dtype} {tuple(state_indices.shape)}")
-    if x.is_cuda and cu_seqlens.is_cuda and state_indices.is_cuda:
-        # Values on a GPU come from the engine's batch and slot pool and are trusted (as in kda_decode):
-        # checking them would cost a host sync per layer. T == N means one token per sequence (decode).
-        if T == N:
-            return _decode_one_token(x, weight, conv_state, state_indices, activation)
-        last_backend["causal_conv1d"] = "naive"
-        return naive.causal_conv1d(x, weight, conv_state, cu_seqlens, state_indices, activation)
-    lens = cu_seqlens.diff()
-    if cu_seqlens[0] != 0 or cu_seqlens[-1] != T or (lens < 1).any():
-        raise ValueError(f"cu_seqlens must rise strictly from 0 to T={T}, got {cu_seqlens.tolist()}")
-    owned = state_indices if pad_slot is None else state_indices[state_indices != pad_slot]
-    if ((state_indices < 0) | (state_indices >= S)).any() or owned.unique().numel() != owned.numel():
-        raise ValueError(f"state_indices must be distinct slots in [0, {S}) (pad_slot {pad_slot} may repeat), "
-                         f"got {state_indices.tolist()}")
+    on_device = x.is_cuda and cu_seqlens.is_cuda and state_indices.is_cuda
+    if on_device and T == N:
+        return _decode_one_token(x, weight, conv_state, state_indices, activation)
+    if plan is not None:
+        _check_plan(plan, cu_seqlens, x)
+    if not (on_device and plan is not None):
+        seq_lens = _checked_seq_lens(cu_seqlens, state_indices, T, conv_state.shape[0], pad_slot)
+    if gpu_kernels(x, weight, conv_state) and has_module("triton"):
+        from . import triton_conv, triton_prefill
+
+        if triton_conv.supports(x, weight, conv_state):
+            plan = plan or plan_chunks(seq_lens, True, None, CHUNK_SIZE, x.device)
+            last_backend["causal_conv1d"] = "triton_prefill"
+            return triton_prefill.conv_prefill(x, weight, conv_state, state_indices.to(x.device, non_blocking=True),
+                                               plan, activation == "silu")
     last_backend["causal_conv1d"] = "naive"
     return naive.causal_conv1d(x, weight, conv_state, cu_seqlens, state_indices, activation)
+
+
+def _checked_seq_lens(cu_seqlens: Tensor, state_indices: Tensor, T: int, S: int, pad_slot: int | None) -> list[int]:
+    """The sequences' lengths, once cu_seqlens and the slots are known to be valid (read on the host)."""
+    bounds = cu_seqlens.tolist()
+    seq_lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    if bounds[0] != 0 or bounds[-1] != T or min(seq_lens) < 1:
+        raise ValueError(f"cu_seqlens must rise strictly from 0 to T={T}, got {bounds}")
+    slots = state_indices.tolist()
+    owned = [s for s in slots if s != pad_slot]
+    if not all(0 <= s < S for s in slots) or len(set(owned)) != len(owned):
+        raise ValueError(f"state_indices must be distinct slots in [0, {S}) (pad_slot {pad_slot} may repeat), "
+                         f"got {slots}")
+    return seq_lens
+
+
+def _check_plan(plan: ChunkPlan, cu_seqlens: Tensor, x: Tensor) -> None:
+    """The plan describes this call: its sequences' lengths (compared with cu_seqlens where those are on the host)."""
+    N, T = cu_seqlens.numel() - 1, x.shape[0]
+    lens = list(plan.seq_lens)
+    if (not plan.varlen or plan.device != x.device or len(lens) != N or sum(lens) != T
+            or (not cu_seqlens.is_cuda and cu_seqlens.diff().tolist() != lens)):
+        raise ValueError(f"the chunk plan (varlen {plan.varlen}, lengths {lens} on {plan.device}) does not describe "
+                         f"this call's N={N} sequences of T={T} tokens on {x.device}")
 
 
 def _decode_one_token(x: Tensor, weight: Tensor, conv_state: Tensor, state_indices: Tensor,

@@ -89,12 +89,13 @@ class KimiDeltaAttention(Sharded):
         qkv_in, f_a, b, gate_in = project(x, self.x_proj_weight, self._x_proj_sizes)  # qkv_in [T, 3P]
         if batch.checkpoint_offsets is not None:
             self._checkpoint_conv(qkv_in, batch, conv)
-        qkv = causal_conv1d(qkv_in, self.conv_weight, conv, *batch.conv_indices, activation="silu",
-                            pad_slot=batch.pad_slot)
+        decode_only = batch.num_decode == batch.num_seqs
+        qkv = causal_conv1d(qkv_in, self.conv_weight, conv, batch.cu_seqlens, batch.slot_ids, activation="silu",
+                            pad_slot=batch.pad_slot, plan=None if decode_only else batch.kda_chunk_plan(CHUNK_SIZE))
         q, k, v = (t.reshape(T, H, d) for t in qkv.split(H * d, dim=-1))
         g = kda_gate(self.f_b_proj(f_a).reshape(T, H, d), self.A_log, self.dt_bias, self.lower_bound)
 
-        if batch.num_decode == batch.num_seqs and batch.checkpoint_offsets is None:  # chunked form emits checkpoints
+        if decode_only and batch.checkpoint_offsets is None:  # chunked form emits checkpoints
             o = kda_decode(q, k, v, g, b, recurrent, batch.slot_ids, use_qk_l2norm_in_kernel=True,
                            pad_slot=batch.pad_slot, use_beta_sigmoid_in_kernel=True)
         else:

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from k3serve.kernels.conv import causal_conv1d
+from k3serve.kernels.kda import plan_chunks
 
 from _close import assert_close
 
@@ -116,3 +117,17 @@ def test_bad_arguments_raise_clear_errors() -> None:
         causal_conv1d(x, weight, pool, cu, torch.tensor([1, 1]))
     with pytest.raises(ValueError, match="distinct slots"):
         causal_conv1d(x, weight, pool, cu, torch.tensor([0, 4]))
+
+
+def test_a_chunk_plan_must_describe_the_call() -> None:
+    """The KDA layer passes its batch's chunk plan (the GPU kernel's token blocks): one for these sequences changes
+    nothing on the CPU, one for others is refused."""
+    x, weight = torch.randn(10, C), torch.randn(C, W)
+    cu, slots = _cu([4, 6]), torch.tensor([0, 1])
+    pool, planned_pool = _pool(2, slots), _pool(2, slots)
+    y = causal_conv1d(x, weight, pool, cu, slots)
+    planned_y = causal_conv1d(x, weight, planned_pool, cu, slots, plan=plan_chunks([4, 6], True, None, 64, "cpu"))
+    assert torch.equal(planned_y, y) and torch.equal(planned_pool, pool)
+    for lens, varlen in (([5, 5], True), ([4, 6, 1], True), ([10], False)):
+        with pytest.raises(ValueError, match="does not describe this call's N=2 sequences of T=10"):
+            causal_conv1d(x, weight, pool, cu, slots, plan=plan_chunks(lens, varlen, None, 64, "cpu"))
