@@ -316,20 +316,19 @@ def prompt_logprobs_slice_bytes(config: ModelConfig, tp_size: int, itemsize: int
 def _kda_prefill_bytes(config: ModelConfig, step: StepShape) -> int:
     """Peak of a KDA layer's prefill (`KimiDeltaAttention.forward`): its input and the stacked projections'
     output [T, 3P + d + H + gate], plus the largest of
-      conv    the short conv's reference loop (prefill runs `kernels/conv/naive.py`): its fp32 output, and for one
-              sequence the fp32 window, its [len, 3P, W] fp32 products and their sum; or the SiLU's fp32 copy;
+      conv    the short conv (`kernels/conv/triton_prefill.py`, one launch): its output, in the model's dtype;
       chunk   the conv's output, the fp32 gate and beta, the sequences' fp32 states (initial, final, checkpoint),
               and fla's chunk_kda (`kernels/kda/fla_ops.py`): q, k, v made contiguous, the fp32 in-chunk gate
               cumsum, w, u, kg, Aqk, then either the intra-chunk Akk and its fp32 diagonal blocks or the chunk-start
               states h (a chunk of 64 tokens a sequence, one extra), v_new and o; and an autotune's flush buffer;
       output  the conv's output, the gate, the chunk's output, the gated norm and o_proj."""
-    kda, T, L, b = config.kda, step.num_tokens, step.max_chunk, step.itemsize
-    H, d, W = kda.num_heads // step.tp_size, kda.head_dim, kda.conv_kernel_size
+    kda, T, b = config.kda, step.num_tokens, step.itemsize
+    H, d = kda.num_heads // step.tp_size, kda.head_dim
     P = H * d
     C = 3 * P  # the conv's channels: q, k, v
     gate = P if kda.use_full_rank_gate else d
     held = T * (config.hidden_size + C + d + H + gate) * b
-    conv = max(4 * C * (T + (L + W - 1) + L * W + L), 8 * C * T)
+    conv = C * T * b
     states = 3 * step.num_seqs * H * d * d * 4
     num_chunks = -(-T // CHUNK_SIZE) + step.num_seqs
     fla = T * (6 * P * b + 4 * P + H * CHUNK_SIZE * b) + max(
