@@ -45,11 +45,26 @@ from k3serve.model.model import KimiForCausalLM
 from k3serve.model.parallel import TensorParallel
 
 
+def graphs_off_reason(args: EngineArgs) -> str | None:
+    """Why `args` keep an engine from capturing decode graphs, or None when they let it (the memory plan sets
+    their memory aside then): at TP > 1 only where this process asks for NCCL collectives (gloo's cannot be
+    recorded; `tp_group.py`)."""
+    if args.enforce_eager:
+        return "enforce_eager"
+    if not args.device.startswith("cuda"):
+        return "not on CUDA"
+    if args.torch_dtype != torch.bfloat16:
+        return "not bf16"
+    if reference_forced():
+        return "reference kernels forced"
+    if args.tensor_parallel_size > 1 and not nccl_requested():
+        return "TP > 1 on gloo collectives; K3SERVE_TP_NCCL=1 asks for NCCL"
+    return None
+
+
 def graphs_allowed(args: EngineArgs) -> bool:
-    """Whether `args` let an engine capture decode graphs (the memory plan sets their memory aside then): at
-    TP > 1 only where this process asks for NCCL collectives (gloo's cannot be recorded; `tp_group.py`)."""
-    return (not args.enforce_eager and args.device.startswith("cuda") and args.torch_dtype == torch.bfloat16
-            and not reference_forced() and (args.tensor_parallel_size == 1 or nccl_requested()))
+    """Whether `args` let an engine capture decode graphs (`graphs_off_reason` is None)."""
+    return graphs_off_reason(args) is None
 
 
 def graphs_enabled(args: EngineArgs, tp: TensorParallel | None = None) -> bool:

@@ -393,13 +393,14 @@ def describe_plan(config: ModelConfig, args: EngineArgs, device_bytes: int) -> l
     beside the weights (the engine's KDA slots, `args.kda_slots`: one per running request, and with prefix
     caching as many for its checkpoints; the pad slot and the graphs' memory when `args` allow CUDA graphs;
     one eager step's activations)."""
-    from k3serve.engine.cuda_graphs import graphs_allowed
+    from k3serve.engine.cuda_graphs import graphs_off_reason
 
     tp_size, utilization, max_num_seqs = args.tensor_parallel_size, args.gpu_memory_utilization, args.max_num_seqs
     config.check_tp(tp_size)
     sizes = cache_sizes(config, tp_size, args.torch_dtype)
     budget = int(device_bytes * utilization) - sizes.weight_bytes
-    graphs = graphs_allowed(args)
+    off_reason = graphs_off_reason(args)
+    graphs = off_reason is None
     graph_bytes = graph_reserve_bytes(config, args) if graphs else 0
     prefill_bytes = prefill_activation_bytes(config, args, device_bytes)
     slots = args.kda_slots + graphs
@@ -418,7 +419,7 @@ def describe_plan(config: ModelConfig, args: EngineArgs, device_bytes: int) -> l
          f"{slots} slots, {slots_bytes / gib:.2f} GiB"),
         ("CUDA graphs (decode, up to batch "
          f"{args.graph_batch_sizes[-1]}: inputs, output, pool estimate)" if graphs else "CUDA graphs",
-         f"{graph_bytes / gib:.2f} GiB" if graphs else "off (enforce_eager or not bf16): eager decode"),
+         f"{graph_bytes / gib:.2f} GiB" if graphs else f"off ({off_reason}): eager decode"),
         (f"prefill activations (an eager step of {max_step_tokens(args, device_bytes):,} tokens, estimate)",
          f"{prefill_bytes / gib:.2f} GiB"),
     ]

@@ -26,14 +26,19 @@ def _score(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from k3serve.engine.config import EngineArgs
     from k3serve.engine.memory import describe_plan
-    from k3serve.model.config import ModelConfig
+    from k3serve.model.config import ConfigError, ModelConfig
     from k3serve.model.presets import PRESETS, preset_config
 
-    config = preset_config(args.model) if args.model in PRESETS else ModelConfig.from_dir(args.model)
+    try:
+        config = preset_config(args.model) if args.model in PRESETS else ModelConfig.from_dir(args.model)
+    except ConfigError as exc:
+        print(f"k3serve plan: {exc} (--model takes a checkpoint directory or a preset: {', '.join(PRESETS)})",
+              file=sys.stderr)
+        return 2
     engine_args = EngineArgs(
         model=args.model, device="cuda", tensor_parallel_size=args.tp, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, max_num_batched_tokens=args.max_num_batched_tokens,
     )
     rows = describe_plan(config, engine_args, int(args.device_memory_gib * 2**30))
     width = max(len(k) for k, _ in rows)
@@ -105,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=4096, help="sizes the CUDA graphs' block tables")
+    p.add_argument("--max-num-batched-tokens", type=int, help="a step's base token budget (default: the engine's for "
+                   "this device memory); sizes the prefill activations set aside")
     p.add_argument("--enforce-eager", action="store_true", help="plan without CUDA graphs (no pad slot, no pool)")
     p.set_defaults(func=_plan)
 
