@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
-import socket
 import time
 from contextlib import contextmanager
 
@@ -37,6 +36,8 @@ from k3serve.transfer.backends import available_backends
 from k3serve.transfer.control import ChecksumMismatchError, DecodeControlClient, InvalidArgumentError
 from k3serve.transfer.tp_map import RequestSpan
 
+from _local_ranks import free_port
+
 pytestmark = pytest.mark.timeout(120)
 
 BACKEND = next((b for b in ("mooncake", "nixl") if available_backends().get(b)), None)
@@ -46,12 +47,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 def _engine_kwargs(model) -> dict:
     return dict(model=str(model), block_size=8, max_model_len=512, cache_memory_bytes=64 << 20)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +69,7 @@ class Pair:
         def group(tp, target, args_of) -> TPGroup | None:
             if tp == 1:
                 return None
-            init = f"tcp://127.0.0.1:{_free_port()}"
+            init = f"tcp://127.0.0.1:{free_port()}"
             for rank in range(1, tp):
                 proc = ctx.Process(target=target, args=args_of(rank, init), daemon=True)
                 proc.start()

@@ -10,8 +10,6 @@ with a looser logprob bound since the Triton kernels' dots may round through tf3
 
 from __future__ import annotations
 
-import multiprocessing
-import socket
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ from k3serve.engine.sampling_params import SamplingParams
 from k3serve.engine.tp_group import TPGroup
 from k3serve.model.checkpoint import make_checkpoint
 
+from _local_ranks import spawned, tcp_init_method
 from tiny_presets import k3_tiny_odd_vocab
 
 pytestmark = pytest.mark.timeout(60)
@@ -67,23 +66,14 @@ def test_tp2_engine_generates_what_tp1_generates(
     reference = _generate(LLMEngine(EngineArgs(**kw)))
 
     args = EngineArgs(**kw, tensor_parallel_size=2)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    follower = multiprocessing.get_context("spawn").Process(target=_follower, args=(1, args, init), daemon=True)
-    follower.start()
-    try:
+    init = tcp_init_method()
+    with spawned(_follower, 1, args, init):
         engine = LLMEngine(args, TPGroup(0, 2, init, timeout_s=30))
         engine.runner.prompt_logprobs_rows = TP2_PROMPT_LOGPROBS_ROWS
         try:
             got = _generate(engine)
         finally:
             engine.close()
-        follower.join(20)
-        assert follower.exitcode == 0
-    finally:
-        if follower.is_alive():
-            follower.kill()
     assert list(got.values())[0][0] and all(len(tokens) == GREEDY.max_tokens for tokens, _, _ in got.values())
     for (tokens, logprobs, prompt_lp), (ref_tokens, ref_logprobs, ref_prompt_lp) in zip(got.values(), reference.values()):
         assert tokens == ref_tokens

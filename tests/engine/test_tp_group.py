@@ -14,17 +14,12 @@ import time
 import pytest
 import torch
 
+from _local_ranks import tcp_init_method
 from _tp_workers import follower
 from k3serve.engine import tp_group
 from k3serve.engine.tp_group import TPGroup, leader_store
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _init_method() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 def _refuses_connections(init_method: str) -> bool:
@@ -44,7 +39,7 @@ def test_two_groups_in_one_process_without_their_rendezvous_port_and_followers_t
     sizes, procs, groups = (2, 3), [], []
     try:
         for world_size in sizes:
-            store, init = leader_store(world_size, "127.0.0.1") if world_size == 3 else (None, _init_method())
+            store, init = leader_store(world_size, "127.0.0.1") if world_size == 3 else (None, tcp_init_method())
             for rank in range(1, world_size):
                 procs.append(ctx.Process(target=follower, args=(rank, world_size, init, 2.0), daemon=True))
                 procs[-1].start()

@@ -8,8 +8,6 @@ tests/engine/test_tp_engine.py."""
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
-import socket
 from pathlib import Path
 
 import pytest
@@ -25,6 +23,7 @@ from k3serve.model.presets import preset_config
 
 from _checkpoint_files import read_tensor
 from _lm_head_ranks import follower, lm_head
+from _local_ranks import spawned, tcp_init_method
 
 ODD_VOCAB = 509
 
@@ -91,12 +90,8 @@ def test_rank_0_gathers_tp1s_logits_in_one_buffer_without_a_cat_or_a_cast() -> N
     """Two gloo ranks of a TPGroup (the engine's path), a vocab of 7 (rank 1's last row is padding), 3 rows:
     rank 0's fp32 logits are the unsharded head's exactly (bf16 products, widened), the padding cut off;
     assembling them writes fp32 once (the copy that orders and widens) and concatenates nothing."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    rank_1 = multiprocessing.get_context("spawn").Process(target=follower, args=(init,), daemon=True)
-    rank_1.start()
-    try:
+    init = tcp_init_method()
+    with spawned(follower, init):
         group = TPGroup(0, 2, init, timeout_s=20.0)
         head, hidden = lm_head(group.tensor_parallel())
         local = head.compute_logits(hidden)
@@ -104,11 +99,6 @@ def test_rank_0_gathers_tp1s_logits_in_one_buffer_without_a_cat_or_a_cast() -> N
         with recorded:
             got = head.gather(local)
         group.close()
-        rank_1.join(20)
-        assert rank_1.exitcode == 0
-    finally:
-        if rank_1.is_alive():
-            rank_1.kill()
     whole, _ = lm_head(TensorParallel())
     want = whole.gather(whole.compute_logits(hidden))
     assert got.dtype == torch.float32 and got.shape == want.shape == (3, 7)

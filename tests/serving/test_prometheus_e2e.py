@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -14,15 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from _local_ranks import free_port
 from _server_harness import Server
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _listed_metrics() -> set[str]:
@@ -64,7 +58,7 @@ def test_prometheus_scrapes_ttft_and_tpot_quantiles(disagg_server: Server) -> No
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.fail("prometheus is not installed (scripts/install_deploy_tools.sh installs it)")
-    port = _free_port()
+    port = free_port()
     target = disagg_server.url.removeprefix("http://")
     with tempfile.TemporaryDirectory() as d:
         config = Path(d) / "prometheus.yml"
