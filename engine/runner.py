@@ -28,6 +28,7 @@ from k3serve.engine.sampler import PROMPT_LOGPROBS_ROWS, PromptScoring, prompt_l
 
 from k3serve.engine.scheduler_output import NO_SLOT, ScheduledSeq, SchedulerOutput
 from k3serve.engine.tp_group import TPGroup, rank_device
+from k3serve.kernels._backend import to_device_async
 from k3serve.model.batch import ForwardBatch, ModelCache
 from k3serve.model.loader import load_model
 from k3serve.model.model import KimiForCausalLM
@@ -101,9 +102,11 @@ class ModelRunner:
         for seq in seqs:
             starts.append(starts[-1] + seq.num_scheduled_tokens)
         sample_rows = [starts[i + 1] - 1 for i, s in enumerate(seqs) if s.needs_sample]
-        every_row = sample_rows == list(range(len(seqs)))  # a decode step: slice, no index upload (host sync)
-        rows = slice(len(seqs)) if every_row else sample_rows
-        logits = self.model.compute_logits(hidden[rows]) if sample_rows else None
+        logits = None
+        if sample_rows:
+            every_row = sample_rows == list(range(len(seqs)))  # a decode step: a slice, no index at all
+            rows = slice(len(seqs)) if every_row else to_device_async(sample_rows, hidden.device)
+            logits = self.model.compute_logits(hidden[rows])
         sample_ids = [s.request_id for s in seqs if s.needs_sample]
         scored = {
             s.request_id: self.score_prompt(hidden[starts[i] : starts[i + 1]], score_prompts[s.request_id])

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .._backend import to_device_async
+
 
 @dataclass(frozen=True)
 class ChunkPlan:
@@ -91,7 +93,7 @@ def plan_chunks(seq_lens: list[int], varlen: bool, checkpoint_offsets: list[int]
     for part in parts:
         starts.append(len(values))
         values += part + [0] * (len(part) % 2)
-    flat = _to_device(values, torch.device(device))
+    flat = to_device_async(values, torch.device(device))
     packed = [flat[start : start + len(part)] for start, part in zip(starts, parts)]
     cu, indices, offsets = (packed[0], packed[1].view(-1, 2), packed[2]) if varlen else (None, None, None)
     return ChunkPlan(
@@ -112,14 +114,3 @@ def _prefix_sums(values: list[int]) -> list[int]:
     for x in values:
         out.append(out[-1] + x)
     return out
-
-
-def _to_device(values: list[int], device: torch.device) -> Tensor:
-    """One host -> device copy that does not wait for the queue (pinned source, non_blocking). The
-    list is written straight into the pinned buffer: torch.tensor(list).pin_memory() builds the tensor
-    twice, and torch.tensor alone costs 3x the numpy write (12 vs 4 us for an 8K-token plan on CPU)."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=torch.int64, device=device)
-    host = torch.empty(len(values), dtype=torch.int64, pin_memory=True)
-    host.numpy()[:] = values
-    return host.to(device, non_blocking=True)

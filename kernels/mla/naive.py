@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._backend import to_device_async
+
 
 def mla_prefill_attention(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float
@@ -37,21 +39,13 @@ def gather_kv_cache(kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor) ->
     cu_seqlens = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int64, device=seq_lens.device)
     cu_seqlens[1:] = torch.cumsum(seq_lens, dim=0)
     total = None if seq_lens.is_cuda else int(cu_seqlens[-1])  # known on the host: no read-back below
-    cu = _upload(cu_seqlens, device)
+    cu = to_device_async(cu_seqlens, device)  # every MLA layer's prefill, once a group of sequences
     lens = cu.diff()
     seq_ids = torch.repeat_interleave(torch.arange(lens.shape[0], device=device), lens, output_size=total)  # [total]
     pos = torch.arange(seq_ids.shape[0], device=device) - cu[seq_ids]  # [total]
     blocks = block_tables.to(device=device, dtype=torch.int64)[seq_ids, pos // block_size]  # [total]
     packed = kv_cache[blocks, pos % block_size]  # [total, L+R]
     return packed, cu_seqlens
-
-
-def _upload(host: Tensor, device: torch.device) -> Tensor:
-    """`host` copied to `device`; to a GPU through pinned memory, non_blocking: a copy from pageable memory waits
-    for the GPU's queue to drain, and the prefill gathers in every MLA layer, once per group of sequences."""
-    if host.device.type == "cpu" and device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
 
 
 def mla_decode_paged(
