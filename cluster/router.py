@@ -100,12 +100,14 @@ class DisaggregatedRouter:
             if result.finished:  # ended at its first token: nothing was handed off, the reservation goes
                 yield result.delta
                 return
-            first_logprobs = result.first_logprobs
+            first_logprobs, prompt_logprobs = result.first_logprobs, result.prompt_logprobs
             async for delta in deltas:
                 if first_logprobs is not None and delta.logprobs is None:
                     # The first token was sampled by the prefill engine; its logprobs come from there.
                     delta = dataclasses.replace(delta, logprobs=first_logprobs)  # decode's first delta: that token
-                first_logprobs = None
+                if prompt_logprobs is not None:  # the prompt ran on the prefill engine too
+                    delta = dataclasses.replace(delta, prompt_logprobs=prompt_logprobs)
+                first_logprobs = prompt_logprobs = None
                 yield delta
                 decode_done = delta.finished
         finally:

@@ -65,6 +65,7 @@ class PrefillResult:
     transfer_seconds: float  # writes posted -> decode acknowledged every rank
     num_bytes: int
     first_logprobs: list[TokenLogprobs] | None = None  # of the first token, if logprobs were requested
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # of the prompt tokens, if asked (echo)
 
 
 def make_sender(args: EngineArgs, runner, config, rank: int, transfer: str, transfer_options: dict | None) -> RankSender:
@@ -156,7 +157,7 @@ class PrefillWorker:
         self.metrics.add_bytes(num_bytes)
         self._release(request_id, None)
         return PrefillResult(first, False, None, len(prompt_token_ids), prefill_seconds, time.perf_counter() - t0,
-                             num_bytes, last.logprobs)
+                             num_bytes, last.logprobs, last.prompt_logprobs)
 
     def _push_all(self, job: HandoffJob) -> list[RankShare]:
         """Engine thread: every rank pushes its share now; rank 0 collects the answers."""

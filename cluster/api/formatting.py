@@ -71,39 +71,69 @@ class _Formatter:
 
 
 class CompletionFormatter(_Formatter):
-    def __init__(self, *args, **kwargs) -> None:
+    """With `echo_prompt` (the prompt's token ids; `echo`), the first delta's text and logprobs are preceded by the
+    prompt's: its text, and with logprobs its tokens' (the first has none: null, as in OpenAI's and vLLM's echo)."""
+
+    def __init__(self, *args, echo_prompt: list[int] | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.logprobs: CompletionLogprobs | None = None
         self.num_chars = 0  # text_offset of the next token
+        self.echo_prompt = echo_prompt
 
-    def _logprobs(self, delta: RequestDelta) -> CompletionLogprobs | None:
-        if delta.logprobs is None:
-            return None
-        out = CompletionLogprobs()
-        for entry in delta.logprobs:
+    def _append(self, out: CompletionLogprobs, token_id: int, entry: TokenLogprobs | None) -> None:
+        """One position: the token, its logprob and its top-n by text (None for an echoed prompt's first token)."""
+        out.tokens.append(self.token_text(token_id))
+        if entry is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+        else:
             top: dict[str, float] = {}
             for tid, lp in zip(entry.token_ids, entry.logprobs):
                 top.setdefault(self.token_text(tid), lp)
-            out.tokens.append(self.token_text(entry.token_ids[0]))
             out.token_logprobs.append(entry.chosen_logprob)
             out.top_logprobs.append(top)
-            out.text_offset.append(self.num_chars)
-            self.num_chars += len(out.tokens[-1])
+        out.text_offset.append(self.num_chars)
+        self.num_chars += len(out.tokens[-1])
+
+    def _logprobs(self, delta: RequestDelta, echoed: list[TokenLogprobs | None] | None) -> CompletionLogprobs | None:
+        if delta.logprobs is None:
+            return None
+        out = CompletionLogprobs()
+        if echoed is not None:
+            for token_id, entry in zip(self.echo_prompt, echoed, strict=True):
+                self._append(out, token_id, entry)
+        for entry in delta.logprobs:
+            self._append(out, entry.token_ids[0], entry)
         return out
 
-    def add(self, delta: RequestDelta) -> CompletionLogprobs | None:
-        """Take one delta into the response; returns its own logprobs (None if not asked)."""
+    def _echo(self, delta: RequestDelta) -> tuple[str, list[TokenLogprobs | None] | None]:
+        """The prompt's text and logprobs to put before this delta's: on the first delta of an echo, else nothing."""
+        if self.echo_prompt is None or self.text_parts:
+            return "", None
+        text = self.tokenizer.decode(self.echo_prompt, skip_special_tokens=False)
+        if delta.logprobs is None:
+            return text, None
+        if delta.prompt_logprobs is None or len(delta.prompt_logprobs) != len(self.echo_prompt):
+            raise RuntimeError(f"echo with logprobs: the engine returned prompt logprobs for "
+                               f"{len(delta.prompt_logprobs or [])} of {len(self.echo_prompt)} prompt tokens")
+        return text, delta.prompt_logprobs
+
+    def add(self, delta: RequestDelta) -> tuple[str, CompletionLogprobs | None]:
+        """Take one delta into the response; returns its text (the echoed prompt's before it on the first) and its
+        own logprobs (None if not asked)."""
+        echo_text, echoed = self._echo(delta)
         self._track(delta)
-        logprobs = self._logprobs(delta)
+        self.text_parts[-1] = echo_text + self.text_parts[-1]
+        logprobs = self._logprobs(delta, echoed)
         if logprobs is not None:
             self._extend(logprobs)
-        return logprobs
+        return self.text_parts[-1], logprobs
 
     def chunks(self, delta: RequestDelta) -> list[CompletionStreamResponse]:
-        logprobs = self.add(delta)
-        if not (delta.new_text or delta.finished or logprobs is not None):
+        text, logprobs = self.add(delta)
+        if not (text or delta.finished or logprobs is not None):
             return []  # nothing to show yet (partial UTF-8, held-back stop prefix)
-        choice = CompletionChoice(text=delta.new_text, logprobs=logprobs, finish_reason=delta.finish_reason,
+        choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=delta.finish_reason,
                                   stop_reason=delta.stop_reason)
         return [CompletionStreamResponse(id=self.request_id, model=self.model, choices=[choice],
                                          usage=self._chunk_usage())]

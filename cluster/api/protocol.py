@@ -80,12 +80,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     """Logprob of each sampled token plus this many top alternatives."""
     echo: bool = False
-
-    @model_validator(mode="after")
-    def _check_completion(self) -> "CompletionRequest":
-        if self.echo:
-            raise ValueError("echo is not supported")
-        return self
+    """The prompt's text before the completion; with logprobs, the prompt tokens' logprobs too (the first None)."""
 
 
 class TextPart(BaseModel):

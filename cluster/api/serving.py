@@ -62,9 +62,11 @@ def prepare_completion(body: CompletionRequest, client: EngineClient) -> Prepare
     _check_model(body.model, client)
     prompt_ids = _completion_prompt(body.prompt, client)
     max_tokens = _fit_context(len(prompt_ids), body.max_tokens, client.max_model_len, "prompt")
-    params = _sampling_params(body, max_tokens, body.logprobs, client)
+    prompt_logprobs = body.logprobs if body.echo else None
+    params = _sampling_params(body, max_tokens, body.logprobs, client, prompt_logprobs)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    formatter = CompletionFormatter(request_id, client.model_name, client.tokenizer, _continuous(body))
+    formatter = CompletionFormatter(request_id, client.model_name, client.tokenizer, _continuous(body),
+                                    echo_prompt=prompt_ids if body.echo else None)
     return _prepared(request_id, prompt_ids, params, body, formatter, is_chat=False)
 
 
@@ -135,7 +137,7 @@ _PARAM_OF_MESSAGE = re.compile(r"^(\w+) must")
 
 
 def _sampling_params(body: _SamplingFields, max_tokens: int, logprobs: int | None,
-                     client: EngineClient) -> SamplingParams:
+                     client: EngineClient, prompt_logprobs: int | None = None) -> SamplingParams:
     kwargs = {name: default if getattr(body, name) is None else getattr(body, name)
               for name, default in _NEUTRAL.items()}
     stop_token_ids = list(body.stop_token_ids or [])
@@ -145,7 +147,7 @@ def _sampling_params(body: _SamplingFields, max_tokens: int, logprobs: int | Non
     try:
         return SamplingParams(
             **kwargs, seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop,
-            stop_token_ids=stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
+            stop_token_ids=stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens, include_stop_str_in_output=body.include_stop_str_in_output,
         )
     except ValueError as e:

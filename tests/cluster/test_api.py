@@ -117,6 +117,22 @@ async def test_completion_logprobs(http):
     assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
 
 
+async def test_completion_echo_of_a_token_prompt(http, client):
+    """echo: the prompt's text before the completion; with logprobs, one entry a prompt token (the first null: it
+    has no context) then one a generated token; as a list of token ids, the prompt echoes as its decoded text."""
+    ids = client.tokenizer.encode(PROMPT)
+    r = await http.post("/v1/completions", json={"prompt": ids, "max_tokens": 3, "echo": True, "logprobs": 0,
+                                                 "ignore_eos": True, **GREEDY})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"].startswith(client.tokenizer.decode(ids, skip_special_tokens=False))
+    assert len(lp["tokens"]) == len(ids) + 3 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(x <= 0 for x in lp["token_logprobs"][1:]) and all(len(t) == 1 for t in lp["top_logprobs"][1:])
+    plain = await http.post("/v1/completions", json={"prompt": ids, "max_tokens": 3, "ignore_eos": True, **GREEDY})
+    assert choice["text"] == client.tokenizer.decode(ids, skip_special_tokens=False) + plain.json()["choices"][0]["text"]
+
+
 async def test_bare_async_engine_is_an_engine_client(engine):
     if not all(hasattr(engine, name) for name in ("model_name", "max_model_len", "check_health")):
         pytest.skip("this AsyncEngine lacks the EngineClient attributes")
@@ -237,7 +253,6 @@ BAD_REQUESTS = {  # id: (route, payload, expected param)
     "max_tokens-0": ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
     "no-prompt": ("/v1/completions", {"max_tokens": 4}, "prompt"),
     "n-2": ("/v1/completions", {"prompt": PROMPT, "n": 2}, None),
-    "echo": ("/v1/completions", {"prompt": PROMPT, "echo": True}, None),
     "batch-of-2": ("/v1/completions", {"prompt": [PROMPT, PROMPT]}, "prompt"),
     "empty-prompt": ("/v1/completions", {"prompt": []}, "prompt"),
     "logprobs-50": ("/v1/completions", {"prompt": PROMPT, "logprobs": 50}, "logprobs"),

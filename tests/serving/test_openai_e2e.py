@@ -10,6 +10,8 @@ Spec:
   the colocated output on every disaggregated layout: Mooncake 1P1D, NIXL 1P1D, Mooncake 1P2D.
   Text is compared (greedy decoding is deterministic; the server has no token-id output).
 - Two decode replicas share a burst of requests.
+- `echo` puts the prompt before the completion; with logprobs, the prompt tokens' logprobs too (the first null),
+  the same on both servers (the disaggregated one scores the prompt on its prefill engine), streamed or not.
 """
 
 from __future__ import annotations
@@ -104,6 +106,35 @@ def test_chat_stream_equals_non_stream(any_server: Server, tokenizer: Tokenizer)
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage  # the usage chunk, last
     assert all(c.usage is None for c in chunks[:-1])
     assert whole.usage.prompt_tokens == len(tokenizer.encode_chat(MESSAGES))
+
+
+@pytest.mark.timeout(300)
+def test_echo_puts_the_prompt_and_its_logprobs_first(disagg_server: Server, colocated_server: Server,
+                                                     tokenizer: Tokenizer) -> None:
+    prompt, max_tokens = PROMPTS[2], 4
+    num_prompt = len(tokenizer.encode(prompt))
+    scored = {}
+    for name, server in (("disaggregated", disagg_server), ("colocated", colocated_server)):
+        with client_of(server) as client:
+            out = client.completions.create(model=server.model, prompt=prompt, max_tokens=max_tokens, echo=True,
+                                            logprobs=2, **GREEDY)
+            plain = client.completions.create(model=server.model, prompt=prompt, max_tokens=max_tokens, echo=True,
+                                              **GREEDY)
+            chunks = list(client.completions.create(model=server.model, prompt=prompt, max_tokens=max_tokens,
+                                                    echo=True, logprobs=2, stream=True, **GREEDY))
+        choice, lp = out.choices[0], out.choices[0].logprobs
+        assert choice.text.startswith(prompt) and plain.choices[0].text == choice.text, name
+        assert out.usage.prompt_tokens == num_prompt and out.usage.completion_tokens == max_tokens, name
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == num_prompt + max_tokens, name
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None, name
+        assert all(x <= 0 for x in lp.token_logprobs[1:]) and all(len(t) in (2, 3) for t in lp.top_logprobs[1:]), name
+        assert "".join(lp.tokens) == choice.text and lp.text_offset == sorted(lp.text_offset), name
+        assert chunks[0].choices[0].text.startswith(prompt), name
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text, name
+        streamed = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+        assert streamed == lp.token_logprobs, name
+        scored[name] = lp.token_logprobs
+    assert scored["disaggregated"][1:] == pytest.approx(scored["colocated"][1:], abs=1e-4)
 
 
 @pytest.mark.timeout(300)
