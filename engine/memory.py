@@ -304,8 +304,8 @@ def prompt_logprobs_slice_bytes(config: ModelConfig, tp_size: int, itemsize: int
       lm_head  this rank's logits [rows, shard] in the model's dtype, at TP > 1 every rank's gathered into one
                [tp, rows, shard] buffer, and their fp32 widening [rows, tp * shard] (padding included);
       softmax  that fp32 widening and two fp32 [rows, vocab]: log_softmax's contiguous copy of it (a view where
-               padding is cut off) and its output; later the output and the ranks' bool mask (`gather_logprobs`),
-               smaller."""
+               padding is cut off) and its output; later the output and the rank count's bool mask and its int64
+               copy, `RANK_ROWS` rows at a time (`gather_logprobs`), smaller."""
     rows, vocab = PROMPT_LOGPROBS_ROWS, config.vocab_size
     shard = -(-vocab // tp_size)
     lm_head = rows * shard * (itemsize * (1 + tp_size * (tp_size > 1)) + tp_size * 4)

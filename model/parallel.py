@@ -50,7 +50,7 @@ class TensorParallel:
         if self.world_size == 1:
             return x
         if self.group is not None:
-            self.group.allreduce([x], _ALL_REDUCE).wait()
+            _finish(self.group.allreduce([x], _ALL_REDUCE))
         else:
             dist.all_reduce(x)
         return x
@@ -66,7 +66,7 @@ class TensorParallel:
         out = x.new_empty(self.world_size, *x.shape) if self.rank == 0 else None
         parts = None if out is None else list(out.unbind(0))  # views: the collective writes into `out`
         if self.group is not None:
-            self.group.gather([parts] if parts is not None else [], [x], _GATHER_TO_0).wait()
+            _finish(self.group.gather([parts] if parts is not None else [], [x], _GATHER_TO_0))
         else:
             dist.gather(x, parts, dst=0)
         return out
@@ -75,6 +75,13 @@ class TensorParallel:
 def is_nccl(group: Any) -> bool:
     """Whether `group` is an NCCL process group (never on a torch built without NCCL, such as the CPU one)."""
     return dist.is_nccl_available() and isinstance(group, dist.ProcessGroupNCCL)
+
+
+def _finish(work: Any) -> None:
+    """Wait for a collective's `Work`, where there is one: ProcessGroupNCCL with asyncOp off returns None (the
+    collective is already queued on the caller's stream, nothing to join); gloo returns a `Work` to wait on."""
+    if work is not None:
+        work.wait()
 
 
 def _on_callers_stream(options: Any) -> Any:

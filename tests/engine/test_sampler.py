@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from k3serve.engine.sampler import Sampler, apply_penalties, filtered_probs, prompt_logprobs
+from k3serve.engine.sampler import RANK_ROWS, Sampler, apply_penalties, filtered_probs, prompt_logprobs
 from k3serve.engine.sampling_params import SamplingParams
 
 V = 37  # awkward vocabulary size
@@ -259,6 +259,15 @@ def test_prompt_logprobs_score_each_rows_next_prompt_token():
         assert entry.logprobs[1:] == ref[t].topk(3).values.tolist() and entry.ranks[1:] == [1, 2, 3]
     with pytest.raises(ValueError, match="one row per target token"):
         prompt_logprobs(logits[:2], prompt[1:], 3)
+
+
+def test_ranks_of_more_rows_than_one_count_block_are_each_rows_own():
+    rows = 2 * RANK_ROWS + 5  # two whole blocks of the rank count and a ragged one
+    logits = torch.randn(rows, V, generator=seeded(6))
+    targets = torch.randint(0, V, (rows,), generator=seeded(7)).tolist()
+    ref = torch.log_softmax(logits, dim=-1)
+    ranks = [entry.ranks[0] for entry in prompt_logprobs(logits, targets, 0)]
+    assert ranks == [int((ref[t] > ref[t, target]).sum()) + 1 for t, target in enumerate(targets)]
 
 
 def test_prompt_logprobs_of_slices_equal_those_of_all_rows_at_once():
