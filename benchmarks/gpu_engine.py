@@ -389,6 +389,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=8192, help="graphs: block-table width in tokens")
     parser.add_argument("--moe-gemv-max-tokens", type=int, help="decode batches up to this run the MoE GEMV pair "
                         "(triton_moe.GEMV_MAX_TOKENS; an A/B knob), larger ones the tensor-core pair")
+    parser.add_argument("--moe-mma-max-tokens", type=int, help="decode batches past the GEMV's up to this run the "
+                        "Gluon MMA pair (triton_moe.MMA_MAX_TOKENS; an A/B knob)")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     args.configs = (args.configs or ("k3-rank-slice,k3-tiny-gpu" if args.smoke else "k3-rank-slice")).split(",")
@@ -599,6 +601,11 @@ def main() -> None:
 
         triton_moe.GEMV_MAX_TOKENS = args.moe_gemv_max_tokens
         print(f"MoE GEMV pair up to {args.moe_gemv_max_tokens} tokens (--moe-gemv-max-tokens)")
+    if args.moe_mma_max_tokens is not None:
+        from k3serve.kernels.moe import triton_moe
+
+        triton_moe.MMA_MAX_TOKENS = args.moe_mma_max_tokens
+        print(f"MoE Gluon MMA pair up to {args.moe_mma_max_tokens} tokens (--moe-mma-max-tokens)")
     if torch.cuda.is_available():
         dev = torch.device("cuda")
     elif args.smoke:

@@ -1,5 +1,5 @@
 """MXFP4 latent MoE at K3 per-rank shapes (latent 3584, intermediate 3072, 112 local experts, top-16 of
-896, 1-64 tokens), ours vs torch.
+896, 1-192 tokens), ours vs torch.
 
     python benchmarks/gpu_moe.py [--out gpu_moe.json] [--smoke]
 
@@ -17,7 +17,8 @@ cycle through routings hitting other experts, so no call finds its experts' weig
 expert ids relabeled by a bijection of 0..E-1 (`relabeled`): the same number of experts, rows per expert and tokens
 per pair, on other weights; there are enough copies for >= 128 MB of expert weights, and neighbours in the cycle
 share no expert while hits x copies <= E (T1-T16); past that (T64: 70-80 hits of 112) a call alone reads 25
-times L2. x_floor columns: a timing / floor; gemv_TBps = the floor's bytes / the gemv in-graph time."""
+times L2. x_floor columns: a timing / floor; gemv_TBps = the floor's bytes / the gemv in-graph time. T192 gives the
+hit experts ~3.5 rows each, as the decode step's router does at batch 64; mma = the Gluon tensor-core pair (gluon_mma.py)."""
 
 from __future__ import annotations
 
@@ -129,6 +130,7 @@ def row(T: int, weights: ExpertWeights, top_k: int, num_total: int, dev, ceil) -
     routings = [relabeled(topk_ids, E, c) for c in range(l2_copies(expert_bytes, dev))]
     refs = [ref, naive.fused_experts(x, weights, topk_weights, routings[-1], SITU, 0)]
     gemv = path_us("gemv", x, weights, topk_weights, routings, refs, dev)
+    mma = path_us("mma", x, weights, topk_weights, routings, refs, dev)
     dot = path_us("dot", x, weights, topk_weights, routings, refs, dev)
     anchor = TorchExperts(x, weights, topk_weights, topk_ids, 0)
     check("torch anchor", rel_err(ref, anchor.run(*anchor.bf16)), TOL)
@@ -137,11 +139,12 @@ def row(T: int, weights: ExpertWeights, top_k: int, num_total: int, dev, ceil) -
     flops = pairs * 6 * I * D
     floor = floor_us(bytes_moved, flops, ceil)
     gemv_in_graph = gemv["gemv_in_graph"]
-    return dict(op="moe mxfp4", shape=f"T{T} (experts {num_active}, rows {pairs})", **gemv, **dot,
+    return dict(op="moe mxfp4", shape=f"T{T} (experts {num_active}, rows {pairs})", **gemv, **mma, **dot,
                 anchor=time_ms(anchor.dequant_and_run, dev) * 1e3, anchor_is="dequant to bf16 + bmm",
                 bf16_bank=time_ms(lambda: anchor.run(*anchor.bf16), dev) * 1e3, floor=floor,
                 gemv_graph_1call_x_floor=x_floor(gemv["gemv_graph_1call"], floor),
                 gemv_in_graph_x_floor=x_floor(gemv_in_graph, floor),
+                mma_in_graph_x_floor=x_floor(mma["mma_in_graph"], floor),
                 dot_in_graph_x_floor=x_floor(dot["dot_in_graph"], floor),
                 gemv_TBps="-" if gemv_in_graph is None else f"{bytes_moved / gemv_in_graph / 1e6:.2f}",
                 routings=len(routings), err=f"{err:.1e}", backend=backend)
@@ -153,15 +156,15 @@ def main() -> None:
     torch.manual_seed(0)
     ceil = ceilings(dev, args.smoke)
     E, I, D, top_k, total, tokens = (4, 64, 128, 4, 16, [1, 5]) if args.smoke else (112, 3072, 3584, 16, 896,
-                                                                                     [1, 4, 16, 64])
+                                                                                     [1, 4, 16, 64, 192])
     weights = ExpertWeights(random_mxfp4(E, I, D, dev=dev), random_mxfp4(E, I, D, dev=dev),
                             random_mxfp4(E, D, I, dev=dev))
     rows = []
     for T in tokens:  # each row on stderr as it lands: a time limit that cuts the run keeps what was measured
         rows.append(row(T, weights, top_k, total, dev, ceil))
         print(rows[-1], file=sys.stderr, flush=True)
-    columns = ["op", "shape", "gemv", "gemv_graph_1call", "gemv_in_graph", "dot", "dot_graph_1call", "dot_in_graph",
-               "anchor", "anchor_is", "bf16_bank", "floor", "gemv_graph_1call_x_floor", "gemv_in_graph_x_floor",
+    columns = ["op", "shape", "gemv", "gemv_graph_1call", "gemv_in_graph", "mma", "mma_in_graph", "dot", "dot_in_graph",
+               "anchor", "anchor_is", "bf16_bank", "floor", "gemv_in_graph_x_floor", "mma_in_graph_x_floor",
                "dot_in_graph_x_floor", "gemv_TBps", "err", "backend"]
     launch = graph_launch_us(dev)
     report(f"MXFP4 MoE, one EP rank (us; D {D}, I {I}, {E} local of {total} experts, top-{top_k})", columns, rows,

@@ -14,10 +14,9 @@ and are upcast in registers: an E2M1 code moves into an e4m3 byte (sign to bit 7
 mantissa to bits 4..2), whose value is exactly code · 2^-6, so the hardware fp8 -> bf16 conversion does
 the work; the scale 2^(s-127) · 2^6 is then a bf16 with exponent field s + 6.
 
-These tensor-core kernels serve prefill and larger decode batches. Small decode batches (one or two rows
-per expert) run the GEMV pair of triton_gemv.py, routed by one Triton program (`route_small`, same outputs
-as `route`, which also routes the tensor-core path's decode batches); `fused_experts` picks by the
-host-known T, `last_path` says which.
+These tensor-core kernels serve prefill. Decode batches run the GEMV pair of triton_gemv.py (one row an
+expert) or the Gluon MMA pair of gluon_mma.py (a few rows an expert), routed by one Triton program
+(`route_small`, same outputs as `route`); `fused_experts` picks by the host-known T, `last_path` says which.
 """
 
 from __future__ import annotations
@@ -206,31 +205,38 @@ def route_small(topk_ids: Tensor, expert_start: int, num_local: int) -> tuple[Te
     return pairs, starts, counts, active, num_active
 
 
-GEMV_MAX_TOKENS = 16  # tokens up to here: the GEMV kernels (see fused_experts for the measurement)
+GEMV_MAX_TOKENS = 8  # tokens up to here: the GEMV kernels (see fused_experts for the measurement)
+MMA_MAX_TOKENS = 192  # then up to here the Gluon MMA kernels (gluon_mma.py); past it (prefill) the tensor-core pair
 ROUTE_SMALL_MAX_PAIRS = 1024  # T * top_k up to here: routing in one program (decode, either kernel pair)
 
-last_path: str | None = None  # "gemv" | "dot": which pair of kernels the last fused_experts call ran
+last_path: str | None = None  # "gemv" | "mma" | "dot": which pair of kernels the last fused_experts call ran
 
 
 def fused_experts(x: Tensor, weights, topk_weights: Tensor, topk_ids: Tensor, activation, expert_start: int,
                   path: str | None = None) -> Tensor:
     """x [T, D] bf16, MXFP4 w1/w3 [E, I, D], w2 [E, D, I] -> fp32 [T, D] (this rank's partial sum).
 
-    path None picks from the host-known T: "gemv" (triton_gemv.py, CUDA cores) while T <= GEMV_MAX_TOKENS,
-    else "dot" (the tensor-core kernels above). Measured on an H200 (2026-11-30, K3 EP rank, graphs): the GEMV
-    pair is 2.3x faster at T1 (61 vs 141 us), 1.6x at T4 and T16 (411 vs 641 us), even at T64 with 1-2 rows an
-    expert (1434 vs 1421 us), but 2.2x slower inside the 12-layer decode step at batch 64, whose routing gives
-    the hit experts 3-4 rows each (MoE 17.8 vs 7.9 ms a step): the GEMV streams a tile once per ROWS rows."""
+    path None picks from the host-known T: "gemv" (triton_gemv.py, CUDA cores) while T <= GEMV_MAX_TOKENS, then
+    "mma" (gluon_mma.py, tensor cores, weights read once per 8 rows) while T <= MMA_MAX_TOKENS, else "dot" (the
+    tensor-core kernels above, for prefill). Measured on an H200 (2026-12-01, K3 EP rank, in graph,
+    benchmarks/gpu_moe_mma.sh): with one row an expert the GEMV pair wins (T1 36 vs 107 us for mma, T4 79 vs
+    127); at T16 (1.1 rows an expert) they tie (305 vs 312); with more rows mma wins: T64 717 us (GEMV 1117, dot
+    1353), T192 1099 (dot 1912). In the 12-layer decode step, whose router gives the hit experts 3-4 rows each,
+    mma from 9 tokens took batch 16 from 5.27 to 4.28 ms and batch 64 from 10.90 to 8.03 ms."""
     global last_path
-    if path not in (None, "gemv", "dot"):
-        raise ValueError(f"path must be None, 'gemv' or 'dot', got {path!r}")
+    if path not in (None, "gemv", "mma", "dot"):
+        raise ValueError(f"path must be None, 'gemv', 'mma' or 'dot', got {path!r}")
     act, beta, linear_beta = activation_kind(activation)
     T, D = x.shape
     top_k = topk_ids.shape[1]
     w1, w3, w2 = weights.w1, weights.w3, weights.w2
     E, I = w1.shape[0], w1.shape[1]
     if path is None:
-        path = "gemv" if T <= GEMV_MAX_TOKENS else "dot"
+        path = "gemv" if T <= GEMV_MAX_TOKENS else "mma" if T <= MMA_MAX_TOKENS else "dot"
+    if path == "mma":
+        from . import gluon_mma
+
+        path = "mma" if gluon_mma.supports(x, w1, w2) else "dot"
     last_path = path
     x = x.contiguous()
     if T * top_k == 0:
@@ -249,6 +255,10 @@ def fused_experts(x: Tensor, weights, topk_weights: Tensor, topk_ids: Tensor, ac
 
         with device_of(x):
             experts(x, w1, w3, w2, h, out, tw, routing, top_k, (act, beta, linear_beta), rows_bucket)
+        return out
+    if path == "mma":
+        with device_of(x):
+            gluon_mma.experts(x, w1, w3, w2, h, out, tw, routing, top_k, (act, beta, linear_beta))
         return out
     max_active = min(E, T * top_k)
     p1, s1, p3, s3, p2, s2 = w1.packed, w1.scales, w3.packed, w3.scales, w2.packed, w2.scales

@@ -51,7 +51,7 @@ def _experts_match_reference(tiling: str) -> None:
     tiles = {**tiles, "PROGRAMS_PER_SM": 1}  # the interpreter's grid: 3 programs (triton_gemv.programs)
     triton_gemv.gemv_up_kernel.configs = [triton.Config(tiles)]  # no driver to benchmark
     triton_gemv.gemv_down_kernel.configs = [triton.Config({**tiles, "SPLIT_K": split_k})]
-    out = triton_moe.fused_experts(x.to(dtype), bank, topk_weights, topk_ids, activation, E)
+    out = triton_moe.fused_experts(x.to(dtype), bank, topk_weights, topk_ids, activation, E, path="gemv")
     assert triton_moe.last_path == "gemv"
     ref = naive.fused_experts(x.to(dtype), bank, topk_weights, topk_ids, activation, E)
     assert out.dtype == torch.float32 and torch.isfinite(out).all()

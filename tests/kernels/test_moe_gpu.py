@@ -1,7 +1,8 @@
 """MXFP4 routed experts on the GPU (Triton w4a16, SiTU-GLU and finalize fused) against the torch
 reference, at K3 per-rank shapes: latent 3584, intermediate 3072, 112 local experts, top-16 of 896.
-Decode batches up to GEMV_MAX_TOKENS (16) must run the GEMV kernels (triton_gemv.py), larger ones the
-tensor-core ones; `triton_moe.last_path` says which ran, so a silent switch fails."""
+Decode batches up to GEMV_MAX_TOKENS must run the GEMV kernels (triton_gemv.py), then up to MMA_MAX_TOKENS the
+Gluon MMA ones (gluon_mma.py), larger ones the tensor-core ones; `triton_moe.last_path` says which ran, so a silent
+switch fails."""
 
 from __future__ import annotations
 
@@ -46,13 +47,14 @@ def _routing(T: int, expert_start: int) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("expert_start", [0, 3 * E], ids=["rank0", "rank3"])
 @pytest.mark.parametrize("T", [1, 4, 16, 64, 256], ids=lambda t: f"T{t}")
 def test_k3_rank_shapes(T: int, expert_start: int) -> None:
-    """The benchmarked decode batches on the GEMV kernels, a prefill chunk on the tensor-core kernels."""
+    """The benchmarked decode batches on the GEMV or MMA kernels, a prefill chunk on the tensor-core kernels."""
     weights = k3_bank()
     x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
     topk_weights, topk_ids = _routing(T, expert_start)
     out = fused_experts(x, weights, topk_weights, topk_ids, SITU, expert_start)
     assert moe.last_backend["fused_experts"] == "triton"
-    assert triton_moe.last_path == ("gemv" if T <= triton_moe.GEMV_MAX_TOKENS else "dot")
+    assert triton_moe.last_path == ("gemv" if T <= triton_moe.GEMV_MAX_TOKENS else
+                                    "mma" if T <= triton_moe.MMA_MAX_TOKENS else "dot")
     ref = naive.fused_experts(x, weights, topk_weights, topk_ids, SITU, expert_start)
     assert out.dtype == torch.float32 and out.shape == (T, D)
     if ref.abs().max() == 0:  # no token routed to this rank

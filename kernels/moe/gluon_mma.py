@@ -1,0 +1,215 @@
+"""MXFP4 (w4a16) routed experts on the tensor cores for decode batches whose hit experts have a few rows each,
+written in Gluon (`triton.experimental.gluon`): `mma_v2` (m16n8k16) with swapped operands, A = 64 rows of the
+expert's weights, B = up to 8 of its token rows (the MMA's N), so the weights are read once per 8 rows.
+
+    up kernel:   h[pair] = act(x[tok] W1[e]^T, x[tok] W3[e]^T)      bf16, the GLU in the epilogue
+    down kernel: out[tok] += topk_weight[pair] · h[pair] W2[e]^T     fp32 atomics (weighting and top-k sum fused)
+
+Where it sits: the GEMV pair (triton_gemv.py) streams an expert's weights once per row on the CUDA cores; the
+tensor-core pair (triton_moe.py) once per 16 rows, upcasting through shared memory. Here the packed bytes go
+from global memory straight into the MMA's operand registers:
+
+  k order   An MMA sums over its k slots, so any one-to-one map of slots to a group's 32 codes, applied to A and
+            B alike, gives the same sum. Lane (r, c) of the pair of k16 MMAs that cover a group holds slots
+            2c + 8j + h (j < 4, h < 2); we give it codes 8c .. 8c + 7 of its rows: 4 adjacent bytes of each packed
+            row (one 32-bit load a row) and, for B, its token's 8 adjacent activations (one 16-byte load). The
+            loaded tensors are laid onto the operand layouts by a permute + reshape the compiler maps onto the
+            same registers (no shared memory: `tests/kernels/test_moe_gluon_compile.py`).
+  codes     `gl.fp4_to_fp`: each e2m1 code as its exact bf16 value (no scale).
+  scales    each group's two MMAs accumulate into a zero fragment, which is then scaled by 2^(s-127) on the fp32
+            accumulators (exact for every s <= 254: two normal powers of two; E8M0 255 gives NaN) and added.
+
+Routing (`triton_moe.route` / `route_small`: pairs sorted by expert, starts, counts, active list) is read on the
+device; programs of slots past the number of active experts exit at once: no host sync, graph-capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from k3serve.kernels.mxfp4 import MXFP4Tensor
+
+ROWS = 64  # weight rows a program: 4 warps, one m16 tile each
+TOKENS = 8  # token rows an MMA takes (its N): an expert with more runs its tiles of 8 in turn
+NUM_WARPS = 4
+
+# The accumulator [64 rows, 8 tokens] and the MMA operands laid on it.
+_MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8]))
+_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA, k_width=2))  # [64, 32] bf16 codes
+_PACKED = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA, k_width=1))  # [64, 16] their bytes
+_B = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=_MMA, k_width=2))  # [32, 8] bf16 activations
+# A group's packed bytes as loaded: [warp 4, row bit 2, lane row 8, lane col 4, byte 4], 4 adjacent bytes a row.
+_LOAD_A = gl.constexpr(gl.BlockedLayout([1, 2, 1, 1, 4], [1, 1, 8, 4, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0]))
+# A group's activations as loaded: [token 8, lane col 4, code 8], 8 adjacent bf16 a lane (every warp the same).
+_LOAD_B = gl.constexpr(gl.BlockedLayout([1, 1, 8], [8, 4, 1], [1, 1, 4], [2, 1, 0]))
+_ROW = gl.constexpr(gl.SliceLayout(1, _MMA))  # [64] rows of the accumulator
+_TOKEN = gl.constexpr(gl.SliceLayout(0, _MMA))  # [8] token columns of the accumulator
+_B_TOKEN = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(2, _LOAD_B)))  # [8] tokens of the loaded activations
+
+
+@gluon.jit
+def _a_offsets(stride_row):
+    """[4, 2, 8, 4, 4] byte offsets in a 64-row tile of group 0: row 16w + 8b + r, byte 4c + j."""
+    w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, _LOAD_A)))))
+    b = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, _LOAD_A)))))
+    r = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, _LOAD_A)))))
+    c = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, _LOAD_A)))))
+    j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, _LOAD_A)))))
+    row = w[:, None, None, None, None] * 16 + b[None, :, None, None, None] * 8 + r[None, None, :, None, None]
+    return row.to(gl.int64) * stride_row + c[None, None, None, :, None] * 4 + j[None, None, None, None, :]
+
+
+@gluon.jit
+def _b_offsets(token_offsets):
+    """[8, 4, 8] element offsets of group 0's activations: token t's row (token_offsets [8]), code 8c + i."""
+    c = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, _LOAD_B)))
+    i = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, _LOAD_B)))
+    return token_offsets[:, None, None] + c[None, :, None] * 8 + i[None, None, :]
+
+
+@gluon.jit
+def _token_rows(sorted_pairs, start, m0, count, top_k, SLICE: gl.constexpr):
+    """The tile's 8 token rows in layout SLICE: (row in the expert's sorted pairs, its pair, token, valid)."""
+    t = m0 + gl.arange(0, 8, layout=SLICE)
+    ok = t < count
+    pair = gl.load(sorted_pairs + start + t, mask=ok, other=0)
+    return start + t, pair, pair // top_k, ok
+
+
+@gluon.jit
+def _weights(packed, a_offs, g: gl.constexpr):
+    """Group g's 64 x 32 codes (packed: the tile's bytes of this K step) as the MMA's A operand, exact bf16."""
+    raw = gl.load(packed + a_offs + g * 16)
+    lanes = gl.convert_layout(gl.reshape(gl.permute(raw, [0, 1, 2, 4, 3]), [64, 16]), _PACKED)
+    return gl.convert_layout(gl.fp4_to_fp(lanes, gl.bfloat16, axis=1), _A)
+
+
+@gluon.jit
+def _activations(src, b_offs, ok, g: gl.constexpr):
+    """Group g's activations of the tile's tokens (zero past the expert's rows) as the MMA's B operand (src: this
+    K step's first)."""
+    raw = gl.load(src + b_offs + g * 32, mask=ok[:, None, None], other=0.0)
+    slots = gl.reshape(gl.permute(gl.reshape(raw, [8, 4, 4, 2]), [2, 1, 3, 0]), [32, 8])  # slot 8j + 2c + h
+    return gl.convert_layout(slots, _B)
+
+
+@gluon.jit
+def _scaled(acc, a, b, scales, s_offs, g: gl.constexpr):
+    """acc + (a b) · 2^(s-127) by row, s the rows' E8M0 bytes of group g of this K step (255: NaN)."""
+    part = mma_v2(a, b, gl.zeros([64, 8], gl.float32, layout=_MMA))
+    s = gl.load(scales + s_offs + g).to(gl.int32)
+    half = s >> 1
+    lo = ((half + 64) << 23).to(gl.float32, bitcast=True)  # 2^(half - 63)
+    hi = ((s - half + 63) << 23).to(gl.float32, bitcast=True)  # 2^(s - half - 64)
+    return part * (gl.where(s == 255, float("nan"), lo) * hi)[:, None] + acc
+
+
+@gluon.jit
+def _tanh(x):
+    return 2.0 / (1.0 + gl.exp(-2.0 * x)) - 1.0
+
+
+@gluon.jit
+def _up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_pairs, expert_starts, expert_counts, active_experts, num_active,
+               top_k, D, beta, linear_beta, stride_x, stride_pe, stride_pn, stride_se, stride_sn, stride_h,
+               ACT: gl.constexpr, G: gl.constexpr):
+    """Program (active slot, 64 rows of I): both projections of the rows, the GLU, h in bf16."""
+    slot = gl.program_id(0)
+    if slot >= gl.load(num_active):
+        return
+    e = gl.load(active_experts + slot).to(gl.int64)
+    start = gl.load(expert_starts + e)
+    count = gl.load(expert_counts + e)
+    n0 = gl.program_id(1) * 64
+    a_offs = _a_offsets(stride_pn)
+    rows = n0 + gl.arange(0, 64, layout=_ROW)
+    s_offs = rows.to(gl.int64) * stride_sn
+    for m0 in range(0, count, 8):
+        _, _, tok, ok = _token_rows(sorted_pairs, start, m0, count, top_k, _B_TOKEN)
+        b_offs = _b_offsets(tok.to(gl.int64) * stride_x)
+        gate = gl.zeros([64, 8], gl.float32, layout=_MMA)
+        up = gl.zeros([64, 8], gl.float32, layout=_MMA)
+        # Scalar pointers to this K step's first group, moved a step at a time: the unrolled groups' loads
+        # address them with immediate offsets.
+        gate_w, up_w = w1p + e * stride_pe + n0 * stride_pn, w3p + e * stride_pe + n0 * stride_pn
+        gate_s, up_s, xk = w1s + e * stride_se, w3s + e * stride_se, x
+        for _ in range(0, D // 32, G):
+            for g in gl.static_range(G):
+                b = _activations(xk, b_offs, ok, g)
+                gate = _scaled(gate, _weights(gate_w, a_offs, g), b, gate_s, s_offs, g)
+                up = _scaled(up, _weights(up_w, a_offs, g), b, up_s, s_offs, g)
+            gate_w, up_w, gate_s, up_s, xk = gate_w + G * 16, up_w + G * 16, gate_s + G, up_s + G, xk + G * 32
+        if ACT == 1:  # SiTU-GLU
+            act = beta * _tanh(gate / beta) / (1.0 + gl.exp(-gate)) * (linear_beta * _tanh(up / linear_beta))
+        else:  # SwiGLU
+            act = gate / (1.0 + gl.exp(-gate)) * up
+        dst_row, _, _, dst_ok = _token_rows(sorted_pairs, start, m0, count, top_k, _TOKEN)
+        dst = h + dst_row.to(gl.int64)[None, :] * stride_h + rows[:, None]
+        gl.store(dst, act.to(gl.bfloat16), mask=dst_ok[None, :])
+
+
+@gluon.jit
+def _down_kernel(h, w2p, w2s, out, topk_weights, sorted_pairs, expert_starts, expert_counts, active_experts,
+                 num_active, top_k, I, stride_h, stride_pe, stride_pn, stride_se, stride_sn, stride_out,
+                 G: gl.constexpr):
+    """Program (active slot, 64 rows of D): h W2^T of the expert's rows, weighted, added into out."""
+    slot = gl.program_id(0)
+    if slot >= gl.load(num_active):
+        return
+    e = gl.load(active_experts + slot).to(gl.int64)
+    start = gl.load(expert_starts + e)
+    count = gl.load(expert_counts + e)
+    n0 = gl.program_id(1) * 64
+    a_offs = _a_offsets(stride_pn)
+    rows = n0 + gl.arange(0, 64, layout=_ROW)
+    s_offs = rows.to(gl.int64) * stride_sn
+    for m0 in range(0, count, 8):
+        src_row, _, _, ok = _token_rows(sorted_pairs, start, m0, count, top_k, _B_TOKEN)
+        b_offs = _b_offsets(src_row.to(gl.int64) * stride_h)
+        acc = gl.zeros([64, 8], gl.float32, layout=_MMA)
+        w, ws, hk = w2p + e * stride_pe + n0 * stride_pn, w2s + e * stride_se, h  # as in the up kernel
+        for _ in range(0, I // 32, G):
+            for g in gl.static_range(G):
+                acc = _scaled(acc, _weights(w, a_offs, g), _activations(hk, b_offs, ok, g), ws, s_offs, g)
+            w, ws, hk = w + G * 16, ws + G, hk + G * 32
+        _, pair, tok, dst_ok = _token_rows(sorted_pairs, start, m0, count, top_k, _TOKEN)
+        acc = acc * gl.load(topk_weights + pair, mask=dst_ok, other=0.0)[None, :]
+        gl.atomic_add(out + tok.to(gl.int64)[None, :] * stride_out + rows[:, None], acc, mask=dst_ok[None, :])
+
+
+def groups_a_step(groups: int) -> int:
+    """MX groups a K-loop step unrolls (loads in flight): the largest of 8, 4, 2, 1 that divides `groups`."""
+    return next(g for g in (8, 4, 2, 1) if groups % g == 0)
+
+
+def supports(x: Tensor, w1: MXFP4Tensor, w2: MXFP4Tensor) -> bool:
+    """Whole 64-row tiles of I and D (the kernels have no row masks), and the loads' alignment: 4-byte packed rows,
+    16-byte activation rows."""
+    I, D = w1.shape[1], w1.shape[2]
+    return (I % ROWS == 0 and D % ROWS == 0 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
+            and all(t.stride(-2) % 4 == 0 and t.data_ptr() % 4 == 0 for t in (w1.packed, w2.packed)))
+
+
+def experts(x: Tensor, w1: MXFP4Tensor, w3: MXFP4Tensor, w2: MXFP4Tensor, h: Tensor, out: Tensor,
+            topk_weights: Tensor, routing: tuple[Tensor, Tensor, Tensor, Tensor, Tensor], top_k: int,
+            act: tuple[int, float, float]) -> None:
+    """Launch the up and down kernels (the caller, triton_moe.fused_experts, has routed and allocated): x [T, D]
+    bf16, MXFP4 w1/w3 [E, I, D] and w2 [E, D, I], h bf16 [T*k, I], out fp32 [T, D] zeroed, topk_weights fp32
+    [T*k], routing as triton_moe.route returns it, act = (ACT, beta, linear_beta)."""
+    pairs, starts, counts, active, num_active = routing
+    kind, beta, linear_beta = act
+    E, I, D = w1.shape
+    max_active = min(E, pairs.numel())
+    p1, s1, p3, s3, p2, s2 = w1.packed, w1.scales, w3.packed, w3.scales, w2.packed, w2.scales
+    _up_kernel[(max_active, I // ROWS)](
+        x, p1, s1, p3, s3, h, pairs, starts, counts, active, num_active, top_k, D, beta, linear_beta,
+        x.stride(0), p1.stride(0), p1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
+        ACT=kind, G=groups_a_step(D // 32), num_warps=NUM_WARPS)
+    _down_kernel[(max_active, D // ROWS)](
+        h, p2, s2, out, topk_weights, pairs, starts, counts, active, num_active, top_k, I,
+        h.stride(0), p2.stride(0), p2.stride(1), s2.stride(0), s2.stride(1), out.stride(0),
+        G=groups_a_step(I // 32), num_warps=NUM_WARPS)
