@@ -26,7 +26,7 @@ GAP_S = 0.01  # idle time before each profiled step: longer than any gap inside 
 FAMILIES: tuple[tuple[str, re.Pattern[str]], ...] = tuple((family, re.compile(pattern)) for family, pattern in (
     ("KDA decode + short conv (Triton)", r"^_kda_decode_kernel|fused_recurrent|^_conv_decode_kernel"),
     ("MLA decode + cache write (Triton)", r"^_decode_kernel|^_merge_kernel|^_write_kernel"),
-    ("MoE experts (Triton MXFP4)", r"^_up_kernel|^_down_kernel|^gemv_(up|down)_kernel|^route_kernel"),
+    ("MoE experts (Triton MXFP4)", r"^_up_kernel|^_down_kernel|^(gemv|mma)_(up|down)_kernel|^route_kernel"),
     ("fused small ops (Triton: attn-res mix, router, gate, GLU, norms)",
      r"^_(attn_res|router|gate|glu|norm)_kernel"),
     ("KDA prefill (fla)", r"kda|l2norm|chunk_|_checkpoint_kernel"),

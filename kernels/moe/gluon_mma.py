@@ -114,7 +114,7 @@ def _tanh(x):
 
 
 @gluon.jit
-def _up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_pairs, expert_starts, expert_counts, active_experts, num_active,
+def mma_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_pairs, expert_starts, expert_counts, active_experts, num_active,
                top_k, D, beta, linear_beta, stride_x, stride_pe, stride_pn, stride_se, stride_sn, stride_h,
                ACT: gl.constexpr, G: gl.constexpr):
     """Program (active slot, 64 rows of I): both projections of the rows, the GLU, h in bf16."""
@@ -153,7 +153,7 @@ def _up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_pairs, expert_starts, expert_cou
 
 
 @gluon.jit
-def _down_kernel(h, w2p, w2s, out, topk_weights, sorted_pairs, expert_starts, expert_counts, active_experts,
+def mma_down_kernel(h, w2p, w2s, out, topk_weights, sorted_pairs, expert_starts, expert_counts, active_experts,
                  num_active, top_k, I, stride_h, stride_pe, stride_pn, stride_se, stride_sn, stride_out,
                  G: gl.constexpr):
     """Program (active slot, 64 rows of D): h W2^T of the expert's rows, weighted, added into out."""
@@ -205,11 +205,11 @@ def experts(x: Tensor, w1: MXFP4Tensor, w3: MXFP4Tensor, w2: MXFP4Tensor, h: Ten
     E, I, D = w1.shape
     max_active = min(E, pairs.numel())
     p1, s1, p3, s3, p2, s2 = w1.packed, w1.scales, w3.packed, w3.scales, w2.packed, w2.scales
-    _up_kernel[(max_active, I // ROWS)](
+    mma_up_kernel[(max_active, I // ROWS)](
         x, p1, s1, p3, s3, h, pairs, starts, counts, active, num_active, top_k, D, beta, linear_beta,
         x.stride(0), p1.stride(0), p1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
         ACT=kind, G=groups_a_step(D // 32), num_warps=NUM_WARPS)
-    _down_kernel[(max_active, D // ROWS)](
+    mma_down_kernel[(max_active, D // ROWS)](
         h, p2, s2, out, topk_weights, pairs, starts, counts, active, num_active, top_k, I,
         h.stride(0), p2.stride(0), p2.stride(1), s2.stride(0), s2.stride(1), out.stride(0),
         G=groups_a_step(I // 32), num_warps=NUM_WARPS)

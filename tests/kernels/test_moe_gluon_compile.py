@@ -30,8 +30,8 @@ def _compile(kernel, constants: dict):
                           options={"num_warps": gluon_mma.NUM_WARPS})
 
 
-@pytest.mark.parametrize("kernel, constants", [(gluon_mma._up_kernel, {"ACT": 1, "G": 8}),
-                                               (gluon_mma._down_kernel, {"G": 8})], ids=["up", "down"])
+@pytest.mark.parametrize("kernel, constants", [(gluon_mma.mma_up_kernel, {"ACT": 1, "G": 8}),
+                                               (gluon_mma.mma_down_kernel, {"G": 8})], ids=["up", "down"])
 def test_compiles_for_hopper_without_shared_memory(kernel, constants: dict) -> None:
     compiled = _compile(kernel, constants)
     assert compiled.metadata.shared == 0
