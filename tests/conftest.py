@@ -6,6 +6,8 @@ safetensors, published tensor names), so every model test also runs the real loa
 
     tiny_checkpoint               k3-tiny: every K3 feature (VL wrapper, MXFP4 latent MoE, ...)
     kimi_linear_tiny_checkpoint   Kimi-Linear-style (flat config, bf16 plain MoE, ...)
+    k3_tiny_gpu_checkpoint        K3_TINY_GPU: k3-tiny at K3's head sizes, for the GPU tests (written on
+                                  the CPU, so it needs no device itself)
 """
 
 import importlib.util
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 from k3serve.model.checkpoint import make_checkpoint
+from k3serve.model.presets import K3_TINY_GPU
 from tiny_presets import kimi_linear_tiny
 
 # The tests run tiny tensors: one intra-op thread is as fast, and it keeps OpenMP workers from
@@ -35,6 +38,11 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def kimi_linear_tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(kimi_linear_tiny(), tmp_path_factory.mktemp("kimi-linear-tiny"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def k3_tiny_gpu_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(K3_TINY_GPU, tmp_path_factory.mktemp("k3-tiny-gpu"), seed=0)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -21,7 +21,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
@@ -37,7 +36,6 @@ from k3serve.engine.sampling_params import SamplingParams
 from k3serve.kernels import _backend, mla
 from k3serve.kernels.mla import naive as mla_naive
 from k3serve.model.batch import ModelCache
-from k3serve.model.checkpoint import make_checkpoint
 from k3serve.model.loader import load_model
 from k3serve.model.presets import K3_TINY_GPU
 
@@ -54,11 +52,6 @@ ENGINE_ARGS = dict(
     dtype="bfloat16", device="cuda",
 )
 BLOCK = 16  # the direct tests' block size (the Triton MLA decode wants a power of 2 >= 16)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(copy.deepcopy(K3_TINY_GPU), tmp_path_factory.mktemp("k3-tiny-gpu"), seed=0)
 
 
 def _generate(checkpoint: Path, **overrides) -> tuple[list[RequestOutput], DecodeGraphs | None]:
@@ -81,14 +74,14 @@ def _capture_nothing(self: DecodeGraphs, *args, **kwargs) -> None:
     """DecodeGraphs.capture that records nothing: every step then runs its padded body eagerly."""
 
 
-def test_engine_with_graphs_equals_its_padded_steps_run_eagerly(checkpoint: Path,
+def test_engine_with_graphs_equals_its_padded_steps_run_eagerly(k3_tiny_gpu_checkpoint: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    graphed, graphs = _generate(checkpoint)
+    graphed, graphs = _generate(k3_tiny_gpu_checkpoint)
     assert graphs is not None, "CUDA graphs were not captured (see the warning)"
     assert graphs.captured == (1, 2, 4, 8, 16)
     assert len(graphs.replays) >= 3 and graphs.num_padding_rows > 0, (graphs.replays, graphs.num_padding_rows)
     monkeypatch.setattr(DecodeGraphs, "capture", _capture_nothing)
-    padded, uncaptured = _generate(checkpoint)
+    padded, uncaptured = _generate(k3_tiny_gpu_checkpoint)
     assert uncaptured is not None and uncaptured.captured == () and uncaptured.num_replays == 0
     assert uncaptured.num_padding_rows == graphs.num_padding_rows
     for n, (got, want) in enumerate(zip(graphed, padded)):
@@ -98,10 +91,10 @@ def test_engine_with_graphs_equals_its_padded_steps_run_eagerly(checkpoint: Path
             assert abs(g.logprobs[i][token].logprob - w.logprobs[i][token].logprob) < 1e-3, (n, i)
 
 
-def test_engine_with_graphs_stays_close_to_enforce_eager(checkpoint: Path) -> None:
-    eager, no_graphs = _generate(checkpoint, enforce_eager=True)
+def test_engine_with_graphs_stays_close_to_enforce_eager(k3_tiny_gpu_checkpoint: Path) -> None:
+    eager, no_graphs = _generate(k3_tiny_gpu_checkpoint, enforce_eager=True)
     assert no_graphs is None
-    graphed, graphs = _generate(checkpoint)
+    graphed, graphs = _generate(k3_tiny_gpu_checkpoint)
     assert graphs is not None and graphs.num_replays > 0
 
     identical, flips = 0, []
@@ -130,8 +123,8 @@ def _caches(model) -> list[ModelCache]:
     return caches
 
 
-def test_replays_equal_their_eager_body_without_host_syncs(checkpoint: Path) -> None:
-    model = load_model(checkpoint, dtype=torch.bfloat16, device="cuda")
+def test_replays_equal_their_eager_body_without_host_syncs(k3_tiny_gpu_checkpoint: Path) -> None:
+    model = load_model(k3_tiny_gpu_checkpoint, dtype=torch.bfloat16, device="cuda")
     graph_cache, body_cache = _caches(model)
     captured = DecodeGraphs(model, graph_cache, BUCKETS, MAX_BLOCKS)
     captured.capture()  # records under sync debug mode "error": it would raise on a host sync
@@ -169,9 +162,9 @@ def test_triton_cache_write_skips_minus_one() -> None:
     assert torch.equal(kv, want)
 
 
-def test_capture_of_a_synchronizing_step_falls_back_to_eager(checkpoint: Path) -> None:
+def test_capture_of_a_synchronizing_step_falls_back_to_eager(k3_tiny_gpu_checkpoint: Path) -> None:
     """Last in the file: a failed capture is the most likely test to leave the device in a bad state."""
-    model = load_model(checkpoint, dtype=torch.bfloat16, device="cuda")
+    model = load_model(k3_tiny_gpu_checkpoint, dtype=torch.bfloat16, device="cuda")
     cache = _caches(model)[0]
     args = EngineArgs(device="cuda", block_size=BLOCK, max_model_len=MAX_BLOCKS * BLOCK, max_num_seqs=8,
                       cuda_graph_batch_sizes=BUCKETS)

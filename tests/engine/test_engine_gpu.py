@@ -1,9 +1,10 @@
 """The engine end to end on CUDA: `LLM(device="cuda")` against the CPU fp32 engine.
 
 Model: `K3_TINY_GPU` (k3-tiny with K3's head sizes: KDA 12 x 128, MLA latent 512 + rope 64, MoE dims
-multiples of 64), written once per module as a real checkpoint, so every op meets the GPU kernels'
-shape rules. 8 prompts of 1..300 tokens, 8 greedy tokens each, all submitted at once with a small
-token budget (chunked prefill next to running decodes, KDA checkpoints in-pass for the prefix cache).
+multiples of 64), written once per session as a real checkpoint (`k3_tiny_gpu_checkpoint`), so every op
+meets the GPU kernels' shape rules. 8 prompts of 1..300 tokens, 8 greedy tokens each, all submitted at once
+with a small token budget (chunked prefill next to running decodes, KDA checkpoints in-pass for the prefix
+cache).
 
 * fp32 on CUDA equals the CPU fp32 engine token for token, except at a near-tie of the CPU run (top-2
   logprob gap < 1e-3), after which the sequences diverge and comparison stops. The GPU kernels are
@@ -18,7 +19,6 @@ token budget (chunked prefill next to running decodes, KDA checkpoints in-pass f
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import warnings
@@ -32,7 +32,6 @@ from k3serve.engine.llm import LLM
 from k3serve.engine.outputs import RequestOutput
 from k3serve.engine.sampling_params import SamplingParams
 from k3serve.kernels import _backend, attn_res, kda, mla, moe, norm
-from k3serve.model.checkpoint import make_checkpoint
 from k3serve.model.presets import K3_TINY_GPU
 
 pytestmark = pytest.mark.gpu
@@ -47,11 +46,6 @@ ENGINE_ARGS = dict(
     max_model_len=512, max_num_seqs=16, max_num_batched_tokens=256, cache_memory_bytes=256 * 2**20, seed=0,
 )
 REPORT: dict[str, object] = {}
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(copy.deepcopy(K3_TINY_GPU), tmp_path_factory.mktemp("k3-tiny-gpu"), seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +89,8 @@ def _agreement(a: list[list[int]], b: list[list[int]], n: int) -> float:
 
 
 @pytest.fixture(scope="module")
-def cpu_fp32(checkpoint: Path, prompts: list[list[int]]) -> list[RequestOutput]:
-    return _generate(checkpoint, prompts, "cpu", "float32")
+def cpu_fp32(k3_tiny_gpu_checkpoint: Path, prompts: list[list[int]]) -> list[RequestOutput]:
+    return _generate(k3_tiny_gpu_checkpoint, prompts, "cpu", "float32")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -107,9 +101,11 @@ def _write_report() -> Iterator[None]:
         Path(path).write_text(json.dumps(REPORT, indent=2) + "\n")
 
 
-def test_fp32_cuda_matches_cpu(checkpoint: Path, prompts: list[list[int]], cpu_fp32: list[RequestOutput]) -> None:
+def test_fp32_cuda_matches_cpu(
+    k3_tiny_gpu_checkpoint: Path, prompts: list[list[int]], cpu_fp32: list[RequestOutput]
+) -> None:
     assert not torch.backends.cuda.matmul.allow_tf32, "fp32 matmuls must not round to TF32 here"
-    gpu = _generate(checkpoint, prompts, "cuda", "float32")
+    gpu = _generate(k3_tiny_gpu_checkpoint, prompts, "cuda", "float32")
     want, got, gaps = _tokens(cpu_fp32), _tokens(gpu), _gaps(cpu_fp32)
     flips = []
     for n, (w, g, gap) in enumerate(zip(want, got, gaps)):
@@ -152,7 +148,8 @@ class _NaiveCounter:
 
 
 def test_bf16_cuda_runs_gpu_kernels(
-    checkpoint: Path, prompts: list[list[int]], cpu_fp32: list[RequestOutput], monkeypatch: pytest.MonkeyPatch
+    k3_tiny_gpu_checkpoint: Path, prompts: list[list[int]], cpu_fp32: list[RequestOutput],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     for table in (kda.last_backend, mla.last_backend, moe.last_backend):
         table.clear()
@@ -162,7 +159,7 @@ def test_bf16_cuda_runs_gpu_kernels(
     with monkeypatch.context() as m:
         counter = _NaiveCounter(m)
         m.setattr(triton_conv, "conv_decode", lambda *a: conv_steps.append(1) or conv_decode(*a))
-        kernels = _generate(checkpoint, prompts, "cuda", "bfloat16")
+        kernels = _generate(k3_tiny_gpu_checkpoint, prompts, "cuda", "bfloat16")
     backends = {**kda.last_backend, **mla.last_backend, **moe.last_backend}
     assert counter.calls == {name: 0 for name in counter.calls}, f"reference ops ran: {counter.calls}"
     assert backends.get("chunk_kda") == "fla" and backends.get("kda_decode") == "triton", backends
@@ -170,7 +167,7 @@ def test_bf16_cuda_runs_gpu_kernels(
     assert conv_steps, "decode steps run the conv as one Triton launch (triton_conv.conv_decode)"
 
     with _backend.reference_kernels():
-        reference = _generate(checkpoint, prompts, "cuda", "bfloat16")
+        reference = _generate(k3_tiny_gpu_checkpoint, prompts, "cuda", "bfloat16")
     assert kda.last_backend["kda_decode"] == mla.last_backend["mla_decode_paged"] == "naive"
 
     got, oracle, ref = _tokens(kernels), _tokens(cpu_fp32), _tokens(reference)

@@ -12,7 +12,6 @@ with the torch reference forced (fp32 KDA), within the bf16 tolerance of the KDA
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
@@ -20,11 +19,9 @@ import torch
 
 from k3serve.kernels import _backend, kda
 from k3serve.model.batch import ForwardBatch, ModelCache
-from k3serve.model.checkpoint import make_checkpoint
 from k3serve.model.layers.kda import KimiDeltaAttention
 from k3serve.model.loader import load_model
 from k3serve.model.model import KimiForCausalLM
-from k3serve.model.presets import K3_TINY_GPU
 
 pytestmark = pytest.mark.gpu
 
@@ -35,9 +32,8 @@ SEQS = [(1, 9, 4, -1, -1), (1, 30, 7, -1, -1), (150, 0, 0, 77, 9), (64, 20, 2, 2
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> KimiForCausalLM:
-    checkpoint: Path = make_checkpoint(copy.deepcopy(K3_TINY_GPU), tmp_path_factory.mktemp("k3-tiny-gpu"), seed=0)
-    return load_model(checkpoint, dtype=torch.bfloat16, device="cuda")
+def model(k3_tiny_gpu_checkpoint: Path) -> KimiForCausalLM:
+    return load_model(k3_tiny_gpu_checkpoint, dtype=torch.bfloat16, device="cuda")
 
 
 def _batch() -> ForwardBatch:

@@ -37,7 +37,6 @@ from k3serve.engine.sampler import PromptScoring
 from k3serve.engine.sampling_params import SamplingParams
 from k3serve.kernels import kda, mla, moe
 from k3serve.model.batch import ModelCache
-from k3serve.model.checkpoint import make_checkpoint
 from k3serve.model.config import ModelConfig
 from k3serve.model.model import KimiForCausalLM
 from k3serve.model.presets import K3_TINY_GPU, preset_config
@@ -53,11 +52,6 @@ ENGINE_ARGS = dict(
     max_model_len=PROMPT_LEN + 1, max_num_seqs=NUM_PROMPTS, max_num_batched_tokens=STEP_TOKENS,
     max_adaptive_batched_tokens=STEP_TOKENS, cache_memory_bytes=256 * 2**20,
 )
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(copy.deepcopy(K3_TINY_GPU), tmp_path_factory.mktemp("k3-tiny-gpu"), seed=0)
 
 
 def _prefill_step_growth(engine: LLMEngine, gen: torch.Generator, prompt_logprobs: int | None = None) -> int:
@@ -79,8 +73,9 @@ def _prefill_step_growth(engine: LLMEngine, gen: torch.Generator, prompt_logprob
 
 
 @pytest.mark.parametrize("prompt_logprobs", [None, 5], ids=["plain", "prompt_logprobs"])
-def test_a_prefill_step_stays_within_the_planned_reserve(checkpoint: Path, prompt_logprobs: int | None) -> None:
-    engine = LLMEngine(EngineArgs(model=str(checkpoint), **ENGINE_ARGS))
+def test_a_prefill_step_stays_within_the_planned_reserve(k3_tiny_gpu_checkpoint: Path,
+                                                         prompt_logprobs: int | None) -> None:
+    engine = LLMEngine(EngineArgs(model=str(k3_tiny_gpu_checkpoint), **ENGINE_ARGS))
     assert max_step_tokens(engine.args, None) == STEP_TOKENS
     bound = prefill_activation_bytes(engine.config, engine.args)
     gen = torch.Generator().manual_seed(0)

@@ -26,7 +26,6 @@ joins the engine and follows rank 0's actions; `rank_device` spreads a bare "cud
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 from typing import Callable
@@ -41,7 +40,6 @@ from k3serve.engine.llm_engine import LLMEngine
 from k3serve.engine.outputs import TokenLogprobs
 from k3serve.engine.runner import ModelRunner
 from k3serve.engine.sampling_params import SamplingParams
-from k3serve.model.checkpoint import make_checkpoint
 from k3serve.model.presets import K3_TINY_GPU
 
 pytestmark = [
@@ -97,21 +95,16 @@ def _generate(engine: LLMEngine) -> list[tuple[list[int], list[TokenLogprobs]]]:
     return [out[rid] for rid in ids]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(copy.deepcopy(K3_TINY_GPU), tmp_path_factory.mktemp("k3-tiny-gpu"), seed=0)
-
-
 def test_tp2_on_nccl_replays_graphs_on_both_ranks_and_generates_what_tp1_eager_does(
-        checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        k3_tiny_gpu_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(NCCL_SWITCH, "1")  # opt-in; the follower process inherits it
-    reference_engine = LLMEngine(EngineArgs(model=str(checkpoint), **ENGINE_ARGS, enforce_eager=True))
+    reference_engine = LLMEngine(EngineArgs(model=str(k3_tiny_gpu_checkpoint), **ENGINE_ARGS, enforce_eager=True))
     reference = _generate(reference_engine)
     del reference_engine
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
 
-    args = EngineArgs(model=str(checkpoint), **ENGINE_ARGS, tensor_parallel_size=2)
+    args = EngineArgs(model=str(k3_tiny_gpu_checkpoint), **ENGINE_ARGS, tensor_parallel_size=2)
     engine, followers = start_tp_engine("tp2-nccl", 2, "127.0.0.1", _follower, lambda rank, init: (rank, args, init),
                                         lambda group: LLMEngine(args, group))
     try:
