@@ -3,10 +3,11 @@ their partial sums: rank 0 in this process on cuda:0, rank 1 a spawned process o
 
     python benchmarks/gpu_tp.py [--batches 1,8,16] [--steps 30] [--out gpu_tp.json] [--smoke]
 
-    gloo          K3SERVE_TP_NCCL=0, the default (engine/tp_group.py): every all-reduce and the logits gather copy
-                  through the host over TCP; no CUDA graphs (they cannot record gloo)
-    nccl eager    K3SERVE_TP_NCCL=1: NCCL collectives, every step launched from Python (enforce_eager)
-    nccl graphs   NCCL collectives recorded in the decode CUDA graphs
+    gloo          K3SERVE_TP_NCCL=0, the opt-out (engine/tp_group.py): every all-reduce and the logits gather
+                  copy through the host over TCP; no CUDA graphs (they cannot record gloo)
+    nccl eager    K3SERVE_TP_NCCL=1 (NCCL is the default): NCCL collectives, every step launched from Python
+                  (enforce_eager)
+    nccl graphs   NCCL collectives recorded in the decode CUDA graphs: what a TP2 CUDA engine runs by default
 
 Step = one `LLMEngine.step()` (schedule, the forward pass on both ranks, the logits gathered to rank 0,
 sampling) while all B requests decode, wall clock, median of --steps after 3 warm-up steps; prompts of 32

@@ -3,10 +3,10 @@
 #   OUT=/some/dir bash benchmarks/gpu_tp.sh
 # 1. tests/engine/test_tp_nccl_gpu.py (TP2 on cuda:0 + cuda:1: NCCL on both ranks, graphs captured and replayed
 #    alike on both, tokens against TP1 eager), tests/engine/test_tp_engine.py -m gpu (TP2 fp32 == TP1: NCCL,
-#    eager, by K3SERVE_TP_NCCL=1 on this stage; without it the test runs gloo) and the capture tests of
-#    tests/engine/test_cuda_graphs_gpu.py (TP1 capture and its fallback);
-# 2. benchmarks/gpu_tp.py: TP2 decode step latency, model collectives on gloo (K3SERVE_TP_NCCL=0) vs NCCL eager
-#    vs NCCL with graphs, batch 1 / 8 / 16 (BATCHES passes on), one table.
+#    the default, eager; K3SERVE_TP_NCCL=1 on this stage overrides an opt-out the caller's environment may
+#    hold) and the capture tests of tests/engine/test_cuda_graphs_gpu.py (TP1 capture and its fallback);
+# 2. benchmarks/gpu_tp.py: TP2 decode step latency, model collectives on gloo (the opt-out, K3SERVE_TP_NCCL=0)
+#    vs NCCL eager vs NCCL with graphs, batch 1 / 8 / 16 (BATCHES passes on), one table.
 # Each stage has its own time limit (TEST_S, BENCH_S; at most 590 s in all); logs and JSON land in $OUT.
 set -u
 OUT=${OUT:-/tmp/k3serve-gpu-tp}

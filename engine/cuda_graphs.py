@@ -47,8 +47,8 @@ from k3serve.model.parallel import TensorParallel
 
 def graphs_off_reason(args: EngineArgs) -> str | None:
     """Why `args` keep an engine from capturing decode graphs, or None when they let it (the memory plan sets
-    their memory aside then): at TP > 1 only where this process asks for NCCL collectives (gloo's cannot be
-    recorded; `tp_group.py`)."""
+    their memory aside then): at TP > 1 only where this process asks for NCCL collectives, the default (gloo's
+    cannot be recorded; `tp_group.py`)."""
     if args.enforce_eager:
         return "enforce_eager"
     if not args.device.startswith("cuda"):
@@ -58,7 +58,7 @@ def graphs_off_reason(args: EngineArgs) -> str | None:
     if reference_forced():
         return "reference kernels forced"
     if args.tensor_parallel_size > 1 and not nccl_requested():
-        return "TP > 1 on gloo collectives; K3SERVE_TP_NCCL=1 asks for NCCL"
+        return "TP > 1 with K3SERVE_TP_NCCL=0: gloo collectives"
     return None
 
 

@@ -110,9 +110,10 @@ def plan_engine_pools(config: ModelConfig, args: EngineArgs, usable_bytes: int |
     (`prefill_activation_bytes`; `device_bytes`, the device's total memory, sets the default token budget);
     else the CPU default.
     With CUDA graphs (`graphs_allowed(args)`: not under `enforce_eager`, ...) the cache holds the pad slot
-    too; at TP > 1 only where NCCL is asked for (`K3SERVE_TP_NCCL=1`: gloo's collectives cannot be recorded).
-    The plan is made before the ranks join: should NCCL be refused there (ranks sharing a GPU,
-    `engine/tp_group.py`), what was set aside for them stays unused. NCCL's own buffers, not counted here,
+    too; at TP > 1 only where NCCL is asked for (the default; `K3SERVE_TP_NCCL=0` opts out: gloo's collectives
+    cannot be recorded). The plan is made before the ranks join: should NCCL be refused there (ranks sharing a
+    GPU, a torch without NCCL, another rank opted out: `engine/tp_group.py`), what was set aside for them stays
+    unused. NCCL's own buffers, not counted here,
     come out of what `gpu_memory_utilization` leaves free (they are made after the plan)."""
     from k3serve.engine.cuda_graphs import graphs_allowed
 

@@ -43,11 +43,12 @@ rank loads its model next, then captures its graphs: every capture follows every
 store of its own, opened by rank 0 and held by rank 0's NCCL group for as long as it lives: unlike
 gloo, NCCL reads its store after the join (its monitor polls it for other ranks' failure signals), so
 this is the one port that outlives `TPGroup()`, on CUDA engines only. The communicator is created by a
-warm-up all-reduce before anything is captured. NCCL is opt-in (`K3SERVE_TP_NCCL=1` on every rank) until it
-has run on a multi-GPU machine; ranks that share a GPU (NCCL refuses them), a torch without NCCL, or a rank
-without the switch keep the model on gloo, with a warning when some rank asked for NCCL. Unlike gloo,
-NCCL notices a dead peer only at the group's timeout (`timeout_s`; torch's watchdog then ends the
-process, by default).
+warm-up all-reduce before anything is captured. NCCL is the default (on 2x H200, a TP2 decode step of
+K3_TINY_GPU at batch 1 took 1.17 ms with graphs, 31.8 on gloo: benchmarks/gpu_tp.py); `K3SERVE_TP_NCCL=0`
+opts a rank out. Ranks that share a GPU (NCCL refuses them: a one-GPU machine running TP > 1), a torch
+without NCCL, or a rank that opted out keep the model on gloo, with rank 0 warning why (graphs are then
+off) unless every rank opted out. A CPU engine never reaches this choice. Unlike gloo, NCCL notices a dead
+peer only at the group's timeout (`timeout_s`; torch's watchdog then ends the process, by default).
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ from k3serve.model.parallel import TensorParallel
 
 _IDLE_TIMEOUT = datetime.timedelta(days=365)  # how long a follower waits for rank 0's next action
 _JOIN_TIMEOUT = datetime.timedelta(seconds=600)  # how long the ranks take to find each other
-# "1" on every rank: a CUDA engine's model collectives on NCCL (and graphs at TP > 1); unset or "0": gloo. Opt-in
-# until it has run on a multi-GPU machine (written 2026-12-01 with none lent: tests/engine/test_tp_nccl_gpu.py).
+# Unset or "1": a CUDA engine's model collectives on NCCL where every rank can (and graphs at TP > 1); "0" on
+# any rank: gloo. The default since it ran on two GPUs (2026-12-01: tests/engine/test_tp_nccl_gpu.py, gpu_tp.py).
 NCCL_SWITCH = "K3SERVE_TP_NCCL"
 
 
@@ -178,7 +179,7 @@ class TPGroup:
 
     def _join_nccl(self, cuda: torch.device) -> Any | None:
         """The model's NCCL group on `cuda`, its communicator made; None where every rank cannot have one
-        (then rank 0 warns why, if some rank asked for NCCL: gloo is the default). Every rank offers whether
+        (then rank 0 warns why, unless every rank opted out: NCCL is the default). Every rank offers whether
         it asked, its GPU (None: it did not ask, or its torch has no NCCL) and rank 0 the address of the
         group's store; all decide alike from what all offered."""
         asked = nccl_requested()
@@ -191,7 +192,8 @@ class TPGroup:
         if why is not None:
             if self.is_leader and any(asked for asked, _, _ in offers):
                 warnings.warn(f"TP group: the model's collectives run on gloo, through the host (no CUDA "
-                              f"graphs): {why}", stacklevel=2)
+                              f"graphs): {why}; {NCCL_SWITCH}=0 on every rank chooses gloo without this warning",
+                              stacklevel=2)
             return None
         try:
             client = store if store is not None else _client(init, self.world_size, self._join)
@@ -223,8 +225,8 @@ def rank_device(device: str, rank: int, world_size: int) -> torch.device:
 
 
 def nccl_requested() -> bool:
-    """Whether this process asks for NCCL model collectives (`K3SERVE_TP_NCCL=1`; opt-in)."""
-    value = os.environ.get(NCCL_SWITCH, "0")
+    """Whether this process asks for NCCL model collectives: unless `K3SERVE_TP_NCCL=0` (the opt-out)."""
+    value = os.environ.get(NCCL_SWITCH, "1")
     if value not in ("0", "1"):
         raise ValueError(f"{NCCL_SWITCH}={value!r}: must be 0 (model collectives on gloo) or 1 (NCCL)")
     return value == "1"
@@ -233,9 +235,9 @@ def nccl_requested() -> bool:
 def _nccl_refused(offers: list[tuple[bool, str | None]]) -> str | None:
     """Why the ranks that made these offers (by rank: whether it asked for NCCL, its GPU or None) cannot
     share an NCCL group; None where they can."""
-    unasked = [rank for rank, (asked, _) in enumerate(offers) if not asked]
-    if unasked:
-        return f"rank(s) {unasked} without {NCCL_SWITCH}=1 (NCCL is opt-in)"
+    opted_out = [rank for rank, (asked, _) in enumerate(offers) if not asked]
+    if opted_out:
+        return f"rank(s) {opted_out} set {NCCL_SWITCH}=0"
     without_nccl = [rank for rank, (_, gpu) in enumerate(offers) if gpu is None]
     if without_nccl:
         return f"rank(s) {without_nccl} on a torch without NCCL"

@@ -196,8 +196,8 @@ def test_graph_reserve_counts_the_static_inputs_and_grows_with_the_largest_bucke
 
 def test_k3serve_plan_lists_the_pad_slot_and_graphs_at_tp1_and_tp2_and_neither_eager(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """At TP > 1 only when NCCL is asked for (K3SERVE_TP_NCCL=1; gloo, the default, cannot be recorded, so
-    nothing is set aside for graphs that would never be captured)."""
+    """At TP > 1 only when NCCL is asked for (the default; with K3SERVE_TP_NCCL=0 the model's collectives are
+    gloo's, which cannot be recorded, so nothing is set aside for graphs that would never be captured)."""
     config = preset_config("k3-tiny")
 
     def rows(**kw) -> dict[str, str]:
@@ -205,9 +205,10 @@ def test_k3serve_plan_lists_the_pad_slot_and_graphs_at_tp1_and_tp2_and_neither_e
                                                      **kw), 2**30))
 
     eager = rows(enforce_eager=True)
+    monkeypatch.setenv(NCCL_SWITCH, "0")
     gloo_tp2 = rows(tensor_parallel_size=2)
     assert gloo_tp2["KDA slots for max_num_seqs=8"].startswith("8 slots") and gloo_tp2["CUDA graphs"].startswith("off")
-    monkeypatch.setenv(NCCL_SWITCH, "1")
+    monkeypatch.delenv(NCCL_SWITCH)  # NCCL by default
     for graphs in (rows(), rows(tensor_parallel_size=2)):
         assert graphs["KDA slots for max_num_seqs=8 + the CUDA-graph pad slot"].startswith("9 slots")
     assert eager["KDA slots for max_num_seqs=8"].startswith("8 slots") and eager["CUDA graphs"].startswith("off")

@@ -31,9 +31,11 @@ def test_the_step_budget_sizes_the_prefill_reserve(capsys: pytest.CaptureFixture
 
 
 def test_graphs_say_why_they_are_off(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("K3SERVE_TP_NCCL", raising=False)
+    monkeypatch.setenv("K3SERVE_TP_NCCL", "0")
     assert _rows(capsys, "--tp", "8")["CUDA graphs"] == (
-        "off (TP > 1 on gloo collectives; K3SERVE_TP_NCCL=1 asks for NCCL): eager decode")
+        "off (TP > 1 with K3SERVE_TP_NCCL=0: gloo collectives): eager decode")
+    monkeypatch.delenv("K3SERVE_TP_NCCL")  # NCCL, the default: graphs at TP > 1
+    assert any(key.startswith("CUDA graphs (decode") for key in _rows(capsys, "--tp", "8"))
     assert _rows(capsys, "--tp", "8", "--enforce-eager")["CUDA graphs"] == "off (enforce_eager): eager decode"
     one_rank = _rows(capsys, "--tp", "1", "--model", "kimi-linear-48b-a3b", "--device-memory-gib", "139")
     assert any(key.startswith("CUDA graphs (decode") for key in one_rank)
