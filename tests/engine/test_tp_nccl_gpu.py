@@ -97,7 +97,7 @@ def _generate(engine: LLMEngine) -> list[tuple[list[int], list[TokenLogprobs]]]:
 
 def test_tp2_on_nccl_replays_graphs_on_both_ranks_and_generates_what_tp1_eager_does(
         k3_tiny_gpu_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(NCCL_SWITCH, "1")  # opt-in; the follower process inherits it
+    monkeypatch.setenv(NCCL_SWITCH, "1")  # the default, set against an opt-out in the environment; the follower process inherits it
     reference_engine = LLMEngine(EngineArgs(model=str(k3_tiny_gpu_checkpoint), **ENGINE_ARGS, enforce_eager=True))
     reference = _generate(reference_engine)
     del reference_engine
