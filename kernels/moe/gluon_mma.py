@@ -109,6 +109,17 @@ def _scaled(acc, a, b, scales, s_offs, g: gl.constexpr):
 
 
 @gluon.jit
+def _tile(active_experts, expert_starts, expert_counts, stride_pn, stride_sn):
+    """A program's expert (id, first sorted pair, row count), its 64 rows from n0, and the offsets of their
+    weights (`_a_offsets`) and scales."""
+    e = gl.load(active_experts + gl.program_id(0)).to(gl.int64)
+    n0 = gl.program_id(1) * 64
+    rows = n0 + gl.arange(0, 64, layout=_ROW)
+    return (e, gl.load(expert_starts + e), gl.load(expert_counts + e), n0, rows, _a_offsets(stride_pn),
+            rows.to(gl.int64) * stride_sn)
+
+
+@gluon.jit
 def _tanh(x):
     return 2.0 / (1.0 + gl.exp(-2.0 * x)) - 1.0
 
@@ -118,16 +129,9 @@ def mma_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_pairs, expert_starts, expert_
                top_k, D, beta, linear_beta, stride_x, stride_pe, stride_pn, stride_se, stride_sn, stride_h,
                ACT: gl.constexpr, G: gl.constexpr):
     """Program (active slot, 64 rows of I): both projections of the rows, the GLU, h in bf16."""
-    slot = gl.program_id(0)
-    if slot >= gl.load(num_active):
+    if gl.program_id(0) >= gl.load(num_active):
         return
-    e = gl.load(active_experts + slot).to(gl.int64)
-    start = gl.load(expert_starts + e)
-    count = gl.load(expert_counts + e)
-    n0 = gl.program_id(1) * 64
-    a_offs = _a_offsets(stride_pn)
-    rows = n0 + gl.arange(0, 64, layout=_ROW)
-    s_offs = rows.to(gl.int64) * stride_sn
+    e, start, count, n0, rows, a_offs, s_offs = _tile(active_experts, expert_starts, expert_counts, stride_pn, stride_sn)
     for m0 in range(0, count, 8):
         _, _, tok, ok = _token_rows(sorted_pairs, start, m0, count, top_k, _B_TOKEN)
         b_offs = _b_offsets(tok.to(gl.int64) * stride_x)
@@ -157,16 +161,9 @@ def mma_down_kernel(h, w2p, w2s, out, topk_weights, sorted_pairs, expert_starts,
                  num_active, top_k, I, stride_h, stride_pe, stride_pn, stride_se, stride_sn, stride_out,
                  G: gl.constexpr):
     """Program (active slot, 64 rows of D): h W2^T of the expert's rows, weighted, added into out."""
-    slot = gl.program_id(0)
-    if slot >= gl.load(num_active):
+    if gl.program_id(0) >= gl.load(num_active):
         return
-    e = gl.load(active_experts + slot).to(gl.int64)
-    start = gl.load(expert_starts + e)
-    count = gl.load(expert_counts + e)
-    n0 = gl.program_id(1) * 64
-    a_offs = _a_offsets(stride_pn)
-    rows = n0 + gl.arange(0, 64, layout=_ROW)
-    s_offs = rows.to(gl.int64) * stride_sn
+    e, start, count, n0, rows, a_offs, s_offs = _tile(active_experts, expert_starts, expert_counts, stride_pn, stride_sn)
     for m0 in range(0, count, 8):
         src_row, _, _, ok = _token_rows(sorted_pairs, start, m0, count, top_k, _B_TOKEN)
         b_offs = _b_offsets(src_row.to(gl.int64) * stride_h)
