@@ -234,9 +234,11 @@ def fused_experts(x: Tensor, weights, topk_weights: Tensor, topk_ids: Tensor, ac
     if path is None:
         path = "gemv" if T <= GEMV_MAX_TOKENS else "mma" if T <= MMA_MAX_TOKENS else "dot"
     if path == "mma":
-        from . import gluon_mma
-
-        path = "mma" if gluon_mma.supports(x, w1, w2) else "dot"
+        try:
+            from . import gluon_mma
+        except ImportError:  # a triton without Gluon's Ampere MMA (before 3.5): the tensor-core pair instead
+            gluon_mma = None
+        path = "mma" if gluon_mma is not None and gluon_mma.supports(x, w1, w2) else "dot"
     last_path = path
     x = x.contiguous()
     if T * top_k == 0:
