@@ -157,6 +157,9 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        biased_outside = sorted(t for t in params.logit_bias or () if t >= vocab)
+        if biased_outside:
+            raise ValueError(f"logit_bias must use token ids in the vocabulary [0, {vocab}), got {biased_outside[:5]}")
         limit = self.args.max_model_len
         if len(token_ids) >= limit:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len={limit} leaves no room to generate")

@@ -4,18 +4,22 @@ Per row, in this order:
 
 1. min_tokens: while fewer than `min_tokens` tokens were generated, EOS (unless `ignore_eos`)
    and `stop_token_ids` get logit -inf;
-2. penalties: repetition over prompt + output, then frequency and presence over output;
-3. greedy rows (`is_greedy`) take the argmax and stop here;
-4. temperature, top-k, top-p (over the top-k survivors), min-p;
-5. sampling by exponential race: token = argmax(p / q) with q ~ Exp(1) drawn for that row alone,
+2. logit_bias: each biased token's logit plus its bias (a banned token stays -inf);
+3. penalties: repetition over prompt + output, then frequency and presence over output;
+4. greedy rows (`is_greedy`) take the argmax and stop here;
+5. temperature, top-k, top-p (over the top-k survivors), min-p;
+6. sampling by exponential race: token = argmax(p / q) with q ~ Exp(1) drawn for that row alone,
    from the row's `torch.Generator` when it has one.
 
-Step 5 is what makes a seed reproducible: a seeded row consumes exactly V draws of its own
+Steps 2 and 3 are in vLLM v1's order (its logit-bias processor runs before the penalties), so a
+repetition penalty divides a biased logit, and greedy rows see the bias.
+
+Step 6 is what makes a seed reproducible: a seeded row consumes exactly V draws of its own
 generator per step and no other row touches it, so the same seed yields the same tokens
 whether the request runs alone or in any batch. Unseeded rows draw from torch's global RNG.
 
 Logprobs are "raw logprobs" (vLLM's default `logprobs_mode`): log_softmax of the logits as the
-model produced them, before min_tokens, penalties, temperature and filtering.
+model produced them, before min_tokens, logit_bias, penalties, temperature and filtering.
 """
 
 from __future__ import annotations
@@ -67,6 +71,8 @@ class Sampler:
         logits = logits.clone()
         for i, p in enumerate(params):
             self._apply_min_tokens(logits[i], p, len(output_token_ids[i]))
+            if p.logit_bias is not None:
+                apply_logit_bias(logits[i], p.logit_bias)
             if p.has_penalties:
                 apply_penalties(logits[i], p, prompt_token_ids[i], output_token_ids[i])
 
@@ -103,6 +109,12 @@ class Sampler:
             banned.append(self.eos_token_id)
         if banned:
             row[torch.tensor(banned, device=row.device)] = float("-inf")
+
+
+def apply_logit_bias(row: torch.Tensor, logit_bias: dict[int, float]) -> None:
+    """row [V] (modified in place): each token id's bias added to its logit, in one indexed add."""
+    token_ids = torch.tensor(list(logit_bias), dtype=torch.long, device=row.device)
+    row.index_add_(0, token_ids, torch.tensor(list(logit_bias.values()), dtype=row.dtype, device=row.device))
 
 
 def apply_penalties(

@@ -4,6 +4,7 @@ Validated once in `__post_init__` (every error quotes the bad value); the sample
 and scheduler trust the fields afterwards. After construction:
 
 - `stop` is always a list of non-empty strings and `stop_token_ids` always a list of ints;
+- `logit_bias` is None or a non-empty dict of int token id -> float bias;
 - `top_k == 0` means "off" (`-1` is accepted as vLLM's old spelling and stored as 0);
 - a greedy request (`is_greedy`) has `top_p == 1`, `top_k == 0` and `min_p == 0`, as in vLLM.
 """
@@ -57,6 +58,9 @@ class SamplingParams:
     """Special tokens produce no output text."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string at the end of the output text."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> bias in [-100, 100], added to that token's logit before penalties and temperature (OpenAI's
+    `logit_bias`); the ids must be in the model's vocabulary (the engine checks). Logprobs stay raw: unbiased."""
 
     def __post_init__(self) -> None:
         if self.n != 1:
@@ -93,6 +97,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an int >= 0 or None, got {name}={value!r}")
         self.stop = _normalize_stop(self.stop)
         self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)
+        self.logit_bias = _normalize_logit_bias(self.logit_bias)
         if self.is_greedy:  # as vLLM: filtering is meaningless for argmax
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
@@ -127,3 +132,18 @@ def _normalize_stop_token_ids(ids: list[int] | None) -> list[int]:
         if not isinstance(i, int) or isinstance(i, bool) or i < 0:
             raise ValueError(f"stop_token_ids must be ints >= 0, got {i!r} in stop_token_ids={ids!r}")
     return ids
+
+
+def _normalize_logit_bias(bias: dict[int, float] | None) -> dict[int, float] | None:
+    """None for no bias (an empty dict too); else a copy with float values. An error names the bad entry alone:
+    a bias map can hold thousands of them."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias or None, got logit_bias={bias!r}")
+    for token_id, value in bias.items():
+        if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+            raise ValueError(f"logit_bias must have int token ids >= 0 as keys, got key {token_id!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100.0 <= value <= 100.0:  # NaN too
+            raise ValueError(f"logit_bias must have values in [-100, 100], got {value!r} for token {token_id}")
+    return {token_id: float(value) for token_id, value in bias.items()} or None

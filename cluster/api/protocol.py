@@ -1,8 +1,12 @@
 """Wire types of the OpenAI routes, as pydantic v2 models.
 
-Requests accept fields they do not know (OpenAI clients send extras such as `logit_bias` or
-`tools`): those are ignored and logged at debug level. Range checks that the OpenAI API states
-live here; everything `SamplingParams` validates is left to it (its ValueError becomes a 400).
+Requests accept fields they do not know (OpenAI clients send extras such as `user`, `metadata`,
+`store` or `parallel_tool_calls`): those change nothing in the answer, so they are ignored and
+logged at debug level. The extras that would change it, features k3serve does not implement
+(tools, structured output, suffix, best_of, chat echo), are refused with a 400 naming the field
+unless their value asks for nothing (`NOT_IMPLEMENTED`, the one table of them): answering 200 with
+something other than what was asked would be silently wrong. Range checks that the OpenAI API
+states live here; everything `SamplingParams` validates is left to it (its ValueError becomes a 400).
 
 Responses and stream chunks are shaped exactly like OpenAI's; `stop_reason` (the stop string or
 token id that ended a choice) is vLLM's extension. In chunks, `usage` appears only when set and
@@ -13,13 +17,54 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 logger = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20  # top logprobs per token, at most (vLLM's default max_logprobs)
+
+
+# ---- what is refused ---------------------------------------------------------------------------
+def _asks_nothing(value: Any) -> bool:
+    return value is None or value is False or value in ("", [], {})
+
+
+def _one_of(*harmless: str) -> Callable[[Any], bool]:
+    return lambda value: value is None or (isinstance(value, str) and value in harmless)
+
+
+_NO_TOOLS = "k3serve does not implement tool calling"
+_NO_STRUCTURED_OUTPUT = "k3serve does not implement structured output"
+
+NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    # field (where the route does not implement it): (the values that ask for nothing, why the others are refused)
+    "tools": (_asks_nothing, _NO_TOOLS),
+    "functions": (_asks_nothing, _NO_TOOLS),
+    "tool_choice": (_one_of("none", "auto"), f'{_NO_TOOLS}; only "none" or "auto" is accepted'),
+    "function_call": (_one_of("none", "auto"), f'{_NO_TOOLS}; only "none" or "auto" is accepted'),
+    "response_format": (lambda value: value is None or value == {"type": "text"},
+                        f'{_NO_STRUCTURED_OUTPUT}; only {{"type": "text"}} is accepted'),
+    "guided_json": (_asks_nothing, _NO_STRUCTURED_OUTPUT),  # vLLM's extensions for the same
+    "guided_regex": (_asks_nothing, _NO_STRUCTURED_OUTPUT),
+    "guided_choice": (_asks_nothing, _NO_STRUCTURED_OUTPUT),
+    "guided_grammar": (_asks_nothing, _NO_STRUCTURED_OUTPUT),
+    "structured_outputs": (_asks_nothing, _NO_STRUCTURED_OUTPUT),
+    "suffix": (_asks_nothing, "k3serve does not implement insertion (text after the completion)"),
+    "best_of": (lambda value: value is None or value == 1, "must be 1: k3serve samples one sequence per request"),
+    # OpenAI's chat has no echo; vLLM's (the last message's content before the reply when the roles match) is not
+    # implemented. /v1/completions declares its own echo, so this applies to chat only.
+    "echo": (_asks_nothing, "k3serve does not implement echo on chat completions (/v1/completions has it)"),
+}
+
+
+def _field_error(model: type[BaseModel], field: str, message: str, value: Any) -> ValidationError:
+    """A validation error located at `field`, raised from a model validator: the 400 then names the field as its
+    `param` (a plain ValueError there is located at the whole body)."""
+    error = PydanticCustomError("invalid_field", "{message}", {"message": message})
+    return ValidationError.from_exception_data(model.__name__, [InitErrorDetails(type=error, loc=(field,), input=value)])
 
 
 # ---- requests ---------------------------------------------------------------------------------
@@ -41,7 +86,7 @@ class StreamOptions(_Request):
 
 
 class _SamplingFields(_Request):
-    """Fields both routes share."""
+    """Fields both routes share, and the refusal of the `NOT_IMPLEMENTED` extras."""
 
     model: str | None = None
     """Served model id; another id answers 404. Optional (a single-model server)."""
@@ -59,6 +104,8 @@ class _SamplingFields(_Request):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    """Token id (a decimal string, as JSON keys are) -> bias in [-100, 100] added to its logit."""
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -67,9 +114,13 @@ class _SamplingFields(_Request):
     @model_validator(mode="after")
     def _check_shared(self) -> "_SamplingFields":
         if self.n != 1:
-            raise ValueError(f"n must be 1 (one choice per request), got n={self.n}")
+            raise _field_error(type(self), "n", f"must be 1 (one choice per request), got {self.n}", self.n)
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise _field_error(type(self), "stream_options", "is only allowed when stream is true", None)
+        for name, value in (self.model_extra or {}).items():
+            harmless, why = NOT_IMPLEMENTED.get(name, (None, ""))
+            if harmless is not None and not harmless(value):
+                raise _field_error(type(self), name, why, value)
         return self
 
 
@@ -107,7 +158,7 @@ class ChatCompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _check_chat(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs set to true")
+            raise _field_error(type(self), "top_logprobs", "needs logprobs set to true", self.top_logprobs)
         return self
 
     @property

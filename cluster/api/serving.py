@@ -134,6 +134,7 @@ def _fit_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: 
 _NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
             "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 _PARAM_OF_MESSAGE = re.compile(r"^(\w+) must")
+_TOKEN_ID = re.compile(r"[0-9]+")
 
 
 def _sampling_params(body: _SamplingFields, max_tokens: int, logprobs: int | None,
@@ -149,10 +150,28 @@ def _sampling_params(body: _SamplingFields, max_tokens: int, logprobs: int | Non
             **kwargs, seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop,
             stop_token_ids=stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens, include_stop_str_in_output=body.include_stop_str_in_output,
+            logit_bias=_logit_bias(body.logit_bias),
         )
     except ValueError as e:
-        match = _PARAM_OF_MESSAGE.match(str(e))
-        raise bad_request(str(e), match.group(1) if match else None) from None
+        raise _bad_value(e) from None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's map with token ids as JSON (string) keys -> SamplingParams' map with int keys."""
+    if bias is None:
+        return None
+    for key in bias:
+        if not _TOKEN_ID.fullmatch(key):
+            raise bad_request(f"logit_bias must have token ids (decimal integers >= 0) as keys, got {key!r}",
+                              "logit_bias")
+    return {int(key): value for key, value in bias.items()}
+
+
+def _bad_value(e: ValueError) -> APIError:
+    """A 400 naming the parameter when the message starts with it ("top_p must ...", as SamplingParams and the
+    engine word theirs)."""
+    match = _PARAM_OF_MESSAGE.match(str(e))
+    return bad_request(str(e), match.group(1) if match else None)
 
 
 # ---- errors -----------------------------------------------------------------------------------
@@ -161,7 +180,7 @@ def to_api_error(e: BaseException) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, ValueError):
-        return bad_request(str(e))
+        return _bad_value(_remote_cause(e))
     if isinstance(e, EngineOverloadedError):
         return APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(e) or "The server is overloaded; retry later.")
     if isinstance(e, EngineDeadError):
@@ -169,6 +188,13 @@ def to_api_error(e: BaseException) -> APIError:
         return APIError(HTTPStatus.SERVICE_UNAVAILABLE, "The engine is not available.")
     logger.exception("unexpected error while serving a request", exc_info=e)
     return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, "Internal server error.")
+
+
+def _remote_cause(e: ValueError) -> ValueError:
+    """What the worker raised, for an error that crossed a Ray actor call: Ray's RayTaskError is an instance of the
+    cause's type and keeps the cause as `cause`, but its message is the remote traceback, not the client's."""
+    cause = getattr(e, "cause", None)
+    return cause if isinstance(cause, ValueError) else e
 
 
 # ---- run --------------------------------------------------------------------------------------

@@ -246,28 +246,79 @@ async def test_metrics_after_traffic(http, client):
 
 # ---- errors -------------------------------------------------------------------------------------
 CHAT = "/v1/chat/completions"
+HI = [{"role": "user", "content": "hi"}]
 BAD_REQUESTS = {  # id: (route, payload, expected param)
     "temperature-type": ("/v1/completions", {"prompt": PROMPT, "temperature": "hot"}, "temperature"),
     "temperature-range": ("/v1/completions", {"prompt": PROMPT, "temperature": 5}, "temperature"),
     "top_p-sampling-params": ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, "top_p"),
     "max_tokens-0": ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
     "no-prompt": ("/v1/completions", {"max_tokens": 4}, "prompt"),
-    "n-2": ("/v1/completions", {"prompt": PROMPT, "n": 2}, None),
+    "n-2": ("/v1/completions", {"prompt": PROMPT, "n": 2}, "n"),
     "batch-of-2": ("/v1/completions", {"prompt": [PROMPT, PROMPT]}, "prompt"),
     "empty-prompt": ("/v1/completions", {"prompt": []}, "prompt"),
     "logprobs-50": ("/v1/completions", {"prompt": PROMPT, "logprobs": 50}, "logprobs"),
-    "stream_options-no-stream": ("/v1/completions", {"prompt": PROMPT, "stream_options": {"include_usage": True}}, None),
+    "stream_options-no-stream": ("/v1/completions", {"prompt": PROMPT, "stream_options": {"include_usage": True}},
+                                 "stream_options"),
     "token-outside-vocab": ("/v1/completions", {"prompt": [1, 2, 10**6]}, None),  # the engine's ValueError
     "chat-no-messages": (CHAT, {"messages": []}, "messages"),
     "chat-image-part": (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
                         "messages"),
-    "chat-top_logprobs-alone": (CHAT, {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, None),
+    "chat-top_logprobs-alone": (CHAT, {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+                                "top_logprobs"),
+    "logit_bias-key-abc": ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"abc": 1}}, "logit_bias"),
+    "logit_bias-key-negative": ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"-1": 1}}, "logit_bias"),
+    "logit_bias-value-200": ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"5": 200}}, "logit_bias"),
+    "logit_bias-value-text": (CHAT, {"messages": HI, "logit_bias": {"5": "high"}}, "logit_bias"),
+    "logit_bias-outside-vocab": (CHAT, {"messages": HI, "logit_bias": {"5": 1, "100000": 1}}, "logit_bias"),  # engine
+    # what k3serve does not implement, asked for
+    "tools": (CHAT, {"messages": HI, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+              "tools"),
+    "functions": (CHAT, {"messages": HI, "functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    "tool_choice-required": (CHAT, {"messages": HI, "tool_choice": "required"}, "tool_choice"),
+    "tool_choice-forced": (CHAT, {"messages": HI, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+                           "tool_choice"),
+    "function_call-forced": (CHAT, {"messages": HI, "function_call": {"name": "f"}}, "function_call"),
+    "response_format-json_object": (CHAT, {"messages": HI, "response_format": {"type": "json_object"}},
+                                    "response_format"),
+    "response_format-json_schema": (CHAT, {"messages": HI, "response_format": {"type": "json_schema", "json_schema":
+                                           {"name": "x", "schema": {"type": "object"}}}}, "response_format"),
+    "guided_json": ("/v1/completions", {"prompt": PROMPT, "guided_json": {"type": "object"}}, "guided_json"),
+    "suffix": ("/v1/completions", {"prompt": PROMPT, "suffix": " and so on."}, "suffix"),
+    "best_of-2": ("/v1/completions", {"prompt": PROMPT, "best_of": 2}, "best_of"),
+    "chat-echo": (CHAT, {"messages": HI, "echo": True}, "echo"),
 }
 
 
 @pytest.mark.parametrize("route,payload,param", BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())
 async def test_bad_request_is_400(http, route, payload, param):
     assert_error(await http.post(route, json=payload), 400, param=param)
+
+
+async def test_logit_bias_100_makes_every_greedy_token_that_token(http, client):
+    (the,) = client.tokenizer.encode(" the")
+    payload = {"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True, "logprobs": 0, **GREEDY}
+    plain = (await http.post("/v1/completions", json=payload)).json()["choices"][0]
+    r = await http.post("/v1/completions", json={**payload, "logit_bias": {str(the): 100}})
+    assert r.status_code == 200, r.text
+    forced = r.json()["choices"][0]
+    assert plain["text"] != " the" * 4 and forced["text"] == " the" * 4
+    assert forced["logprobs"]["tokens"] == [" the"] * 4
+    assert all(lp < -1 for lp in forced["logprobs"]["token_logprobs"])  # raw: the model's logprobs, not the bias's
+
+
+async def test_extras_that_ask_for_nothing_are_accepted(http):
+    """Refused only when asked for: an empty tool list, tool_choice "none", a text response_format... change
+    nothing, and neither do extras such as user or metadata."""
+    harmless = {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "function_call": "auto",
+                "parallel_tool_calls": False, "user": "u", "metadata": {"k": "v"}, "store": False,
+                "service_tier": "auto", "echo": False, "best_of": 1, "logit_bias": {}}
+    chat = {"messages": HI, "max_tokens": 3, "ignore_eos": True, **GREEDY}
+    plain = (await http.post(CHAT, json=chat)).json()
+    r = await http.post(CHAT, json={**chat, **harmless})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"] == plain["choices"]
+    completion = {"prompt": PROMPT, "max_tokens": 3, "suffix": None, "best_of": None, "tool_choice": "auto"}
+    assert (await http.post("/v1/completions", json=completion)).status_code == 200
 
 
 async def test_invalid_json_is_400(http):

@@ -137,6 +137,57 @@ def test_min_tokens_bans_eos_and_stop_token_ids():
     assert sample(logits, [p_ignore], outputs=[[]], sampler=sampler).sampled_token_ids == [0]
 
 
+# ---- logit_bias ---------------------------------------------------------------------------
+
+
+def test_logit_bias_moves_the_greedy_argmax_of_its_own_row():
+    logits = torch.tensor([[3.0, 2.5, 0.0]])
+
+    def greedy(bias):
+        return sample(logits, [SamplingParams(temperature=0, logit_bias=bias)]).sampled_token_ids[0]
+
+    assert greedy(None) == 0
+    assert greedy({2: 3.5}) == 2  # 0 + 3.5 > 3
+    assert greedy({0: -1.0}) == 1  # 3 - 1 < 2.5
+    assert greedy({2: 2.9, 1: -5.0}) == 0  # a bias adds to the logit; it does not force the token
+    both = sample(logits.repeat(2, 1), [SamplingParams(temperature=0), SamplingParams(temperature=0, logit_bias={2: 3.5})])
+    assert both.sampled_token_ids == [0, 2]  # the unbiased row is untouched
+
+
+def test_logit_bias_minus_100_keeps_the_likeliest_token_from_being_sampled():
+    rows, vocab = 500, 8
+    logits = torch.zeros(rows, vocab)
+    logits[:, 3] = 4.0  # p(3) = 0.89
+
+    def draws(bias):
+        params = [SamplingParams(logit_bias=bias)] * rows
+        return sample(logits, params, generators=[seeded(i) for i in range(rows)]).sampled_token_ids
+
+    assert draws(None).count(3) > 0.8 * rows
+    banned = draws({3: -100.0})
+    assert 3 not in banned and len(set(banned)) == vocab - 1  # the other tokens share the draws
+
+
+def test_logit_bias_comes_before_penalties_and_cannot_lift_a_min_tokens_ban():
+    logits = torch.tensor([[-2.0, 0.5, -9.0]])
+    # vLLM's order: token 0 (in the prompt) -2 + 4 = 2, then repetition 2: 1 > 0.5. Penalty first: -4 + 4 = 0 < 0.5.
+    p = SamplingParams(temperature=0, repetition_penalty=2.0, logit_bias={0: 4.0})
+    assert sample(logits, [p], prompts=[[0]]).sampled_token_ids == [0]
+    p = SamplingParams(temperature=0, min_tokens=1, logit_bias={2: 100.0})  # EOS is 2: -inf + 100 is still -inf
+    assert sample(logits, [p], sampler=Sampler(eos_token_id=2)).sampled_token_ids == [1]
+
+
+def test_logit_bias_leaves_logprobs_raw():
+    logits = torch.randn(1, V, generator=seeded(5))
+    least = int(logits[0].argmin())
+    out = sample(logits, [SamplingParams(temperature=0, logprobs=1, logit_bias={least: 100.0})])
+    raw = torch.log_softmax(logits[0], dim=-1)
+    entry = out.logprobs[0]
+    assert out.sampled_token_ids == [least] and entry.token_ids == [least, int(logits[0].argmax())]
+    assert entry.logprobs[0] == pytest.approx(raw[least].item(), abs=1e-6)
+    assert entry.ranks == [V, 1]  # the least likely token, as the model scored it
+
+
 # ---- seeds and batch composition ----------------------------------------------------------
 
 

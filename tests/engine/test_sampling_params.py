@@ -10,7 +10,7 @@ def test_defaults_match_vllm():
     assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, 0, 0.0)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
     assert (p.max_tokens, p.min_tokens, p.seed, p.logprobs, p.prompt_logprobs) == (16, 0, None, None, None)
-    assert p.stop == [] and p.stop_token_ids == []
+    assert p.stop == [] and p.stop_token_ids == [] and p.logit_bias is None
     assert p.skip_special_tokens and not p.include_stop_str_in_output and not p.ignore_eos
     assert not p.is_greedy and not p.has_penalties
 
@@ -55,6 +55,15 @@ def test_top_k_minus_one_means_off():
         (dict(seed="7"), "seed='7'"),
         (dict(stop=["ok", ""]), "''"),
         (dict(stop_token_ids=[1, -5]), "-5"),
+        (dict(logit_bias={-1: 1.0}), "key -1"),
+        (dict(logit_bias={"5": 1.0}), "key '5'"),
+        (dict(logit_bias={True: 1.0}), "key True"),
+        (dict(logit_bias={5: 200}), "got 200 for token 5"),
+        (dict(logit_bias={5: -100.5}), "got -100.5 for token 5"),
+        (dict(logit_bias={5: float("nan")}), "got nan for token 5"),
+        (dict(logit_bias={5: float("inf")}), "got inf for token 5"),
+        (dict(logit_bias={5: "1"}), "got '1' for token 5"),
+        (dict(logit_bias=[(5, 1.0)]), "logit_bias=[(5, 1.0)]"),
     ],
     ids=lambda v: str(v) if isinstance(v, str) else None,
 )
@@ -66,3 +75,11 @@ def test_invalid_values_raise_and_quote_the_value(kwargs, quoted):
 
 def test_max_tokens_none_is_allowed():
     assert SamplingParams(max_tokens=None, min_tokens=100).max_tokens is None
+
+
+def test_logit_bias_is_normalized_and_its_errors_name_it():
+    assert SamplingParams(logit_bias={}).logit_bias is None  # no bias at all: the sampler skips the row
+    p = SamplingParams(logit_bias={3: 1, 0: -100, 7: 100.0})
+    assert p.logit_bias == {3: 1.0, 0: -100.0, 7: 100.0} and all(type(v) is float for v in p.logit_bias.values())
+    with pytest.raises(ValueError, match="^logit_bias must"):  # the API names the param from the message's start
+        SamplingParams(logit_bias={1: 101})

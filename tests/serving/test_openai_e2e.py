@@ -10,6 +10,7 @@ Spec:
   the colocated output on every disaggregated layout: Mooncake 1P1D, NIXL 1P1D, Mooncake 1P2D.
   Text is compared (greedy decoding is deterministic; the server has no token-id output).
 - Two decode replicas share a burst of requests.
+- `logit_bias` applies to every generated token, the first (sampled on the prefill engine) included.
 - `echo` puts the prompt before the completion; with logprobs, the prompt tokens' logprobs too (the first null),
   the same on both servers (the disaggregated one scores the prompt on its prefill engine), streamed or not.
 """
@@ -174,6 +175,21 @@ def test_streamed_tokens_equal_completion_tokens(any_server: Server, route: str)
             streamed = sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices and c.choices[0].logprobs)
     assert chunks[-1].usage.completion_tokens == MAX_TOKENS
     assert streamed == MAX_TOKENS
+
+
+@pytest.mark.timeout(300)
+def test_logit_bias_forces_every_token_the_first_included(any_server: Server, tokenizer: Tokenizer) -> None:
+    """A +100 bias on one token makes every greedy token that token: the first, which the disaggregated server's
+    prefill engine samples, and the rest, from its decode engine. A token id outside the vocabulary is a 400."""
+    (the,) = tokenizer.encode(" the")
+    with client_of(any_server) as client:
+        out = client.completions.create(model=any_server.model, prompt=PROMPTS[3], max_tokens=4, logprobs=0,
+                                        logit_bias={str(the): 100}, **GREEDY)
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=any_server.model, prompt=PROMPTS[3], max_tokens=4,
+                                      logit_bias={str(10**6): 1}, **GREEDY)
+    assert out.choices[0].logprobs.tokens == [" the"] * 4 and out.choices[0].text == " the" * 4
+    assert refused.value.param == "logit_bias" and "Traceback" not in refused.value.message
 
 
 # ---- disaggregated == colocated ----------------------------------------------------------------
