@@ -126,8 +126,8 @@ def _tanh(x):
 
 @gluon.jit
 def mma_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_pairs, expert_starts, expert_counts, active_experts, num_active,
-               top_k, D, beta, linear_beta, stride_x, stride_pe, stride_pn, stride_se, stride_sn, stride_h,
-               ACT: gl.constexpr, G: gl.constexpr):
+                  top_k, D, beta, linear_beta, stride_x, stride_pe, stride_pn, stride_se, stride_sn, stride_h,
+                  ACT: gl.constexpr, G: gl.constexpr):
     """Program (active slot, 64 rows of I): both projections of the rows, the GLU, h in bf16."""
     if gl.program_id(0) >= gl.load(num_active):
         return
@@ -158,8 +158,8 @@ def mma_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_pairs, expert_starts, expert_
 
 @gluon.jit
 def mma_down_kernel(h, w2p, w2s, out, topk_weights, sorted_pairs, expert_starts, expert_counts, active_experts,
-                 num_active, top_k, I, stride_h, stride_pe, stride_pn, stride_se, stride_sn, stride_out,
-                 G: gl.constexpr):
+                    num_active, top_k, I, stride_h, stride_pe, stride_pn, stride_se, stride_sn, stride_out,
+                    G: gl.constexpr):
     """Program (active slot, 64 rows of D): h W2^T of the expert's rows, weighted, added into out."""
     if gl.program_id(0) >= gl.load(num_active):
         return
