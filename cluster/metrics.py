@@ -8,7 +8,8 @@ start after the remote prefill and under-report (PD_PRIOR_ART.md section 4).
     |<──────────────────────────── e2e ──────────────────────────────>|
     TPOT = (last token - first token) / (num_output_tokens - 1)
 
-The app drives one `RequestTimer` per request (`start_request`, `on_delta`, `finish` / `fail`).
+The app drives one `RequestTimer` per HTTP request (`start_request`, `on_delta`, `finish` / `fail`),
+whatever its number of choices.
 Queue, prefill and handoff times are only known to the serving layer, which reports them with
 `observe_queue_time` and friends; it also sets the per-(pool, replica) gauges with
 `set_pool_stats`. Every series carries `model_name`.
@@ -17,6 +18,7 @@ Queue, prefill and handoff times are only known to the serving layer, which repo
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -120,31 +122,54 @@ class IngressMetrics:
         return generate_latest(self.registry)
 
 
+@dataclass
+class _ChoiceClock:
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_output_tokens: int = 0
+
+
 class RequestTimer:
-    """One request's clock. `finish` / `fail` count it once; later calls do nothing."""
+    """One request's clock, over its choices (one engine request each: `n` samples of each prompt of a batch; one
+    by default). TTFT: to the first token of any choice (what the client waits for); ITL: between consecutive
+    token-bearing deltas of one choice; TPOT: the choices' time from first to last token over their tokens after
+    the first. Prompt tokens count each prompt once and generated tokens every choice's, as the usage does.
+    `finish` / `fail` count the request once; later calls do nothing."""
 
     def __init__(self, metrics: IngressMetrics, clock=time.perf_counter) -> None:
         self.metrics = metrics
         self.clock = clock
         self.arrival = clock()
         self.first_token_time: float | None = None
-        self.last_token_time: float | None = None
-        self.num_prompt_tokens = 0
-        self.num_output_tokens = 0
+        self._choices: dict[int, _ChoiceClock] = {}
+        self._prompt_tokens: dict[int, int] = {}  # prompt index -> its tokens
         self.done = False
 
-    def on_delta(self, num_new_tokens: int, num_prompt_tokens: int, num_output_tokens: int) -> None:
-        """A delta arrived; one that carries tokens times TTFT (the first) or ITL (the others)."""
-        self.num_prompt_tokens, self.num_output_tokens = num_prompt_tokens, num_output_tokens
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(self._prompt_tokens.values())
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(c.num_output_tokens for c in self._choices.values())
+
+    def on_delta(self, num_new_tokens: int, num_prompt_tokens: int, num_output_tokens: int, *,
+                 choice: int = 0, prompt: int = 0) -> None:
+        """A delta of `choice`, a sample of `prompt`, arrived with that prompt's tokens and the choice's output
+        tokens so far; one that carries tokens times TTFT (the request's first) or ITL (the choice's others)."""
+        clock = self._choices.setdefault(choice, _ChoiceClock())
+        self._prompt_tokens[prompt], clock.num_output_tokens = num_prompt_tokens, num_output_tokens
         if num_new_tokens <= 0:
             return
         now, name = self.clock(), self.metrics.model_name
         if self.first_token_time is None:
             self.first_token_time = now
             self.metrics.ttft.labels(name).observe(now - self.arrival)
+        if clock.last_token_time is None:
+            clock.first_token_time = now
         else:
-            self.metrics.itl.labels(name).observe(now - self.last_token_time)
-        self.last_token_time = now
+            self.metrics.itl.labels(name).observe(now - clock.last_token_time)
+        clock.last_token_time = now
 
     def finish(self, finish_reason: str) -> None:
         if self.done:
@@ -153,8 +178,11 @@ class RequestTimer:
         m, name = self.metrics, self.metrics.model_name
         end = self.clock()
         m.e2e.labels(name).observe(end - self.arrival)
-        if self.first_token_time is not None and self.num_output_tokens > 1:
-            m.tpot.labels(name).observe((self.last_token_time - self.first_token_time) / (self.num_output_tokens - 1))
+        timed = [c for c in self._choices.values() if c.first_token_time is not None]
+        decode_tokens = sum(max(c.num_output_tokens - 1, 0) for c in timed)
+        if decode_tokens > 0:
+            decode_time = sum(c.last_token_time - c.first_token_time for c in timed)
+            m.tpot.labels(name).observe(decode_time / decode_tokens)
         m.success.labels(name, finish_reason).inc()
         self._count_tokens()
 

@@ -9,9 +9,12 @@ Every error is OpenAI's error JSON with its status: 400 bad parameters (pydantic
 included, never 422), 404 another model id, 503 overloaded or dead backend, 500 anything else
 (generic message; the traceback goes to the log only).
 
-A client that disconnects has its request aborted on the backend: while waiting for the first
-delta or aggregating, a watcher on the ASGI receive channel cancels the work; while streaming,
-Starlette cancels the stream (serving.stream_sse then aborts).
+A request asks for one choice or several (`n`, a batch of prompts on /v1/completions): each is an
+engine request of its own (serving.py, fanout.py), and they succeed, fail and are aborted together.
+A client that disconnects has every choice aborted on the backend: while waiting for the first
+deltas or aggregating, a watcher on the ASGI receive channel cancels the work; while streaming,
+Starlette cancels the stream (serving.stream_sse then aborts), and a stream that never began
+is closed when its response ends (`_SSEResponse`).
 """
 
 from __future__ import annotations
@@ -19,17 +22,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from http import HTTPStatus
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from k3serve.cluster.metrics import IngressMetrics
+from k3serve.cluster.metrics import IngressMetrics, RequestTimer
 
 from .engine_client import EngineClient
 from .errors import APIError, error_body, error_response
+from .fanout import FanOut
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from .serving import (
     STATUS_CLIENT_GONE,
@@ -95,11 +99,10 @@ async def _serve(raw: Request, client: EngineClient, metrics: IngressMetrics,
     timer = metrics.start_request()
     try:
         prep = prepare()
-        first, stream = await _unless_disconnected(raw, start(client, prep, timer))
+        fan = await _unless_disconnected(raw, start(client, prep, timer))
         if prep.stream:
-            return StreamingResponse(stream_sse(client, prep, first, stream, timer),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
-        result = await _unless_disconnected(raw, aggregate(client, prep, first, stream, timer))
+            return _SSEResponse(stream_sse(prep, fan, timer), fan, timer)
+        result = await _unless_disconnected(raw, aggregate(prep, fan, timer))
         return JSONResponse(result.model_dump(mode="json"))
     except ClientGone:
         timer.fail(STATUS_CLIENT_GONE)
@@ -108,6 +111,23 @@ async def _serve(raw: Request, client: EngineClient, metrics: IngressMetrics,
         err = to_api_error(e)
         timer.fail(err.status)
         return error_response(err)
+
+
+class _SSEResponse(StreamingResponse):
+    """The SSE stream of a started request. Starlette may end the response without ever iterating its body (the
+    client gone before the first send), and then `stream_sse` never runs its cleanup: the response's own end
+    aborts whatever still runs (`close` is idempotent, a second `fail` counts nothing)."""
+
+    def __init__(self, body: AsyncIterator[str], fan: FanOut, timer: RequestTimer) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.fan, self.timer = fan, timer
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.timer.fail(STATUS_CLIENT_GONE)
+            await self.fan.close()
 
 
 async def _unless_disconnected(raw: Request, work: Awaitable[T]) -> T:

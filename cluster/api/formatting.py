@@ -1,8 +1,9 @@
-"""RequestDelta -> OpenAI chunks and responses, one formatter per route.
+"""RequestDelta -> OpenAI chunks and responses: a formatter per choice, `Choices` for the whole request.
 
-A formatter sees every delta of one request in order. Streaming sends what `chunks(delta)`
-returns; non-streaming feeds all deltas through the same formatter and asks for `response()`,
-so both modes produce the same text, logprobs and finish reason.
+A formatter sees every delta of one choice (one engine request) in order. Streaming sends what
+`chunks(delta)` returns; non-streaming feeds all deltas through the same formatter and asks for its
+`choice()`, so both modes produce the same text, logprobs and finish reason. `Choices` holds the
+formatters of one request in index order and builds what spans them: the response and the usage.
 
 Logprobs come as `TokenLogprobs` (chosen token first, then the top-n). Completions show them as
 `{tokens, token_logprobs, top_logprobs: [{token: logprob}] (chosen + top-n), text_offset}`;
@@ -10,6 +11,8 @@ chat as `{content: [{token, logprob, bytes, top_logprobs: [top-n]}]}`.
 """
 
 from __future__ import annotations
+
+from typing import Iterator, Union
 
 from k3serve.engine.outputs import RequestDelta, TokenLogprobs
 from k3serve.model.tokenizer import Tokenizer
@@ -31,13 +34,20 @@ from .protocol import (
     UsageInfo,
 )
 
+Chunk = Union[CompletionStreamResponse, ChatCompletionStreamResponse]
+
 
 class _Formatter:
-    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, continuous_usage: bool = False) -> None:
+    response_type: type[CompletionResponse | ChatCompletionResponse]
+    chunk_type: type[Chunk]
+
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, continuous_usage: bool = False,
+                 index: int = 0) -> None:
         self.request_id = request_id
         self.model = model
         self.tokenizer = tokenizer
         self.continuous_usage = continuous_usage
+        self.index = index  # the choice's index in the response
         self.text_parts: list[str] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -50,12 +60,10 @@ class _Formatter:
         if delta.finished:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
-    @property
-    def usage(self) -> UsageInfo:
-        return UsageInfo.of(self.num_prompt_tokens, self.num_output_tokens)
-
-    def _chunk_usage(self) -> UsageInfo | None:
-        return self.usage if self.continuous_usage else None
+    def _chunk(self, choice: CompletionChoice | ChatStreamChoice) -> Chunk:
+        """A chunk of this choice; with continuous usage, the choice's own usage so far (as vLLM)."""
+        usage = UsageInfo.of(self.num_prompt_tokens, self.num_output_tokens) if self.continuous_usage else None
+        return self.chunk_type(id=self.request_id, model=self.model, choices=[choice], usage=usage)
 
     def token_bytes(self, token_id: int) -> bytes:
         return self.tokenizer.convert_ids_to_bytes([token_id])[0]
@@ -71,8 +79,11 @@ class _Formatter:
 
 
 class CompletionFormatter(_Formatter):
-    """With `echo_prompt` (the prompt's token ids; `echo`), the first delta's text and logprobs are preceded by the
-    prompt's: its text, and with logprobs its tokens' (the first has none: null, as in OpenAI's and vLLM's echo)."""
+    """One choice of a completion. With `echo_prompt` (its prompt's token ids; `echo`), the first delta's text and
+    logprobs are preceded by the prompt's: its text, and with logprobs its tokens' (the first has none: null, as in
+    OpenAI's and vLLM's echo)."""
+
+    response_type, chunk_type = CompletionResponse, CompletionStreamResponse
 
     def __init__(self, *args, echo_prompt: list[int] | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -133,13 +144,8 @@ class CompletionFormatter(_Formatter):
         text, logprobs = self.add(delta)
         if not (text or delta.finished or logprobs is not None):
             return []  # nothing to show yet (partial UTF-8, held-back stop prefix)
-        choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=delta.finish_reason,
-                                  stop_reason=delta.stop_reason)
-        return [CompletionStreamResponse(id=self.request_id, model=self.model, choices=[choice],
-                                         usage=self._chunk_usage())]
-
-    def usage_chunk(self) -> CompletionStreamResponse:
-        return CompletionStreamResponse(id=self.request_id, model=self.model, choices=[], usage=self.usage)
+        return [self._chunk(CompletionChoice(index=self.index, text=text, logprobs=logprobs,
+                                             finish_reason=delta.finish_reason, stop_reason=delta.stop_reason))]
 
     def _extend(self, logprobs: CompletionLogprobs) -> None:
         if self.logprobs is None:
@@ -147,13 +153,17 @@ class CompletionFormatter(_Formatter):
         for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
             getattr(self.logprobs, name).extend(getattr(logprobs, name))
 
-    def response(self) -> CompletionResponse:
-        choice = CompletionChoice(text="".join(self.text_parts), logprobs=self.logprobs,
-                                  finish_reason=self.finish_reason, stop_reason=self.stop_reason)
-        return CompletionResponse(id=self.request_id, model=self.model, choices=[choice], usage=self.usage)
+    def choice(self) -> CompletionChoice:
+        """The whole choice, after its last delta."""
+        return CompletionChoice(index=self.index, text="".join(self.text_parts), logprobs=self.logprobs,
+                                finish_reason=self.finish_reason, stop_reason=self.stop_reason)
 
 
 class ChatFormatter(_Formatter):
+    """One choice of a chat completion."""
+
+    response_type, chunk_type = ChatCompletionResponse, ChatCompletionStreamResponse
+
     def __init__(self, *args, top_logprobs: int = 0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.top_logprobs = top_logprobs
@@ -168,11 +178,8 @@ class ChatFormatter(_Formatter):
         return ChatLogprob(**first.model_dump(), top_logprobs=[top(t, lp) for t, lp in ranked])
 
     def role_chunk(self) -> ChatCompletionStreamResponse:
-        """The first chunk: role "assistant", empty content."""
-        choice = ChatStreamChoice(delta=DeltaMessage(role="assistant", content=""))
-        return ChatCompletionStreamResponse(id=self.request_id, model=self.model, choices=[choice],
-                                            usage=UsageInfo.of(self.num_prompt_tokens, 0) if self.continuous_usage
-                                            else None)
+        """The choice's first chunk, before any delta: role "assistant", empty content."""
+        return self._chunk(ChatStreamChoice(index=self.index, delta=DeltaMessage(role="assistant", content="")))
 
     def add(self, delta: RequestDelta) -> ChatLogprobs | None:
         """Take one delta into the response; returns its own logprobs (None if not asked)."""
@@ -187,16 +194,55 @@ class ChatFormatter(_Formatter):
         logprobs = self.add(delta)
         if not (delta.new_text or delta.finished or logprobs is not None):
             return []
-        choice = ChatStreamChoice(delta=DeltaMessage(content=delta.new_text) if delta.new_text else DeltaMessage(),
-                                  logprobs=logprobs, finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
-        return [ChatCompletionStreamResponse(id=self.request_id, model=self.model, choices=[choice],
-                                             usage=self._chunk_usage())]
+        message = DeltaMessage(content=delta.new_text) if delta.new_text else DeltaMessage()
+        return [self._chunk(ChatStreamChoice(index=self.index, delta=message, logprobs=logprobs,
+                                             finish_reason=delta.finish_reason, stop_reason=delta.stop_reason))]
 
-    def usage_chunk(self) -> ChatCompletionStreamResponse:
-        return ChatCompletionStreamResponse(id=self.request_id, model=self.model, choices=[], usage=self.usage)
+    def choice(self) -> ChatChoice:
+        """The whole choice, after its last delta."""
+        return ChatChoice(index=self.index, message=AssistantMessage(content="".join(self.text_parts)),
+                          logprobs=None if self.logprobs is None else ChatLogprobs(content=self.logprobs),
+                          finish_reason=self.finish_reason, stop_reason=self.stop_reason)
 
-    def response(self) -> ChatCompletionResponse:
-        choice = ChatChoice(message=AssistantMessage(content="".join(self.text_parts)),
-                            logprobs=None if self.logprobs is None else ChatLogprobs(content=self.logprobs),
-                            finish_reason=self.finish_reason, stop_reason=self.stop_reason)
-        return ChatCompletionResponse(id=self.request_id, model=self.model, choices=[choice], usage=self.usage)
+
+Formatter = Union[CompletionFormatter, ChatFormatter]
+
+
+class Choices:
+    """The formatters of one request's choices, in index order: choice `prompt * n + j` is the j-th sample of the
+    request's prompt `prompt` (vLLM's order for a batch of prompts)."""
+
+    def __init__(self, formatters: list[Formatter], n: int) -> None:
+        self.formatters = formatters
+        self.n = n
+
+    def __getitem__(self, index: int) -> Formatter:
+        return self.formatters[index]
+
+    def __iter__(self) -> Iterator[Formatter]:
+        return iter(self.formatters)
+
+    def prompt_of(self, index: int) -> int:
+        return index // self.n
+
+    @property
+    def usage(self) -> UsageInfo:
+        """Each prompt's tokens once, however many choices it has (OpenAI bills a prompt once; vLLM counts so); the
+        completion tokens of every choice."""
+        prompt = sum(f.num_prompt_tokens for f in self.formatters[:: self.n])
+        return UsageInfo.of(prompt, sum(f.num_output_tokens for f in self.formatters))
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The first choice's: the request counters count a request once, by one reason."""
+        return self.formatters[0].finish_reason
+
+    def response(self) -> CompletionResponse | ChatCompletionResponse:
+        first = self.formatters[0]
+        return first.response_type(id=first.request_id, model=first.model,
+                                   choices=[f.choice() for f in self.formatters], usage=self.usage)
+
+    def usage_chunk(self) -> Chunk:
+        """The last chunk before [DONE] (include_usage): no choice, the whole request's usage."""
+        first = self.formatters[0]
+        return first.chunk_type(id=first.request_id, model=first.model, choices=[], usage=self.usage)

@@ -25,6 +25,10 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 logger = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20  # top logprobs per token, at most (vLLM's default max_logprobs)
+MAX_CHOICES = 64
+"""Choices a request asks for, at most: `n`, and for a batch of prompts `n` times their number. Each choice is one
+engine request; 64 is an engine's default `max_num_seqs`, so that one request at the cap can run whole on an idle
+replica (vLLM has no cap; OpenAI's `n` goes to 128)."""
 
 
 # ---- what is refused ---------------------------------------------------------------------------
@@ -107,14 +111,16 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None
     """Token id (a decimal string, as JSON keys are) -> bias in [-100, 100] added to its logit."""
     n: int = 1
+    """Choices for the prompt (each prompt of a batch), in [1, MAX_CHOICES]: one engine request each. With a seed,
+    choice j samples with seed + j (vLLM's rule): the choices differ, and the same seed gives the same choices."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
 
     @model_validator(mode="after")
     def _check_shared(self) -> "_SamplingFields":
-        if self.n != 1:
-            raise _field_error(type(self), "n", f"must be 1 (one choice per request), got {self.n}", self.n)
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise _field_error(type(self), "n", f"must be in [1, {MAX_CHOICES}], got {self.n}", self.n)
         if self.stream_options is not None and not self.stream:
             raise _field_error(type(self), "stream_options", "is only allowed when stream is true", None)
         for name, value in (self.model_extra or {}).items():
@@ -126,7 +132,8 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    """Text or token ids; a batch (list of prompts) must hold exactly one."""
+    """Text or token ids, or a batch: a list of texts or of token-id lists. Each prompt gets `n` choices, choice
+    `prompt_index * n + j` its j-th (vLLM's order); `n` times the number of prompts is at most MAX_CHOICES."""
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     """Logprob of each sampled token plus this many top alternatives."""

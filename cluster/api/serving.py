@@ -1,28 +1,29 @@
-"""One request's life at the ingress: prepare -> first delta -> stream or aggregate -> clean up.
+"""One request's life at the ingress: prepare -> first deltas -> stream or aggregate -> clean up.
 
-    prepare_*   body -> Prepared: token ids (chat template applied), SamplingParams, checks
-                (model id, context length, batch of one); raises APIError.
-    start       opens the backend stream and waits for its first delta, so that every error
-                the backend raises before generating (ValueError, overload, dead engine) still
-                gets its own status instead of a 200 stream.
+    prepare_*   body -> Prepared: an engine request and a formatter per choice (the `n` samples of
+                each prompt of a batch), token ids (chat template applied), SamplingParams, checks
+                (model id, context length, number of choices); raises APIError.
+    start       opens the engine requests (`FanOut`) and waits for the first delta of each, so that
+                every error the backend raises before generating (ValueError, overload, dead
+                engine) still gets its own status instead of a 200 stream.
     stream_sse / aggregate
-                the rest of the deltas, as SSE lines or as one response.
+                the rest of the deltas, as SSE lines (choices interleaved as they come) or as one
+                response (choices in index order).
 
-Whatever ends a request early (client gone, cancellation, error) aborts it on the backend:
-`_close` calls `client.abort` and closes the iterator, shielded from the cancellation that is
-usually the reason it runs.
+Whatever ends a request early (client gone, cancellation, an error of any choice) aborts every
+choice on the backend: `FanOut.close`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import re
 import uuid
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import AsyncIterator, Union
-
-import anyio
+from typing import AsyncIterator, Callable
 
 from k3serve.engine.async_engine import EngineDeadError, GenerateRequest
 from k3serve.engine.outputs import RequestDelta
@@ -32,42 +33,40 @@ from k3serve.cluster.metrics import RequestTimer
 
 from .engine_client import EngineClient
 from .errors import APIError, EngineOverloadedError, bad_request, error_body
-from .formatting import ChatFormatter, CompletionFormatter
-from .protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from .fanout import FanOut
+from .formatting import ChatFormatter, Choices, CompletionFormatter, Formatter
+from .protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, _SamplingFields
 
 logger = logging.getLogger(__name__)
 
 STATUS_CLIENT_GONE = 499  # nginx's "client closed request": counted, never sent
 
-Formatter = Union[CompletionFormatter, ChatFormatter]
-
 
 @dataclass
 class Prepared:
-    request_id: str
-    prompt_token_ids: list[int]  # [num_prompt_tokens]
-    params: SamplingParams
+    request_id: str  # the response's id
+    requests: list[GenerateRequest]  # an engine request per choice, in choice index order
+    choices: Choices  # a formatter per choice, in the same order
     stream: bool
     include_usage: bool
-    formatter: Formatter
     is_chat: bool
-
-    @property
-    def generate_request(self) -> GenerateRequest:
-        return GenerateRequest(self.request_id, self.prompt_token_ids, self.params)
 
 
 # ---- prepare ----------------------------------------------------------------------------------
 def prepare_completion(body: CompletionRequest, client: EngineClient) -> Prepared:
     _check_model(body.model, client)
-    prompt_ids = _completion_prompt(body.prompt, client)
-    max_tokens = _fit_context(len(prompt_ids), body.max_tokens, client.max_model_len, "prompt")
     prompt_logprobs = body.logprobs if body.echo else None
-    params = _sampling_params(body, max_tokens, body.logprobs, client, prompt_logprobs)
+    prompts = []
+    for prompt_ids in _completion_prompts(body.prompt, body.n, client):
+        max_tokens = _fit_context(len(prompt_ids), body.max_tokens, client.max_model_len, "prompt")
+        prompts.append((prompt_ids, _sampling_params(body, max_tokens, body.logprobs, client, prompt_logprobs)))
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    formatter = CompletionFormatter(request_id, client.model_name, client.tokenizer, _continuous(body),
-                                    echo_prompt=prompt_ids if body.echo else None)
-    return _prepared(request_id, prompt_ids, params, body, formatter, is_chat=False)
+
+    def formatter(index: int, prompt_ids: list[int]) -> Formatter:  # each choice echoes its own prompt
+        return CompletionFormatter(request_id, client.model_name, client.tokenizer, _continuous(body), index=index,
+                                   echo_prompt=prompt_ids if body.echo else None)
+
+    return _prepared(request_id, prompts, body, formatter, is_chat=False)
 
 
 def prepare_chat(body: ChatCompletionRequest, client: EngineClient) -> Prepared:
@@ -81,16 +80,35 @@ def prepare_chat(body: ChatCompletionRequest, client: EngineClient) -> Prepared:
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling_params(body, max_tokens, logprobs, client)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    formatter = ChatFormatter(request_id, client.model_name, client.tokenizer, _continuous(body),
-                              top_logprobs=body.top_logprobs or 0)
-    return _prepared(request_id, prompt_ids, params, body, formatter, is_chat=True)
+
+    def formatter(index: int, prompt_ids: list[int]) -> Formatter:
+        return ChatFormatter(request_id, client.model_name, client.tokenizer, _continuous(body), index=index,
+                             top_logprobs=body.top_logprobs or 0)
+
+    return _prepared(request_id, [(prompt_ids, params)], body, formatter, is_chat=True)
 
 
-def _prepared(request_id: str, prompt_ids: list[int], params: SamplingParams, body: _SamplingFields,
-              formatter: Formatter, is_chat: bool) -> Prepared:
-    formatter.num_prompt_tokens = len(prompt_ids)
+def _prepared(request_id: str, prompts: list[tuple[list[int], SamplingParams]], body: _SamplingFields,
+              formatter: Callable[[int, list[int]], Formatter], is_chat: bool) -> Prepared:
+    """An engine request and a formatter per choice: `n` of each prompt, choice `prompt * n + j` the j-th sample of
+    `prompt` (vLLM's order). A request of one choice keeps the response's id on the engine; several are told apart
+    by their index."""
+    n, requests, formatters = body.n, [], []
+    for prompt_ids, params in prompts:
+        for sample in range(n):
+            index = len(requests)
+            engine_id = request_id if len(prompts) * n == 1 else f"{request_id}-{index}"
+            requests.append(GenerateRequest(engine_id, prompt_ids, _sample_params(params, sample)))
+            formatters.append(formatter(index, prompt_ids))
+            formatters[-1].num_prompt_tokens = len(prompt_ids)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    return Prepared(request_id, prompt_ids, params, body.stream, include_usage, formatter, is_chat)
+    return Prepared(request_id, requests, Choices(formatters, n), body.stream, include_usage, is_chat)
+
+
+def _sample_params(params: SamplingParams, sample: int) -> SamplingParams:
+    """The j-th sample's own copy of the prompt's params. With a seed, seed + j (vLLM's `ParentRequest` rule): the
+    samples differ from each other, and the same seed reproduces every one of them (sample 0 is what n = 1 gives)."""
+    return dataclasses.replace(params, seed=None if params.seed is None else params.seed + sample)
 
 
 def _continuous(body: _SamplingFields) -> bool:
@@ -102,16 +120,20 @@ def _check_model(model: str | None, client: EngineClient) -> None:
         raise APIError(HTTPStatus.NOT_FOUND, f"The model `{model}` does not exist.", "model")
 
 
-def _completion_prompt(prompt: str | list, client: EngineClient) -> list[int]:
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):  # a batch
-        if len(prompt) != 1:
-            raise bad_request(f"batched prompts are not supported: send one prompt per request (got {len(prompt)})",
+def _completion_prompts(prompt: str | list, n: int, client: EngineClient) -> list[list[int]]:
+    """The prompt, or each prompt of a batch, as token ids."""
+    batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+    if len(batch) * n > MAX_CHOICES:
+        raise bad_request(f"a request has at most {MAX_CHOICES} choices (n times the number of prompts), got "
+                          f"{len(batch)} prompts with n={n}: split the batch", "prompt")
+    prompts = []
+    for i, one in enumerate(batch):
+        ids = client.tokenizer.encode(one) if isinstance(one, str) else list(one)
+        if not ids:
+            raise bad_request("the prompt is empty" if len(batch) == 1 else f"prompt {i} of the batch is empty",
                               "prompt")
-        prompt = prompt[0]
-    ids = client.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    if not ids:
-        raise bad_request("the prompt is empty", "prompt")
-    return ids
+        prompts.append(ids)
+    return prompts
 
 
 def _fit_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, what: str) -> int:
@@ -197,101 +219,57 @@ def _remote_cause(e: ValueError) -> ValueError:
     return cause if isinstance(cause, ValueError) else e
 
 
-# ---- run --------------------------------------------------------------------------------------
-async def start(client: EngineClient, prep: Prepared,
-                timer: RequestTimer) -> tuple[RequestDelta, AsyncIterator[RequestDelta]]:
-    """Open the backend stream and wait for its first delta (errors before it propagate)."""
-    stream = client.generate(prep.generate_request)
-    try:
-        first = await anext(stream)
-    except StopAsyncIteration:
-        await _close(client, prep.request_id, stream)
-        raise RuntimeError(f"{prep.request_id}: the backend ended the stream without a delta") from None
-    except BaseException:
-        await _close(client, prep.request_id, stream)
-        raise
-    _observe(timer, first)
-    return first, stream
+# ---- run ----------------------------------------------------------------------------------------
+async def start(client: EngineClient, prep: Prepared, timer: RequestTimer) -> FanOut:
+    """Open every choice's engine request and wait for each one's first delta (errors before them propagate)."""
+
+    def observe(index: int, delta: RequestDelta) -> None:  # as soon as it arrives: TTFT / ITL
+        timer.on_delta(len(delta.new_token_ids), delta.num_prompt_tokens, delta.num_output_tokens, choice=index,
+                       prompt=prep.choices.prompt_of(index))
+
+    fan = FanOut(client, prep.requests, observe)
+    await fan.start()
+    return fan
 
 
-async def stream_sse(client: EngineClient, prep: Prepared, first: RequestDelta,
-                     stream: AsyncIterator[RequestDelta], timer: RequestTimer) -> AsyncIterator[str]:
-    """SSE lines: [role chunk,] content chunks, [usage chunk,] [DONE]. An error after the first
-    chunk is sent as an error event (the status is already 200)."""
-    fmt, finished, failed = prep.formatter, False, False
+async def stream_sse(prep: Prepared, fan: FanOut, timer: RequestTimer) -> AsyncIterator[str]:
+    """SSE lines: [a role chunk per choice,] content chunks of the choices as they come, each ending with its
+    finish reason, [usage chunk,] [DONE]. An error after the first chunk is sent as an error event (the status is
+    already 200)."""
+    choices = prep.choices
     try:
         if prep.is_chat:
-            yield _sse(fmt.role_chunk())
-        delta = first
-        while True:
-            for chunk in fmt.chunks(delta):
+            for fmt in choices:
+                yield _sse(fmt.role_chunk())
+        async for index, delta in fan:
+            for chunk in choices[index].chunks(delta):
                 yield _sse(chunk)
-            if delta.finished:
-                finished = True
-                break
-            delta = _observe(timer, await _next(stream, prep.request_id))
+        timer.finish(choices.finish_reason)
         if prep.include_usage:
-            yield _sse(fmt.usage_chunk())
-        timer.finish(fmt.finish_reason)
+            yield _sse(choices.usage_chunk())
         yield "data: [DONE]\n\n"
     except Exception as e:
-        failed, err = True, to_api_error(e)
+        err = to_api_error(e)
         timer.fail(err.status)
         yield f"data: {_json(error_body(err.status, err.message, err.param, err.type))}\n\n"
         yield "data: [DONE]\n\n"
     finally:
-        if not (finished or failed):  # the client went away (cancelled, or the generator was closed)
-            timer.fail(STATUS_CLIENT_GONE)
-        await _close(client, prep.request_id, stream, abort=not finished)
+        timer.fail(STATUS_CLIENT_GONE)  # unless counted above: the client went away (cancelled, generator closed)
+        await fan.close()
 
 
-async def aggregate(client: EngineClient, prep: Prepared, first: RequestDelta,
-                    stream: AsyncIterator[RequestDelta], timer: RequestTimer):
+async def aggregate(prep: Prepared, fan: FanOut, timer: RequestTimer):
     """All deltas folded into one response model."""
-    fmt, finished = prep.formatter, False
     try:
-        delta = first
-        while True:
-            fmt.add(delta)
-            if delta.finished:
-                finished = True
-                break
-            delta = _observe(timer, await _next(stream, prep.request_id))
+        async for index, delta in fan:
+            prep.choices[index].add(delta)
     finally:
-        await _close(client, prep.request_id, stream, abort=not finished)
-    timer.finish(fmt.finish_reason)
-    return fmt.response()
-
-
-def _observe(timer: RequestTimer, delta: RequestDelta) -> RequestDelta:
-    """Time a delta as soon as it arrives (TTFT / ITL), before any formatting."""
-    timer.on_delta(len(delta.new_token_ids), delta.num_prompt_tokens, delta.num_output_tokens)
-    return delta
-
-
-async def _next(stream: AsyncIterator[RequestDelta], request_id: str) -> RequestDelta:
-    try:
-        return await anext(stream)
-    except StopAsyncIteration:
-        raise RuntimeError(f"{request_id}: the backend ended the stream before a finished delta") from None
-
-
-async def _close(client: EngineClient, request_id: str, stream: AsyncIterator[RequestDelta],
-                 abort: bool = True) -> None:
-    with anyio.CancelScope(shield=True):
-        try:
-            if abort:
-                await client.abort(request_id)
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                await aclose()
-        except Exception:
-            logger.exception("%s: cleanup failed", request_id)
+        await fan.close()
+    timer.finish(prep.choices.finish_reason)
+    return prep.choices.response()
 
 
 def _json(data: dict) -> str:
-    import json
-
     return json.dumps(data, separators=(",", ":"))
 
 

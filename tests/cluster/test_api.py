@@ -3,7 +3,9 @@ noise, so tests compare runs with each other, not with expected words)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from typing import Callable
 
 import httpx
 import pytest
@@ -11,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from k3serve.cluster.api import EngineClient, EngineOverloadedError, build_app
+from k3serve.cluster.api.protocol import MAX_CHOICES
 from k3serve.cluster.metrics import ITL_BUCKETS, REQUEST_TIME_BUCKETS, TTFT_BUCKETS, IngressMetrics
 from k3serve.engine.async_engine import EngineDeadError
 
@@ -20,6 +23,8 @@ pytestmark = pytest.mark.anyio
 
 PROMPT = "Return a new dictionary with the keys"
 GREEDY = {"temperature": 0.0}
+CHAT = "/v1/chat/completions"
+HI = [{"role": "user", "content": "hi"}]
 
 
 def parse_sse(body: str) -> list[dict | str]:
@@ -244,17 +249,125 @@ async def test_metrics_after_traffic(http, client):
         assert les == [*buckets, float("inf")], name
 
 
+# ---- several choices: n, and a batch of prompts -----------------------------------------------------
+OTHER_PROMPT = "Sort the list of numbers in place"
+SAMPLED = {"temperature": 1.0, "seed": 4321, "ignore_eos": True}
+
+
+def by_choice(chunks: list[dict], key: Callable[[dict], str]) -> dict[int, list]:
+    """Each choice's pieces (`key` of its stream choice), in stream order, by index."""
+    out: dict[int, list] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            out.setdefault(choice["index"], []).append(key(choice))
+    return out
+
+
+async def test_n_seeded_choices_are_the_samples_of_seed_plus_j(http, client):
+    """vLLM's rule: with a seed, choice j samples with seed + j, so the choices differ and each is what a request of
+    one choice with seed + j answers. The prompt is billed once; every choice's tokens are."""
+    r = await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 6, "n": 3, **SAMPLED})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    texts = [c["text"] for c in body["choices"]]
+    assert len(set(texts)) == 3, texts
+    for j, text in enumerate(texts):
+        one = await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 6, **SAMPLED,
+                                                       "seed": SAMPLED["seed"] + j})
+        assert one.json()["choices"][0]["text"] == text, j
+    num_prompt = len(client.tokenizer.encode(PROMPT))
+    assert body["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 18, "total_tokens": num_prompt + 18}
+
+
+async def test_batch_choices_are_prompt_major_and_echo_their_own_prompt(http, client):
+    """Choice i * n + j is the j-th sample of prompt i (vLLM's order); with echo and logprobs, each choice carries its
+    own prompt's text and logprobs before its own; usage counts each prompt once."""
+    prompts = [client.tokenizer.encode(PROMPT), client.tokenizer.encode(OTHER_PROMPT)]
+    payload = {"prompt": prompts, "n": 2, "max_tokens": 3, "echo": True, "logprobs": 1, "ignore_eos": True, **GREEDY}
+    r = await http.post("/v1/completions", json=payload)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    for i, prompt in enumerate(prompts):
+        alone = (await http.post("/v1/completions", json={**payload, "prompt": prompt, "n": 1})).json()["choices"][0]
+        for choice in body["choices"][2 * i : 2 * i + 2]:
+            assert choice["text"] == alone["text"]  # greedy: both samples are the greedy text
+            assert choice["text"].startswith(client.tokenizer.decode(prompt, skip_special_tokens=False))
+            lp, alone_lp = choice["logprobs"], alone["logprobs"]
+            assert lp["tokens"] == alone_lp["tokens"] and len(lp["tokens"]) == len(prompt) + 3
+            assert lp["token_logprobs"][0] is None  # the first prompt token has no context
+            assert lp["token_logprobs"][1:] == pytest.approx(alone_lp["token_logprobs"][1:], abs=1e-4)  # batched
+    num_prompt = len(prompts[0]) + len(prompts[1])
+    assert body["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 12, "total_tokens": num_prompt + 12}
+
+
+async def test_batch_stream_interleaves_choices_each_finishing_once(http):
+    payload = {"prompt": [PROMPT, OTHER_PROMPT], "n": 2, "max_tokens": 5, **SAMPLED}
+    whole = (await http.post("/v1/completions", json=payload)).json()
+    r = await http.post("/v1/completions", json={**payload, "stream": True, "stream_options": {"include_usage": True}})
+    *content, last = parse_sse(r.text)
+    assert all(len(c["choices"]) == 1 and c["id"] == content[0]["id"] for c in content)
+    texts, reasons = by_choice(content, lambda c: c["text"]), by_choice(content, lambda c: c["finish_reason"])
+    assert {i: "".join(t) for i, t in texts.items()} == {c["index"]: c["text"] for c in whole["choices"]}
+    assert all(r[-1] == "length" and r[:-1] == [None] * (len(r) - 1) for r in reasons.values()), reasons
+    assert last["choices"] == [] and last["usage"] == whole["usage"]
+
+
+async def test_chat_n_streams_a_role_chunk_per_choice_then_their_content(http, client):
+    payload = {"messages": HI, "n": 2, "max_tokens": 4, **SAMPLED}
+    whole = (await http.post(CHAT, json=payload)).json()
+    contents = [c["message"]["content"] for c in whole["choices"]]
+    assert [c["index"] for c in whole["choices"]] == [0, 1] and contents[0] != contents[1]
+    num_prompt = len(client.tokenizer.encode_chat(HI))
+    assert whole["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 8, "total_tokens": num_prompt + 8}
+    r = await http.post(CHAT, json={**payload, "stream": True, "stream_options": {"include_usage": True}})
+    *content, last = parse_sse(r.text)
+    roles = [(c["choices"][0]["index"], c["choices"][0]["delta"]) for c in content[:2]]
+    assert roles == [(0, {"role": "assistant", "content": ""}), (1, {"role": "assistant", "content": ""})]
+    streamed = by_choice(content[2:], lambda c: c["delta"].get("content", ""))
+    assert ["".join(streamed[0]), "".join(streamed[1])] == contents
+    assert last["choices"] == [] and last["usage"] == whole["usage"]
+
+
+async def test_metrics_count_a_request_of_several_choices_once(http, client, metrics):
+    """One HTTP request is one request in the counters; its tokens are all its choices' (each prompt once); ITL is
+    timed within a choice, so 4 choices of 3 tokens give 4 x 2 intervals."""
+    await http.post("/v1/completions", json={"prompt": [PROMPT, OTHER_PROMPT], "n": 2, "max_tokens": 3, **SAMPLED})
+    name = client.model_name
+    assert metrics.success.labels(name, "length")._value.get() == 1
+    assert metrics.generation_tokens.labels(name)._value.get() == 12
+    num_prompt = len(client.tokenizer.encode(PROMPT)) + len(client.tokenizer.encode(OTHER_PROMPT))
+    assert metrics.prompt_tokens.labels(name)._value.get() == num_prompt
+    samples = metric_samples(metrics.render().decode())
+    count = {n: samples[(f"k3serve:{n}_count", (("model_name", name),))] for n in
+             ("time_to_first_token_seconds", "inter_token_latency_seconds", "time_per_output_token_seconds",
+              "e2e_request_latency_seconds")}
+    assert count == {"time_to_first_token_seconds": 1, "inter_token_latency_seconds": 8,
+                     "time_per_output_token_seconds": 1, "e2e_request_latency_seconds": 1}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_one_failing_choice_fails_the_request_and_aborts_the_others(http, client, engine, stream):
+    """The second prompt has a token outside the vocabulary (the engine refuses it); the first, already running,
+    is aborted: nothing keeps generating for a request that has failed."""
+    payload = {"prompt": [[1, 2, 3], [1, 2, 10**6]], "max_tokens": 400, "ignore_eos": True, "stream": stream}
+    assert_error(await http.post("/v1/completions", json=payload), 400)
+    await wait_pools_free(engine, timeout=3.0)  # 400 tokens would take far longer
+    assert len(client.aborted) == 2
+
+
 # ---- errors -------------------------------------------------------------------------------------
-CHAT = "/v1/chat/completions"
-HI = [{"role": "user", "content": "hi"}]
 BAD_REQUESTS = {  # id: (route, payload, expected param)
     "temperature-type": ("/v1/completions", {"prompt": PROMPT, "temperature": "hot"}, "temperature"),
     "temperature-range": ("/v1/completions", {"prompt": PROMPT, "temperature": 5}, "temperature"),
     "top_p-sampling-params": ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, "top_p"),
     "max_tokens-0": ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
     "no-prompt": ("/v1/completions", {"max_tokens": 4}, "prompt"),
-    "n-2": ("/v1/completions", {"prompt": PROMPT, "n": 2}, "n"),
-    "batch-of-2": ("/v1/completions", {"prompt": [PROMPT, PROMPT]}, "prompt"),
+    "n-0": ("/v1/completions", {"prompt": PROMPT, "n": 0}, "n"),
+    "n-over-max": (CHAT, {"messages": HI, "n": MAX_CHOICES + 1}, "n"),
+    "batch-times-n-over-max": ("/v1/completions", {"prompt": [PROMPT] * (MAX_CHOICES // 2 + 1), "n": 2}, "prompt"),
+    "batch-with-an-empty-prompt": ("/v1/completions", {"prompt": [[1, 2], []]}, "prompt"),
     "empty-prompt": ("/v1/completions", {"prompt": []}, "prompt"),
     "logprobs-50": ("/v1/completions", {"prompt": PROMPT, "logprobs": 50}, "logprobs"),
     "stream_options-no-stream": ("/v1/completions", {"prompt": PROMPT, "stream_options": {"include_usage": True}},
@@ -355,11 +468,13 @@ async def test_overloaded_is_503_and_crash_is_generic_500(http, client, stream):
     assert "secret" not in error["message"]
 
 
+@pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("stream", [False, True])
-async def test_backend_failing_mid_stream(http, client, engine, metrics, stream):
-    """After the first delta a stream is already 200: the error comes as an SSE error event."""
+async def test_backend_failing_mid_stream(http, client, engine, metrics, stream, n):
+    """After the first delta a stream is already 200: the error comes as an SSE error event. Every choice is
+    aborted, and the request counts as one error."""
     client.fail_after_first = EngineDeadError("engine thread died")
-    r = await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 50, "stream": stream})
+    r = await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 50, "stream": stream, "n": n})
     if stream:
         assert r.status_code == 200
         *chunks, error = parse_sse(r.text)
@@ -368,7 +483,7 @@ async def test_backend_failing_mid_stream(http, client, engine, metrics, stream)
     else:
         assert_error(r, 503)
     await wait_pools_free(engine)
-    assert len(client.aborted) == 1
+    assert len(client.aborted) == n
     assert metrics.errors.labels(client.model_name, "503")._value.get() == 1
 
 
@@ -397,23 +512,51 @@ async def test_uvicorn_streaming_chat(server_url, client):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 16
 
 
-async def test_disconnect_while_streaming_frees_the_engine(server_url, client, engine, metrics):
-    payload = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+CHOICES = {"1-choice": ({"prompt": PROMPT}, 1), "4-choices": ({"prompt": [PROMPT, OTHER_PROMPT], "n": 2}, 4)}
+
+
+@pytest.mark.parametrize("choices,num_choices", CHOICES.values(), ids=CHOICES.keys())
+async def test_disconnect_while_streaming_frees_the_engine(server_url, client, engine, metrics, choices, num_choices):
+    payload = {**choices, "max_tokens": 400, "ignore_eos": True, "stream": True}
     async with httpx.AsyncClient(base_url=server_url, timeout=30) as h:
         async with h.stream("POST", "/v1/completions", json=payload) as r:
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     break  # one chunk, then hang up
     await wait_pools_free(engine, timeout=3.0)  # 400 tokens would take far longer
-    assert len(client.aborted) == 1
+    assert len(client.aborted) == num_choices
     assert metrics.errors.labels(client.model_name, "499")._value.get() == 1
 
 
-async def test_disconnect_while_waiting_frees_the_engine(server_url, client, engine, metrics):
-    payload = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+async def test_stream_never_sent_frees_the_engine(app, client, engine, metrics):
+    """The client is gone before the response starts (the ASGI send fails at once, as a server of ASGI spec 2.4
+    reports it): Starlette never iterates the stream's body, and the choices are still aborted."""
+    body = json.dumps({**CHOICES["4-choices"][0], "max_tokens": 400, "ignore_eos": True, "stream": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    messages = iter([{"type": "http.request", "body": body, "more_body": False}])
+
+    async def receive() -> dict:
+        return next(messages, None) or await asyncio.Event().wait()  # then nothing: the client sends no more
+
+    async def send(message: dict) -> None:
+        raise OSError("the client is gone")
+
+    with pytest.raises(Exception):
+        await app(scope, receive, send)
+    await wait_pools_free(engine, timeout=3.0)
+    assert len(client.aborted) == 4
+    assert metrics.errors.labels(client.model_name, "499")._value.get() == 1
+
+
+@pytest.mark.parametrize("choices,num_choices", CHOICES.values(), ids=CHOICES.keys())
+async def test_disconnect_while_waiting_frees_the_engine(server_url, client, engine, metrics, choices, num_choices):
+    payload = {**choices, "max_tokens": 400, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=server_url, timeout=0.3) as h:
         with pytest.raises(httpx.ReadTimeout):
             await h.post("/v1/completions", json=payload)
     await wait_pools_free(engine, timeout=3.0)
-    assert len(client.aborted) == 1
+    assert len(client.aborted) == num_choices
     assert metrics.errors.labels(client.model_name, "499")._value.get() == 1

@@ -13,6 +13,9 @@ Spec:
 - `logit_bias` applies to every generated token, the first (sampled on the prefill engine) included.
 - `echo` puts the prompt before the completion; with logprobs, the prompt tokens' logprobs too (the first null),
   the same on both servers (the disaggregated one scores the prompt on its prefill engine), streamed or not.
+- A batch of prompts with `n` > 1 answers every (prompt, sample) as a choice, prompt-major; seeded, sample j is the
+  sample of seed + j, so a prompt's choices differ and the same request gives the same choices again. Each choice
+  is an ordinary engine request: the disaggregated router serves them as any other.
 """
 
 from __future__ import annotations
@@ -190,6 +193,24 @@ def test_logit_bias_forces_every_token_the_first_included(any_server: Server, to
                                       logit_bias={str(10**6): 1}, **GREEDY)
     assert out.choices[0].logprobs.tokens == [" the"] * 4 and out.choices[0].text == " the" * 4
     assert refused.value.param == "logit_bias" and "Traceback" not in refused.value.message
+
+
+@pytest.mark.timeout(300)
+def test_batch_of_prompts_with_n_seeded_choices(any_server: Server, tokenizer: Tokenizer) -> None:
+    prompts = PROMPTS[4:6]
+    request = dict(model=any_server.model, prompt=prompts, n=2, seed=11, temperature=1.0, max_tokens=4,
+                   extra_body={"ignore_eos": True})
+    with client_of(any_server) as client:
+        out = client.completions.create(**request)
+        again = client.completions.create(**request)
+        alone = client.completions.create(**{**request, "prompt": prompts[1], "n": 1, "seed": 12})
+    texts = [c.text for c in out.choices]
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert texts[0] != texts[1] and texts[2] != texts[3], texts  # seeds 11 and 12 sample differently
+    assert [c.text for c in again.choices] == texts
+    assert alone.choices[0].text == texts[3]  # choice 3: prompt 1's sample 1, seed 11 + 1
+    assert out.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in prompts)  # each prompt once
+    assert out.usage.completion_tokens == 4 * 4
 
 
 # ---- disaggregated == colocated ----------------------------------------------------------------

@@ -1,0 +1,117 @@
+"""One HTTP request as several engine requests, one per choice (the `n` samples of each prompt of a batch).
+
+vLLM splits `n > 1` into child requests inside its engine (`ParentRequest`) and a batch of prompts into one engine
+request per prompt in its OpenAI server; k3serve does both here, at the ingress, so that each engine request is an
+ordinary one (n = 1) that any `EngineClient`, the disaggregated router included, serves as it is.
+
+    start       opens every engine request and waits until each has sent its first delta, so that an error any
+                of them raises before generating (bad value, overload, dead engine) fails the whole request with
+                its own status rather than a 200 stream;
+    async for   then (choice index, delta) in arrival order, choices interleaved, until every one has finished;
+                the first error of any choice is raised;
+    close       aborts every engine request that has not finished and closes every stream, shielded from the
+                cancellation that is usually the reason it runs: after a failed choice or a client gone, nothing
+                keeps running. Idempotent.
+
+A pump task per engine request reads its stream, so the choices advance independently of each other and of the
+reader, and `on_delta` sees each delta when it arrives (TTFT and ITL are timed there), before any formatting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator, Callable, Sequence
+
+import anyio
+
+from k3serve.engine.async_engine import GenerateRequest
+from k3serve.engine.outputs import RequestDelta
+
+from .engine_client import EngineClient
+
+logger = logging.getLogger(__name__)
+
+
+class FanOut:
+    def __init__(self, client: EngineClient, requests: Sequence[GenerateRequest],
+                 on_delta: Callable[[int, RequestDelta], None]) -> None:
+        self.client = client
+        self.requests = list(requests)  # choice index -> its engine request
+        self.on_delta = on_delta
+        self._streams: list[AsyncIterator[RequestDelta]] = []
+        self._pumps: list[asyncio.Task] = []
+        self._arrived: asyncio.Queue[tuple[int, RequestDelta | Exception]] = asyncio.Queue()
+        self._finished = [False] * len(self.requests)
+        self._num_unstarted = len(self.requests)  # choices without a first delta yet
+        self._num_unread = len(self.requests)  # choices whose finished delta the reader has not had yet
+        self._started = asyncio.Event()  # every choice has a first delta, or one failed before its first
+        self._start_error: Exception | None = None
+        self._closed = False
+
+    async def start(self) -> None:
+        try:
+            for index, request in enumerate(self.requests):
+                self._streams.append(self.client.generate(request))
+                self._pumps.append(asyncio.create_task(self._pump(index, self._streams[-1])))
+            await self._started.wait()
+            if self._start_error is not None:
+                raise self._start_error
+        except BaseException:
+            await self.close()
+            raise
+
+    def __aiter__(self) -> "FanOut":
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestDelta]:
+        if self._num_unread == 0:
+            raise StopAsyncIteration
+        index, item = await self._arrived.get()
+        if isinstance(item, Exception):
+            raise item
+        if item.finished:
+            self._num_unread -= 1
+        return index, item
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            for pump in self._pumps:
+                pump.cancel()  # a pump inside its stream: the stream's own cleanup runs now
+            await asyncio.gather(*self._pumps, return_exceptions=True)
+            await asyncio.gather(*(self._close_one(i) for i in range(len(self._streams))))
+
+    async def _pump(self, index: int, stream: AsyncIterator[RequestDelta]) -> None:
+        started = False
+        try:
+            async for delta in stream:
+                self.on_delta(index, delta)
+                self._arrived.put_nowait((index, delta))
+                if not started:
+                    started = True
+                    self._num_unstarted -= 1
+                    if self._num_unstarted == 0:
+                        self._started.set()
+                if delta.finished:
+                    self._finished[index] = True
+                    return
+            raise RuntimeError(f"{self.requests[index].request_id}: the backend ended the stream unfinished")
+        except Exception as e:
+            self._arrived.put_nowait((index, e))
+            if not started and self._start_error is None:
+                self._start_error = e
+                self._started.set()
+
+    async def _close_one(self, index: int) -> None:
+        request_id = self.requests[index].request_id
+        try:
+            if not self._finished[index]:
+                await self.client.abort(request_id)
+            aclose = getattr(self._streams[index], "aclose", None)
+            if aclose is not None:
+                await aclose()
+        except Exception:
+            logger.exception("%s: cleanup failed", request_id)
