@@ -17,6 +17,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from k3serve.engine.host_ip import check_host_ip
 
+# The admission queue's default length, in rounds of the decode pool (decode_replicas x max_num_seqs):
+# a request queued k rounds deep waits about k request lifetimes, so at 8 rounds of few-second requests
+# it already nears queue_timeout_seconds; a longer queue would turn immediate 503s into timed-out ones.
+# 8 rounds still absorb a benchmark's burst of 9x the slots (guidellm at concurrency 576 on one 64-slot
+# replica) that the colocated engine would serve.
+QUEUE_ROUNDS = 8
+
 
 class ServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -43,6 +50,14 @@ class ServeConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     seed: int = Field(0, description="weights seed of a preset checkpoint; engine RNG seed")
     lease_seconds: float = Field(30.0, gt=0, description="longest a reservation or pinned state waits for its handoff")
+    max_queued_requests: int | None = Field(
+        None, ge=0, description="disaggregated: requests the ingress holds while no decode replica has room; "
+        f"more get 503 at once (0: never wait); default {QUEUE_ROUNDS} x decode_replicas x max_num_seqs",
+    )
+    queue_timeout_seconds: float = Field(
+        60.0, gt=0, description="disaggregated: longest a request waits for decode room, then 503 (a client "
+        "gets an answer it can retry well before common client timeouts, e.g. the OpenAI SDK's 600 s)",
+    )
     verify_checksums: bool = Field(True, description="decode verifies every handoff's checksums before continuing")
     ray_address: str | None = Field(None, description="join this Ray cluster; default: start a local one")
     advertise_host: str | None = Field(
@@ -60,6 +75,10 @@ class ServeConfig(BaseModel):
             raise ValueError("colocated mode runs one engine with decode_tp=1")
         if self.mode == "disaggregated" and max(self.prefill_tp, self.decode_tp) > 1 and self.transfer == "local":
             raise ValueError("prefill_tp or decode_tp > 1 runs ranks in separate processes: use transfer mooncake or nixl")
+        queue_fields = {"max_queued_requests", "queue_timeout_seconds"} & self.model_fields_set
+        if self.mode == "colocated" and queue_fields:
+            raise ValueError(f"{', '.join(sorted(queue_fields))}: the disaggregated ingress's admission queue; "
+                             "colocated mode queues in its engine's scheduler")
         if self.advertise_host is not None:
             check_host_ip(self.advertise_host, "advertise_host")
             if self.mode == "colocated" or self.launcher == "local":
@@ -78,6 +97,13 @@ class ServeConfig(BaseModel):
             data.update(loaded)
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**data)
+
+    @property
+    def queue_capacity(self) -> int:
+        """max_queued_requests, or its default: QUEUE_ROUNDS rounds of the decode pool's running slots."""
+        if self.max_queued_requests is not None:
+            return self.max_queued_requests
+        return QUEUE_ROUNDS * self.decode_replicas * self.max_num_seqs
 
     def engine_kwargs(self) -> dict[str, Any]:
         """EngineArgs of every engine in the deployment."""

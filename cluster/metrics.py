@@ -11,8 +11,11 @@ start after the remote prefill and under-report (PD_PRIOR_ART.md section 4).
 The app drives one `RequestTimer` per HTTP request (`start_request`, `on_delta`, `finish` / `fail`),
 whatever its number of choices.
 Queue, prefill and handoff times are only known to the serving layer, which reports them with
-`observe_queue_time` and friends; it also sets the per-(pool, replica) gauges with
-`set_pool_stats`. Every series carries `model_name`.
+`observe_queue_time` and friends (the disaggregated router's queue time: arrival to a decode
+reservation, which its prefill waits for); it also sets the per-(pool, replica) gauges with
+`set_pool_stats`, and with `set_ingress_queue` the requests its admission queue holds, as
+`k3serve:num_requests_waiting{pool="ingress", replica="router"}` (on the pools dashboard and in
+`k3serve status` beside the replicas' queues). Every series carries `model_name`.
 """
 
 from __future__ import annotations
@@ -67,8 +70,8 @@ class IngressMetrics:
         self.generation_tokens = Counter("k3serve:generation_tokens", "Generated tokens.", m, registry=reg)
         self.running = Gauge("k3serve:num_requests_running", "Requests running on a replica.", POOL_LABELS,
                              registry=reg)
-        self.waiting = Gauge("k3serve:num_requests_waiting", "Requests waiting on a replica.", POOL_LABELS,
-                             registry=reg)
+        self.waiting = Gauge("k3serve:num_requests_waiting", "Requests waiting on a replica (pool 'ingress': at "
+                             "the disaggregated ingress, for room on a decode replica).", POOL_LABELS, registry=reg)
         self.kv_block_usage = Gauge("k3serve:kv_block_usage_ratio", "Fraction of MLA KV blocks in use.",
                                     POOL_LABELS, registry=reg)
         self.kda_slot_usage = Gauge("k3serve:kda_slot_usage_ratio", "Fraction of KDA state slots in use.",
@@ -105,6 +108,9 @@ class IngressMetrics:
         self.waiting.labels(*labels).set(num_waiting)
         self.kv_block_usage.labels(*labels).set(kv_block_usage)
         self.kda_slot_usage.labels(*labels).set(kda_slot_usage)
+
+    def set_ingress_queue(self, num_waiting: int) -> None:
+        self.waiting.labels(self.model_name, "ingress", "router").set(num_waiting)
 
     def set_replicas_healthy(self, pool: str, num_healthy: int) -> None:
         self.replicas_healthy.labels(self.model_name, pool).set(num_healthy)

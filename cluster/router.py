@@ -6,7 +6,8 @@ One request:
        through this router's feed from that replica, `cluster/decode_feed.py`, whose addresses
        are those of the process that made the reservation; a replica that restarted under a
        still-open feed: once more through a new feed); NoCapacity: the next replica;
-       everywhere -> 503
+       everywhere: wait in the admission queue (`cluster/admission.py`: FIFO, bounded in length
+       and in time, then 503) until a request admitted here ends or the stats refresh comes by
     2. pick a prefill replica by load with prefix affinity; `prefill` pushes the prompt state
        into the reservation. If that replica fails before the decode side adopted the request,
        retry once on another replica (the reservation is rewritten whole, then checksummed).
@@ -23,8 +24,10 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
+import time
 from typing import AsyncIterator, Sequence
 
+from k3serve.cluster.admission import AdmissionQueue
 from k3serve.cluster.api.errors import EngineOverloadedError
 from k3serve.cluster.decode_feed import DecodeFeed, RequestDeltas
 from k3serve.cluster.metrics import IngressMetrics
@@ -57,7 +60,11 @@ class DisaggregatedRouter:
         max_model_len: int,
         metrics: IngressMetrics | None = None,
         refresh_seconds: float = 0.25,
+        max_queued_requests: int | None = None,
+        queue_timeout_seconds: float | None = None,
     ) -> None:
+        """max_queued_requests / queue_timeout_seconds bound the admission queue (None: no bound,
+        as the colocated engine's scheduler queues); `k3serve serve` passes ServeConfig's."""
         self.prefill, self.decode = list(prefill), list(decode)
         self.tokenizer, self.model_name, self.max_model_len = tokenizer, model_name, max_model_len
         self.metrics = metrics
@@ -69,6 +76,10 @@ class DisaggregatedRouter:
         self._healthy: dict[str, bool] = {}
         self._feeds: dict[str, DecodeFeed] = {r.name: DecodeFeed(r) for r in self.decode}
         self._refresher: asyncio.Task | None = None
+        self.admission: AdmissionQueue[tuple[DecodeReplica, HandoffTarget, RequestDeltas]] = AdmissionQueue(
+            max_queued_requests, queue_timeout_seconds, metrics.set_ingress_queue if metrics is not None else None)
+        if metrics is not None:
+            metrics.set_ingress_queue(0)
 
     # ---- EngineClient ---------------------------------------------------------------------------
     async def check_health(self) -> None:
@@ -90,7 +101,11 @@ class DisaggregatedRouter:
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; max_model_len={self.max_model_len}")
         rid, params = request.request_id, request.sampling_params
-        decode, target, deltas = await self._admit(rid, prompt_ids, params)
+        arrival = time.perf_counter()
+        decode, target, deltas = await self.admission.admit(
+            lambda: self._admit(rid, prompt_ids, params), f"request {rid} ({len(prompt_ids)} prompt tokens)")
+        if self.metrics is not None:
+            self.metrics.observe_queue_time(time.perf_counter() - arrival)
         decode_done = False  # decode ended the request itself; otherwise its reservation is ours to free
         try:
             result = await self._prefill(rid, prompt_ids, params, target)
@@ -115,20 +130,26 @@ class DisaggregatedRouter:
             deltas.close()
             if not decode_done:
                 await _quietly(decode.abort_request(rid))
+            self.admission.wake()  # its room is free
 
     # ---- routing --------------------------------------------------------------------------------
-    async def _admit(self, rid: str, prompt_ids: list[int], params) -> tuple[DecodeReplica, HandoffTarget, RequestDeltas]:
+    async def _admit(self, rid: str, prompt_ids: list[int],
+                     params) -> tuple[DecodeReplica, HandoffTarget, RequestDeltas] | None:
         """Decode replica with the fewest requests admitted by this router and not yet ended, then
-        the most free blocks; the next one on NoCapacity. The count is live; the stats are up to
-        `refresh_seconds` old, so ranking by free blocks alone sent a whole burst to one replica.
-        The request's deltas are routed from that replica's feed before it is admitted there."""
+        the most free blocks; the next one on NoCapacity; None when every healthy one answered
+        NoCapacity: the request waits for room, which comes as requests end (a prompt shorter than
+        max_model_len, as `generate` checks, fits an idle replica: every engine's cache holds a whole
+        max_model_len request, engine/scheduler.py). No healthy replica: 503 at once.
+        The count is live; the stats are up to `refresh_seconds` old, so ranking by free blocks
+        alone sent a whole burst to one replica. The request's deltas are routed from that
+        replica's feed before it is admitted there."""
         if not self._decode_stats:
             await self._refresh()
-        needed = len(prompt_ids)
         order = sorted(
             (r for r in self.decode if self._healthy.get(r.name, True)),
             key=lambda r: (self._decoding[r.name], -getattr(self._decode_stats.get(r.name), "num_free_blocks", 0)),
         )
+        full = False  # some healthy replica answered NoCapacity
         for replica in order:
             self._decoding[replica.name] += 1  # counted before the await, so concurrent admits spread
             admitted = False
@@ -137,6 +158,7 @@ class DisaggregatedRouter:
                 admitted = True  # generate() uncounts it when the request ends
                 return replica, target, deltas
             except NoCapacityError:
+                full = True
                 continue
             except (ValueError, TypeError):
                 raise
@@ -146,7 +168,9 @@ class DisaggregatedRouter:
             finally:
                 if not admitted:
                     self._decoding[replica.name] -= 1
-        raise EngineOverloadedError(f"no decode replica has room for {needed} tokens now; retry later")
+        if full:
+            return None
+        raise ReplicaUnavailableError(f"no healthy decode replica to admit request {rid}")
 
     async def _admit_on(self, replica: DecodeReplica, rid: str, prompt_ids: list[int],
                         params) -> tuple[HandoffTarget, RequestDeltas]:
@@ -210,9 +234,12 @@ class DisaggregatedRouter:
             self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
 
     async def _refresh_forever(self) -> None:
+        """Also wakes the admission queue: room freed by other ingresses, expired leases or a
+        restarted replica is noticed within `refresh_seconds`."""
         while True:
             await asyncio.sleep(self.refresh_seconds)
             await self._refresh()
+            self.admission.wake()
 
     async def _refresh(self) -> None:
         async def refresh(pool: str, r) -> None:

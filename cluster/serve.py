@@ -96,7 +96,10 @@ def _router(config: ServeConfig, prefill: list, decode: list, engine_kwargs: dic
     name = engine_kwargs["served_model_name"]
     metrics = IngressMetrics(model_name=name)
     tokenizer = Tokenizer.from_dir(engine_kwargs["model"])
-    return DisaggregatedRouter(prefill, decode, tokenizer, name, config.max_model_len, metrics), metrics
+    router = DisaggregatedRouter(prefill, decode, tokenizer, name, config.max_model_len, metrics,
+                                 max_queued_requests=config.queue_capacity,
+                                 queue_timeout_seconds=config.queue_timeout_seconds)
+    return router, metrics
 
 
 def _start_local(config: ServeConfig, engine_kwargs: dict) -> Deployment:
