@@ -5,6 +5,11 @@ A formatter sees every delta of one choice (one engine request) in order. Stream
 `choice()`, so both modes produce the same text, logprobs and finish reason. `Choices` holds the
 formatters of one request in index order and builds what spans them: the response and the usage.
 
+A chat choice of a request with tools holds its own `ToolCallStream` (tool_calls.py): its text,
+detokenized with the special tokens kept, is split into content and tool calls, streamed as
+`delta.tool_calls` pieces or folded into `message.tool_calls`; a choice that made calls and stopped
+finishes with "tool_calls" (the engine's reason stays in `finish_reason` for the metrics).
+
 Logprobs come as `TokenLogprobs` (chosen token first, then the top-n). Completions show them as
 `{tokens, token_logprobs, top_logprobs: [{token: logprob}] (chosen + top-n), text_offset}`;
 chat as `{content: [{token, logprob, bytes, top_logprobs: [top-n]}]}`.
@@ -29,10 +34,15 @@ from .protocol import (
     CompletionLogprobs,
     CompletionResponse,
     CompletionStreamResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
     TopLogprob,
     UsageInfo,
 )
+from .tool_calls import ParsedDelta, ToolCallStream, parse_tool_calls
 
 Chunk = Union[CompletionStreamResponse, ChatCompletionStreamResponse]
 
@@ -160,14 +170,15 @@ class CompletionFormatter(_Formatter):
 
 
 class ChatFormatter(_Formatter):
-    """One choice of a chat completion."""
+    """One choice of a chat completion; with `tool_calls`, its text is parsed for Kimi's tool calls."""
 
     response_type, chunk_type = ChatCompletionResponse, ChatCompletionStreamResponse
 
-    def __init__(self, *args, top_logprobs: int = 0, **kwargs) -> None:
+    def __init__(self, *args, top_logprobs: int = 0, tool_calls: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.top_logprobs = top_logprobs
         self.logprobs: list[ChatLogprob] | None = None
+        self.tool_parser = ToolCallStream(self.tokenizer.special_tokens) if tool_calls else None
 
     def _entry(self, entry: TokenLogprobs) -> ChatLogprob:
         def top(tid: int, lp: float) -> TopLogprob:
@@ -192,17 +203,47 @@ class ChatFormatter(_Formatter):
 
     def chunks(self, delta: RequestDelta) -> list[ChatCompletionStreamResponse]:
         logprobs = self.add(delta)
-        if not (delta.new_text or delta.finished or logprobs is not None):
-            return []
-        message = DeltaMessage(content=delta.new_text) if delta.new_text else DeltaMessage()
+        message = self._delta_message(delta)
+        if message.content is None and message.tool_calls is None and not delta.finished and logprobs is None:
+            return []  # nothing to show yet (partial UTF-8, held-back stop prefix or marker)
+        finish_reason = delta.finish_reason
+        if self.tool_parser is not None:
+            finish_reason = self._shown_reason(finish_reason, self.tool_parser.num_complete > 0)
         return [self._chunk(ChatStreamChoice(index=self.index, delta=message, logprobs=logprobs,
-                                             finish_reason=delta.finish_reason, stop_reason=delta.stop_reason))]
+                                             finish_reason=finish_reason, stop_reason=delta.stop_reason))]
+
+    def _delta_message(self, delta: RequestDelta) -> DeltaMessage:
+        if self.tool_parser is None:
+            return DeltaMessage(content=delta.new_text or None)
+        parsed = self.tool_parser.feed(delta.new_text)
+        if delta.finished:
+            parsed.content += self.tool_parser.finish().content
+        return DeltaMessage(content=parsed.content or None, tool_calls=_delta_tool_calls(parsed) or None)
+
+    @staticmethod
+    def _shown_reason(finish_reason: str | None, called: bool) -> str | None:
+        """OpenAI's "tool_calls" for a turn that made calls and stopped (not one cut by max_tokens)."""
+        return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
     def choice(self) -> ChatChoice:
         """The whole choice, after its last delta."""
-        return ChatChoice(index=self.index, message=AssistantMessage(content="".join(self.text_parts)),
+        text, calls = "".join(self.text_parts), []
+        if self.tool_parser is not None:
+            text, parsed = parse_tool_calls(text, self.tokenizer.special_tokens)
+            calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in parsed]
+        message = AssistantMessage(content=text if text or not calls else None, tool_calls=calls or None)
+        return ChatChoice(index=self.index, message=message,
                           logprobs=None if self.logprobs is None else ChatLogprobs(content=self.logprobs),
-                          finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+                          finish_reason=self._shown_reason(self.finish_reason, bool(calls)),
+                          stop_reason=self.stop_reason)
+
+
+def _delta_tool_calls(parsed: ParsedDelta) -> list[DeltaToolCall]:
+    """The parser's pieces on the wire: a call's first piece carries its id, type and name (arguments "" at least,
+    as OpenAI sends them), the others their argument text only."""
+    return [DeltaToolCall(index=piece.index, id=piece.id, type=None if piece.id is None else "function",
+                          function=DeltaFunctionCall(name=piece.name, arguments=piece.arguments))
+            for piece in parsed.calls]
 
 
 Formatter = Union[CompletionFormatter, ChatFormatter]

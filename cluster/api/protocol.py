@@ -3,10 +3,16 @@
 Requests accept fields they do not know (OpenAI clients send extras such as `user`, `metadata`,
 `store` or `parallel_tool_calls`): those change nothing in the answer, so they are ignored and
 logged at debug level. The extras that would change it, features k3serve does not implement
-(tools, structured output, suffix, best_of, chat echo), are refused with a 400 naming the field
-unless their value asks for nothing (`NOT_IMPLEMENTED`, the one table of them): answering 200 with
-something other than what was asked would be silently wrong. Range checks that the OpenAI API
-states live here; everything `SamplingParams` validates is left to it (its ValueError becomes a 400).
+(a forced tool choice, the deprecated `functions`, tools on /v1/completions, structured output,
+suffix, best_of, chat echo), are refused with a 400 naming the field unless their value asks for
+nothing (`NOT_IMPLEMENTED`, the one table of them): answering 200 with something other than what
+was asked would be silently wrong. Range checks that the OpenAI API states live here; everything
+`SamplingParams` validates is left to it (its ValueError becomes a 400).
+
+Chat takes OpenAI's `tools` (functions only; a wrong shape is a 400 naming `tools`) with
+`tool_choice` "auto" (the default) or "none", and the turns that follow a call: assistant messages
+with `tool_calls`, `tool` messages answering one by its `tool_call_id`. The calls the model makes
+come back as `message.tool_calls` (tool_calls.py parses them from Kimi's format).
 
 Responses and stream chunks are shaped exactly like OpenAI's; `stop_reason` (the stop string or
 token id that ended a choice) is vLLM's extension. In chunks, `usage` appears only when set and
@@ -17,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Literal
+from typing import Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
@@ -40,14 +46,15 @@ def _one_of(*harmless: str) -> Callable[[Any], bool]:
     return lambda value: value is None or (isinstance(value, str) and value in harmless)
 
 
-_NO_TOOLS = "k3serve does not implement tool calling"
+_NO_TOOLS = "k3serve serves tool calling on /v1/chat/completions with `tools` only"
 _NO_STRUCTURED_OUTPUT = "k3serve does not implement structured output"
 
 NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     # field (where the route does not implement it): (the values that ask for nothing, why the others are refused)
     "tools": (_asks_nothing, _NO_TOOLS),
     "functions": (_asks_nothing, _NO_TOOLS),
-    "tool_choice": (_one_of("none", "auto"), f'{_NO_TOOLS}; only "none" or "auto" is accepted'),
+    "tool_choice": (_one_of("none", "auto"), 'only "none" or "auto" is accepted: k3serve does not implement a forced '
+                                             '("required" or named) tool choice'),
     "function_call": (_one_of("none", "auto"), f'{_NO_TOOLS}; only "none" or "auto" is accepted'),
     "response_format": (lambda value: value is None or value == {"type": "text"},
                         f'{_NO_STRUCTURED_OUTPUT}; only {{"type": "text"}} is accepted'),
@@ -147,10 +154,52 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt key would silently leave the model without it
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """JSON Schema of the arguments."""
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+    """JSON text, as the model wrote it (not validated, as OpenAI's)."""
+
+
+class ToolCall(BaseModel):
+    """A call the assistant made: in a response, and in the assistant messages of a later turn."""
+
+    id: str
+    """Kimi's own id, `functions.<name>:<index>`; the chat template renders it back as it is."""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id, ...
+    model_config = ConfigDict(extra="allow")  # name, ...
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    """The calls of an assistant turn."""
+    tool_call_id: str | None = None
+    """The call a `tool` message answers."""
+
+    @model_validator(mode="after")
+    def _check_tool_fields(self) -> "ChatMessage":
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a message with role 'tool' needs the tool_call_id of the call it answers")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"only assistant messages have tool_calls, not role {self.role!r}")
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -161,12 +210,23 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    """Functions the model may call; `tool_choice` (an extra: see NOT_IMPLEMENTED) "auto" lets it, "none" hides
+    them from it."""
 
     @model_validator(mode="after")
     def _check_chat(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
             raise _field_error(type(self), "top_logprobs", "needs logprobs set to true", self.top_logprobs)
         return self
+
+    @property
+    def active_tools(self) -> list[dict[str, Any]] | None:
+        """The tools to render into the prompt and to parse calls of, as the client sent them; None without tools
+        or with tool_choice "none"."""
+        if not self.tools or (self.model_extra or {}).get("tool_choice") == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -189,15 +249,21 @@ class UsageInfo(BaseModel):
                    total_tokens=num_prompt_tokens + num_output_tokens)
 
 
-class _Chunk(BaseModel):
-    """A stream chunk: `usage` only when set."""
+class _OmitNone(BaseModel):
+    """Serialized without those of its `omit_none` fields that are None (every field when `omit_none` is None)."""
+
+    omit_none: ClassVar[tuple[str, ...] | None] = None
 
     @model_serializer(mode="wrap")
-    def _drop_unset_usage(self, handler: Any) -> dict[str, Any]:
-        data = handler(self)
-        if data.get("usage") is None:
-            data.pop("usage", None)
-        return data
+    def _omit(self, handler: Any) -> dict[str, Any]:
+        omit = self.omit_none
+        return {k: v for k, v in handler(self).items() if v is not None or (omit is not None and k not in omit)}
+
+
+class _Chunk(_OmitNone):
+    """A stream chunk: `usage` only when set."""
+
+    omit_none = ("usage",)
 
 
 class CompletionLogprobs(BaseModel):
@@ -247,9 +313,12 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprob] | None = None
 
 
-class AssistantMessage(BaseModel):
+class AssistantMessage(_OmitNone):
+    omit_none = ("tool_calls",)
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    """None when the turn is tool calls only."""
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -269,13 +338,24 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class DeltaMessage(BaseModel):
+class DeltaFunctionCall(_OmitNone):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_OmitNone):
+    """A piece of call `index`: id, type and name on its first piece (arguments ""), argument text after."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
+class DeltaMessage(_OmitNone):
     role: str | None = None
     content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _only_set(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

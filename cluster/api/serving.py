@@ -72,18 +72,22 @@ def prepare_completion(body: CompletionRequest, client: EngineClient) -> Prepare
 def prepare_chat(body: ChatCompletionRequest, client: EngineClient) -> Prepared:
     _check_model(body.model, client)
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    tools = body.active_tools
     try:
-        prompt_ids = client.tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
+        prompt_ids = client.tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt,
+                                                  tools=tools)
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
     max_tokens = _fit_context(len(prompt_ids), body.effective_max_tokens, client.max_model_len, "messages")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling_params(body, max_tokens, logprobs, client)
+    if tools:  # the tool-call parser reads the markers in the text (as vLLM's kimi_k2 parser asks)
+        params = dataclasses.replace(params, skip_special_tokens=False)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
 
     def formatter(index: int, prompt_ids: list[int]) -> Formatter:
         return ChatFormatter(request_id, client.model_name, client.tokenizer, _continuous(body), index=index,
-                             top_logprobs=body.top_logprobs or 0)
+                             top_logprobs=body.top_logprobs or 0, tool_calls=tools is not None)
 
     return _prepared(request_id, [(prompt_ids, params)], body, formatter, is_chat=True)
 

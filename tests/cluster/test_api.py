@@ -384,8 +384,8 @@ BAD_REQUESTS = {  # id: (route, payload, expected param)
     "logit_bias-value-text": (CHAT, {"messages": HI, "logit_bias": {"5": "high"}}, "logit_bias"),
     "logit_bias-outside-vocab": (CHAT, {"messages": HI, "logit_bias": {"5": 1, "100000": 1}}, "logit_bias"),  # engine
     # what k3serve does not implement, asked for
-    "tools": (CHAT, {"messages": HI, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-              "tools"),
+    "tools-on-completions": ("/v1/completions", {"prompt": PROMPT, "tools": [{"type": "function", "function":
+                                                                            {"name": "f", "parameters": {}}}]}, "tools"),
     "functions": (CHAT, {"messages": HI, "functions": [{"name": "f", "parameters": {}}]}, "functions"),
     "tool_choice-required": (CHAT, {"messages": HI, "tool_choice": "required"}, "tool_choice"),
     "tool_choice-forced": (CHAT, {"messages": HI, "tool_choice": {"type": "function", "function": {"name": "f"}}},

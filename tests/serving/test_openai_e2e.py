@@ -10,6 +10,7 @@ Spec:
   the colocated output on every disaggregated layout: Mooncake 1P1D, NIXL 1P1D, Mooncake 1P2D.
   Text is compared (greedy decoding is deterministic; the server has no token-id output).
 - Two decode replicas share a burst of requests.
+- A chat with `tools` declares them in the prompt and is served.
 - `logit_bias` applies to every generated token, the first (sampled on the prefill engine) included.
 - `echo` puts the prompt before the completion; with logprobs, the prompt tokens' logprobs too (the first null),
   the same on both servers (the disaggregated one scores the prompt on its prefill engine), streamed or not.
@@ -39,6 +40,8 @@ PROMPTS = [f"Request {i}: a short note about {w} and the {WORDS[-1 - i]} of it."
 MESSAGES = [{"role": "system", "content": "Answer briefly."},
             {"role": "user", "content": "Which day of the week comes after Tuesday?"}]
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 
 LAYOUTS = [ServerSpec(), ServerSpec(transfer="nixl"), ServerSpec(decode_replicas=2), ServerSpec(prefill_tp=2)]
 
@@ -139,6 +142,22 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(disagg_server: Server, colo
         assert streamed == lp.token_logprobs, name
         scored[name] = lp.token_logprobs
     assert scored["disaggregated"][1:] == pytest.approx(scored["colocated"][1:], abs=1e-4)
+
+
+@pytest.mark.timeout(300)
+def test_chat_with_tools_declares_them_in_the_prompt(any_server: Server, tokenizer: Tokenizer) -> None:
+    """A request with `tools` is served: the prompt is the templated one with the tools declared, and the text (the
+    random model writes no call) is the same streamed or not, with no special token in it."""
+    request = dict(model=any_server.model, messages=MESSAGES, tools=TOOLS, max_tokens=MAX_TOKENS, **GREEDY)
+    with client_of(any_server) as client:
+        whole = client.chat.completions.create(**request)
+        chunks = list(client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True}))
+    assert whole.usage.prompt_tokens == len(tokenizer.encode_chat(MESSAGES, tools=TOOLS))
+    assert whole.usage.prompt_tokens > len(tokenizer.encode_chat(MESSAGES))
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == MAX_TOKENS
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == whole.choices[0].message.content and "<|" not in content
+    assert chunks[-1].usage == whole.usage
 
 
 @pytest.mark.timeout(300)

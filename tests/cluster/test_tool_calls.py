@@ -1,0 +1,135 @@
+"""Kimi's tool-call format -> OpenAI tool calls (cluster/api/tool_calls.py), on text in the model's exact format:
+a whole text, and the same text streamed in pieces cut anywhere (inside a marker, inside the JSON)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from k3serve.cluster.api.tool_calls import ParsedCall, ParsedDelta, ToolCallStream, parse_tool_calls
+from k3serve.model.chat_template import KIMI_SPECIAL_TOKENS
+
+SPECIALS = list(KIMI_SPECIAL_TOKENS)
+
+
+def call(call_id: str, arguments: str) -> str:
+    return f"<|tool_call_begin|>{call_id}<|tool_call_argument_begin|>{arguments}<|tool_call_end|>"
+
+
+def section(*calls: str) -> str:
+    return "<|tool_calls_section_begin|>" + "".join(calls) + "<|tool_calls_section_end|>"
+
+
+WEATHER = '{"city": "Paris", "unit": "celsius"}'
+TIME = '{"zone": "Europe/Paris"}'
+TWO_CALLS = "I will look both up." + section(call("functions.get_weather:0", WEATHER),
+                                             call("functions.get_time:1", TIME)) + "<|im_end|>"
+
+
+def streamed(text: str, cuts: list[int]) -> tuple[str, list[ParsedCall], list[ParsedDelta], ToolCallStream]:
+    """`text` fed in the pieces between `cuts`, then finished: the content, the calls the pieces assemble, the
+    pieces themselves and the stream."""
+    stream = ToolCallStream(SPECIALS)
+    bounds = [0, *sorted(cuts), len(text)]
+    deltas = [stream.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])] + [stream.finish()]
+    content, calls = "", []
+    for delta in deltas:
+        content += delta.content
+        for piece in delta.calls:
+            if piece.id is not None:
+                assert piece.index == len(calls) and piece.name, piece  # a call starts with its id and name
+                calls.append(ParsedCall(piece.id, piece.name, ""))
+            else:
+                assert piece.name is None and piece.arguments, piece  # then only argument text
+            calls[piece.index].arguments += piece.arguments
+    return content, calls, deltas, stream
+
+
+def test_one_call_without_content():
+    content, calls = parse_tool_calls(section(call("functions.get_weather:0", WEATHER)), SPECIALS)
+    assert content == ""
+    assert calls == [ParsedCall("functions.get_weather:0", "get_weather", WEATHER)]
+
+
+def test_two_calls_after_content_the_stop_token_dropped():
+    content, calls = parse_tool_calls(TWO_CALLS, SPECIALS)
+    assert content == "I will look both up."
+    assert calls == [ParsedCall("functions.get_weather:0", "get_weather", WEATHER),
+                     ParsedCall("functions.get_time:1", "get_time", TIME)]
+
+
+def test_padding_whitespace_is_not_part_of_the_call():
+    text = ("<|tool_calls_section_begin|>\n<|tool_call_begin|> functions.f:0 <|tool_call_argument_begin|>\n"
+            '{"a": 1}\n<|tool_call_end|>\n<|tool_call_begin|>g:1<|tool_call_argument_begin|>{}<|tool_call_end|>\n'
+            "<|tool_calls_section_end|>")
+    assert parse_tool_calls(text, SPECIALS) == ("", [ParsedCall("functions.f:0", "f", '{"a": 1}'),
+                                                     ParsedCall("g:1", "g", "{}")])
+
+
+def test_text_without_a_call_is_the_content_less_the_stop_token():
+    text = "Plain <answer> with a <| lookalike, x <|y|> and \u00e9t\u00e9."
+    assert parse_tool_calls(text + "<|im_end|>", SPECIALS) == (text, [])
+    assert streamed(text + "<|im_end|>", list(range(1, len(text))))[0] == text
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_any_split_streams_what_the_whole_text_parses_to(seed):
+    rng = random.Random(seed)
+    cuts = rng.sample(range(1, len(TWO_CALLS)), rng.randint(1, 40))
+    content, calls, deltas, stream = streamed(TWO_CALLS, cuts)
+    assert (content, calls) == parse_tool_calls(TWO_CALLS, SPECIALS)
+    assert not stream.malformed and stream.num_complete == 2
+
+
+def test_one_character_at_a_time_never_leaks_a_marker():
+    content, calls, deltas, _ = streamed(TWO_CALLS, list(range(1, len(TWO_CALLS))))
+    assert all("<|" not in d.content for d in deltas)
+    assert [c.name for c in calls] == ["get_weather", "get_time"]
+    pieces = [p.arguments for d in deltas for p in d.calls if p.index == 0 and p.id is None]
+    assert len(pieces) > 10 and "".join(pieces) == WEATHER  # the arguments arrive as they are generated
+
+
+def test_a_cut_inside_a_marker_holds_back_only_that_marker():
+    stream = ToolCallStream(SPECIALS)
+    assert stream.feed("Sure<|tool_calls_sec").content == "Sure"
+    delta = stream.feed('tion_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"q": "<|')
+    assert delta.content == "" and len(delta.calls) == 1
+    assert (delta.calls[0].id, delta.calls[0].name, delta.calls[0].arguments) == ("functions.f:0", "f", '{"q": "')
+    assert stream.feed('x"}<|tool_call_end|>').calls[0].arguments == '<|x"}'  # "<|x" was no marker after all
+
+
+def test_the_last_piece_of_content_comes_out_at_the_finish():
+    stream = ToolCallStream(SPECIALS)
+    assert stream.feed("a <|im_").content == "a "
+    assert stream.finish().content == "<|im_"
+
+
+@pytest.mark.parametrize("text", [
+    "Hi" + "<|tool_calls_section_begin|>" + '<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a": 1',
+    "Hi" + "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0",
+    "Hi" + "<|tool_calls_section_begin|>",
+    "Hi" + section(call("not a call id", "{}")),
+    "Hi" + section(call("functions.f", "{}")),
+    "Hi" + section("stray text" + call("functions.f:0", "{}")),
+    "Hi" + call("functions.f:0", "{}"),  # a call outside a section
+    "Hi" + section("<|tool_call_begin|>functions.f:0<|tool_call_end|>"),  # no arguments marker
+])
+def test_malformed_output_is_returned_as_content(text):
+    content, calls = parse_tool_calls(text + "<|im_end|>", SPECIALS)
+    assert (content, calls) == (text, [])
+    streamed_content, _, _, stream = streamed(text + "<|im_end|>", [3, 9, 20])  # what it sent stays sent
+    assert stream.malformed and streamed_content.startswith("Hi")
+
+
+def test_a_stream_breaking_after_a_good_call_keeps_it_and_sends_the_rest_as_content():
+    bad = "<|tool_call_begin|>bad header<|tool_call_argument_begin|>{}<|tool_call_end|>"
+    text = "<|tool_calls_section_begin|>" + call("functions.f:0", "{}") + bad + "<|tool_calls_section_end|>"
+    content, calls, _, stream = streamed(text, [40, 100])
+    assert calls == [ParsedCall("functions.f:0", "f", "{}")] and stream.malformed
+    assert content == bad + "<|tool_calls_section_end|>"
+    assert parse_tool_calls(text, SPECIALS) == (text, [])  # a whole text falls back whole
+
+
+def test_an_empty_section_is_no_call():
+    assert parse_tool_calls("Nothing to call." + section(), SPECIALS) == ("Nothing to call.", [])

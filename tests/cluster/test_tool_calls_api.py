@@ -1,0 +1,230 @@
+"""Tool calling on /v1/chat/completions, through the real app and the real tokenizer.
+
+The tiny random model never writes a tool call, so the backend here is a scripted `EngineClient`: it answers
+every request with the same token ids (Kimi's tool-call format encoded by the real tokenizer, special tokens
+included), detokenized the way the engine does it, under the request's own sampling params (so a request that
+dropped the special tokens would lose the markers), one token a delta, ending with <|im_end|> or at max_tokens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import AsyncIterator
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from k3serve.cluster.api import build_app
+from k3serve.cluster.metrics import IngressMetrics
+from k3serve.engine.async_engine import GenerateRequest
+from k3serve.engine.detokenizer import IncrementalDetokenizer
+from k3serve.engine.outputs import RequestDelta
+from k3serve.model.tokenizer import Tokenizer
+
+from test_api import assert_error, parse_sse
+
+pytestmark = pytest.mark.anyio
+
+CHAT = "/v1/chat/completions"
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                     "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}},
+]
+ASK = [{"role": "user", "content": "Weather and time in Paris?"}]
+WEATHER_ARGS = '{"city": "Paris", "unit": "celsius"}'
+TWO_CALLS = ("Let me check.<|tool_calls_section_begin|>"
+             f"<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{WEATHER_ARGS}<|tool_call_end|>"
+             "<|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{}<|tool_call_end|>"
+             "<|tool_calls_section_end|><|im_end|>")
+EXPECTED_CALLS = [
+    {"id": "functions.get_weather:0", "type": "function",
+     "function": {"name": "get_weather", "arguments": WEATHER_ARGS}},
+    {"id": "functions.get_time:1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+]
+
+
+class ScriptedEngine:
+    """An EngineClient whose model answers `reply` to every request; it keeps the requests it got."""
+
+    model_name, max_model_len = "k3-tiny", 4096
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.reply: list[int] = []
+        self.requests: list[GenerateRequest] = []
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestDelta]:
+        self.requests.append(request)
+        params = request.sampling_params
+        detok = IncrementalDetokenizer(self.tokenizer, request.prompt, skip_special_tokens=params.skip_special_tokens)
+        reply = self.reply[: params.max_tokens]
+        for n, token in enumerate(reply, 1):
+            text, last = detok.push(token), n == len(reply)
+            stopped = token in self.tokenizer.stop_token_ids
+            yield RequestDelta(request.request_id, [token], text + (detok.finish() if last else ""), finished=last,
+                               finish_reason=("stop" if stopped else "length") if last else None, logprobs=None,
+                               num_prompt_tokens=len(request.prompt), num_output_tokens=n,
+                               stop_reason=token if last and stopped else None)
+
+    async def abort(self, request_id: str) -> None:
+        pass
+
+    async def check_health(self) -> None:
+        pass
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_checkpoint: Path) -> Tokenizer:
+    return Tokenizer.from_dir(tiny_checkpoint)
+
+
+@pytest.fixture
+def engine(tokenizer: Tokenizer) -> ScriptedEngine:
+    engine = ScriptedEngine(tokenizer)
+    engine.reply = tokenizer.encode(TWO_CALLS)
+    assert tokenizer.special_token_id("<|tool_call_argument_begin|>") in engine.reply  # one token, not text
+    return engine
+
+
+@pytest.fixture
+async def http(engine: ScriptedEngine) -> AsyncIterator[httpx.AsyncClient]:
+    app = build_app(engine, IngressMetrics(CollectorRegistry(), model_name=engine.model_name))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ingress") as c:
+        yield c
+
+
+def streamed_calls(chunks: list[dict], index: int = 0) -> list[dict]:
+    """The tool calls of choice `index` as a client assembles them from the stream's pieces."""
+    calls: list[dict] = []
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            for piece in choice["delta"].get("tool_calls", []) if choice["index"] == index else []:
+                if "id" in piece:
+                    assert piece["index"] == len(calls) and piece["type"] == "function"
+                    assert set(piece["function"]) == {"name", "arguments"}
+                    calls.append({"id": piece["id"], "type": "function", "function": dict(piece["function"])})
+                else:
+                    assert set(piece) == {"index", "function"} and set(piece["function"]) == {"arguments"}
+                    calls[piece["index"]]["function"]["arguments"] += piece["function"]["arguments"]
+    return calls
+
+
+async def test_the_calls_come_back_as_message_tool_calls(http, engine, tokenizer):
+    r = await http.post(CHAT, json={"messages": ASK, "tools": TOOLS})
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    assert choice["message"] == {"role": "assistant", "content": "Let me check.", "tool_calls": EXPECTED_CALLS}
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["stop_reason"] == tokenizer.special_token_id("<|im_end|>")
+    assert r.json()["usage"]["completion_tokens"] == len(engine.reply)
+
+
+async def test_the_prompt_declares_the_tools_and_the_markers_are_kept(http, engine, tokenizer):
+    await http.post(CHAT, json={"messages": ASK, "tools": TOOLS, "tool_choice": "auto"})
+    (request,) = engine.requests
+    assert request.prompt == tokenizer.encode_chat(ASK, tools=TOOLS)
+    assert request.prompt != tokenizer.encode_chat(ASK)
+    assert request.sampling_params.skip_special_tokens is False
+
+
+async def test_the_stream_sends_each_call_by_index_then_its_arguments_in_pieces(http, engine):
+    r = await http.post(CHAT, json={"messages": ASK, "tools": TOOLS, "stream": True,
+                                    "stream_options": {"include_usage": True}})
+    *chunks, usage = parse_sse(r.text)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert content == "Let me check."
+    assert streamed_calls(chunks) == EXPECTED_CALLS
+    weather_pieces = [p for c in chunks for p in c["choices"][0]["delta"].get("tool_calls", []) if p["index"] == 0]
+    assert len(weather_pieces) > 5  # the JSON arrives as it is generated, not at the end
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks]
+    assert reasons[-1] == "tool_calls" and not any(reasons[:-1])
+    assert usage["usage"]["completion_tokens"] == len(engine.reply)
+    whole = (await http.post(CHAT, json={"messages": ASK, "tools": TOOLS})).json()["choices"][0]["message"]
+    assert whole == {"role": "assistant", "content": content, "tool_calls": streamed_calls(chunks)}
+
+
+async def test_each_choice_parses_its_own_calls(http):
+    r = await http.post(CHAT, json={"messages": ASK, "tools": TOOLS, "n": 2, "stream": True})
+    chunks = parse_sse(r.text)
+    assert streamed_calls(chunks, 0) == streamed_calls(chunks, 1) == EXPECTED_CALLS
+    whole = (await http.post(CHAT, json={"messages": ASK, "tools": TOOLS, "n": 2})).json()
+    assert [c["message"]["tool_calls"] for c in whole["choices"]] == [EXPECTED_CALLS] * 2
+
+
+async def test_a_reply_without_calls_is_plain_content(http, engine, tokenizer):
+    engine.reply = tokenizer.encode("It is sunny.<|im_end|>")
+    for stream in (False, True):
+        r = await http.post(CHAT, json={"messages": ASK, "tools": TOOLS, "stream": stream})
+        if stream:
+            chunks = parse_sse(r.text)
+            assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "It is sunny."
+            assert not any("tool_calls" in c["choices"][0]["delta"] for c in chunks)
+            assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+        else:
+            (choice,) = r.json()["choices"]
+            assert choice["message"] == {"role": "assistant", "content": "It is sunny."}  # no tool_calls key
+            assert choice["finish_reason"] == "stop"
+
+
+async def test_a_call_cut_by_max_tokens_is_returned_as_text(http, engine, tokenizer):
+    """Malformed output falls back to content; the reason stays "length"."""
+    cut = engine.reply.index(tokenizer.special_token_id("<|tool_call_argument_begin|>")) + 3
+    r = await http.post(CHAT, json={"messages": ASK, "tools": TOOLS, "max_tokens": cut})
+    (choice,) = r.json()["choices"]
+    assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]
+    assert choice["message"]["content"] == tokenizer.decode(engine.reply[:cut])
+
+
+async def test_tool_choice_none_hides_the_tools(http, engine, tokenizer):
+    engine.reply = tokenizer.encode("Sunny.<|im_end|>")
+    r = await http.post(CHAT, json={"messages": ASK, "tools": TOOLS, "tool_choice": "none"})
+    assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": "Sunny."}
+    (request,) = engine.requests
+    assert request.prompt == tokenizer.encode_chat(ASK)
+    assert request.sampling_params.skip_special_tokens is True
+
+
+async def test_the_turn_after_a_call_renders_the_call_and_its_result(http, engine, tokenizer):
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": EXPECTED_CALLS[:1]},
+                {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": '{"sky": "clear"}'}]
+    r = await http.post(CHAT, json={"messages": messages, "tools": TOOLS})
+    assert r.status_code == 200, r.text
+    (request,) = engine.requests
+    assert request.prompt == tokenizer.encode_chat(messages, tools=TOOLS)
+    prompt = tokenizer.decode(request.prompt)
+    assert (f"<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{WEATHER_ARGS}<|tool_call_end|>"
+            in prompt)
+    assert '## Return of functions.get_weather:0\n    {"sky": "clear"}<|im_end|>' in prompt
+
+
+FUNCTION = {"name": "f", "parameters": {"type": "object"}}
+BAD_REQUESTS = {
+    "tools-not-a-list": ({"tools": {"type": "function", "function": FUNCTION}}, "tools"),
+    "tools-not-a-function": ({"tools": [{"type": "retrieval"}]}, "tools"),
+    "tools-without-a-name": ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools"),
+    "tools-misspelt-key": ({"tools": [{"type": "function", "function": {"name": "f", "parameter": {}}}]}, "tools"),
+    "tools-parameters-not-an-object": ({"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]},
+                                       "tools"),
+    "tool_choice-required": ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    "tool_choice-forced": ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+                           "tool_choice"),
+    "functions": ({"functions": [FUNCTION]}, "functions"),
+    "tool-message-without-its-call": ({"messages": [*ASK, {"role": "tool", "content": "42"}]}, "messages"),
+    "tool_calls-on-a-user-message": ({"messages": [{"role": "user", "content": "x", "tool_calls": EXPECTED_CALLS}]},
+                                     "messages"),
+}
+
+
+@pytest.mark.parametrize("payload,param", BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())
+async def test_bad_tool_requests_are_400(http, engine, payload, param):
+    assert_error(await http.post(CHAT, json={"messages": ASK, **payload}), 400, param=param)
+    assert engine.requests == []
