@@ -6,7 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+if TYPE_CHECKING:
+    from k3serve.cluster.config import ServeConfig
 
 
 def _make_checkpoint(args: argparse.Namespace) -> int:
@@ -58,12 +61,18 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """What `k3serve serve` runs: the --config file's values, then the flags given on top."""
     from k3serve.cluster.config import ServeConfig
-    from k3serve.cluster.serve import run
 
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "config")}
-    return run(ServeConfig.load(args.config, **flags))
+    return ServeConfig.load(args.config, **flags)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from k3serve.cluster.serve import run
+
+    return run(serve_config(args))
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -151,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ray-address", help="join an existing Ray cluster")
     p.add_argument("--advertise-host", help="IP the Ray workers bind and advertise (one node; default: "
                    "$K3SERVE_HOST_IP, else each worker's Ray node IP)")
+    p.add_argument("--max-queued-requests", type=int, help="disaggregated: requests the ingress holds while no "
+                   "decode replica has room; more get 503 at once (0: never wait; default: 8 x decode replicas x "
+                   "max num seqs)")
+    p.add_argument("--queue-timeout-seconds", type=float, help="disaggregated: longest a request waits for decode "
+                   "room, then 503 (default: 60)")
     p.add_argument("--config", type=Path, help="YAML file with any of the options above")
     p.set_defaults(func=_serve)
 

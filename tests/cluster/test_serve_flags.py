@@ -1,0 +1,64 @@
+"""`k3serve serve`'s flags and its --config file (k3serve/cli.py `serve_config`, cluster/config.py
+`ServeConfig.load`): the file's values, then the flags given on top; a flag not given leaves the
+file's value, and neither leaves ServeConfig's default. Shown on the admission queue's bounds
+(`--max-queued-requests`, `--queue-timeout-seconds`), which are checked like the file's keys
+(0 is a value: never wait; colocated mode refuses them), and whose --help states ServeConfig's defaults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from k3serve.cli import build_parser, serve_config
+from k3serve.cluster.config import QUEUE_ROUNDS, ServeConfig
+
+
+def _config(*argv: str):
+    return serve_config(build_parser().parse_args(["serve", *argv]))
+
+
+@pytest.fixture
+def config_file(tmp_path: Path) -> Path:
+    path = tmp_path / "serve.yaml"
+    path.write_text("decode_replicas: 2\nmax_num_seqs: 4\nmax_queued_requests: 16\nqueue_timeout_seconds: 30\n")
+    return path
+
+
+def test_the_file_sets_the_queue_bounds(config_file: Path) -> None:
+    config = _config("--config", str(config_file))
+    assert (config.max_queued_requests, config.queue_timeout_seconds, config.queue_capacity) == (16, 30.0, 16)
+
+
+def test_flags_given_win_over_the_file(config_file: Path) -> None:
+    config = _config("--config", str(config_file), "--max-queued-requests", "0", "--queue-timeout-seconds", "2.5")
+    assert (config.queue_capacity, config.queue_timeout_seconds) == (0, 2.5)  # 0: 503 at once, as before the queue
+    config = _config("--config", str(config_file), "--queue-timeout-seconds", "90")
+    assert (config.max_queued_requests, config.queue_timeout_seconds) == (16, 90.0)  # the file's, for the flag not given
+
+
+def test_neither_given_leaves_the_defaults() -> None:
+    config = _config("--decode-replicas", "3", "--max-num-seqs", "2")
+    assert "max_queued_requests" not in config.model_fields_set
+    assert config.queue_capacity == QUEUE_ROUNDS * 3 * 2
+    assert config.queue_timeout_seconds == ServeConfig.model_fields["queue_timeout_seconds"].default
+
+
+@pytest.mark.parametrize("argv, field", [
+    (("--max-queued-requests", "-1"), "max_queued_requests"),
+    (("--queue-timeout-seconds", "0"), "queue_timeout_seconds"),
+    (("--mode", "colocated", "--max-queued-requests", "4"), "max_queued_requests"),
+])
+def test_bad_bounds_fail_naming_the_field(argv: tuple[str, ...], field: str) -> None:
+    with pytest.raises(ValidationError, match=field):
+        _config(*argv)
+
+
+def test_help_states_serve_configs_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    timeout = ServeConfig.model_fields["queue_timeout_seconds"].default
+    assert f"default: {QUEUE_ROUNDS} x decode replicas x max num seqs" in text
+    assert f"then 503 (default: {timeout:g})" in text
