@@ -12,7 +12,8 @@ Two dashboards:
     k3serve-overview   what clients see: TTFT / TPOT / ITL / E2E quantiles, TTFT breakdown,
                        request and token rates, errors
     k3serve-pools      what the pools do: running / waiting requests and KV-block / KDA-slot usage
-                       per pool and replica, healthy replicas, P->D handoff and transfer
+                       per pool and replica, healthy replicas, the ingress's queue time, P->D
+                       handoff and transfer
 """
 
 from __future__ import annotations
@@ -167,8 +168,9 @@ def overview() -> dashboard.Dashboard:
                            quantile_queries("k3serve:inter_token_latency_seconds")))
         .with_panel(series(ids, "End-to-end latency", "Request arrival to last token.", "s",
                            quantile_queries("k3serve:e2e_request_latency_seconds")))
-        .with_panel(series(ids, "TTFT breakdown (p90)", "Where time to first token goes: waiting for a prefill "
-                           "replica, prefill compute, and the P->D handoff (transfer plus decode admission).", "s", [
+        .with_panel(series(ids, "TTFT breakdown (p90)", "Where time to first token goes: waiting at the ingress "
+                           "for room on a decode replica (the admission queue), prefill compute, and the P->D "
+                           "handoff (transfer plus decode admission).", "s", [
                                query(f"histogram_quantile(0.9, sum by (le, model_name) (rate({m}_bucket{{{MODEL}}}[{RATE}])))",
                                      f"{name} {{{{model_name}}}}", "ABC"[i])
                                for i, (name, m) in enumerate([
@@ -206,7 +208,7 @@ def pools() -> dashboard.Dashboard:
         dashboard.QueryVariable("pool")
         .label("Pool")
         .datasource(DS)
-        .query('label_values(k3serve:num_requests_running{model_name=~"$model_name"}, pool)')
+        .query('label_values(k3serve:num_requests_waiting{model_name=~"$model_name"}, pool)')  # incl. "ingress"
         .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
         .multi(True)
         .include_all(True)
@@ -227,12 +229,17 @@ def pools() -> dashboard.Dashboard:
         board.with_row(dashboard.Row("Load").id(ids.id()))
         .with_panel(series(ids, "Running requests", "Requests in the running batch, per pool and replica.",
                            "short", per_replica("k3serve:num_requests_running"), width=8))
-        .with_panel(series(ids, "Waiting requests", "Requests queued for admission, per pool and replica. A "
-                           "growing decode queue means decode lacks KV blocks or KDA slots.", "short",
-                           per_replica("k3serve:num_requests_waiting"), width=8))
+        .with_panel(series(ids, "Waiting requests", "Requests queued for admission, per pool and replica; pool "
+                           "ingress: the disaggregated ingress's admission queue, waiting for a decode replica with "
+                           "room. A growing decode or ingress queue means decode lacks KV blocks or KDA slots.",
+                           "short", per_replica("k3serve:num_requests_waiting"), width=8))
         .with_panel(series(ids, "Healthy replicas", "Replicas that can take requests, per pool.", "short", [
             query(f"sum by (pool) (k3serve:replicas_healthy{{{POOL}}})", "{{pool}}", "A"),
         ], width=8))
+        .with_panel(series(ids, "Ingress queue time", "Arrival to a decode reservation: the wait in the "
+                           "ingress's admission queue while every decode replica is full (before the prefill). "
+                           "Alert: p95 over 10 s for 10 min; past queue_timeout_seconds a request gets 503.", "s",
+                           quantile_queries("k3serve:request_queue_time_seconds"), width=24))
         .with_row(dashboard.Row("Cache").id(ids.id()))
         .with_panel(series(ids, "KV block usage", "Share of paged MLA latent-KV blocks in use.", "percentunit",
                            per_replica("k3serve:kv_block_usage_ratio"), max_val=1))

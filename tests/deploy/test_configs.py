@@ -40,3 +40,10 @@ def test_tiny_config_serves_a_shipped_preset_on_loopback():
 def test_rack_config_joins_the_ray_cluster_on_gpus():
     cfg = yaml.safe_load((DEPLOY / "configs" / "k3-gb300.yaml").read_text())
     assert cfg["ray_address"] == "auto" and cfg["device"] == "cuda"
+
+
+def test_rack_config_queues_one_round_of_decode():
+    """K3's minute-long requests free about one round of decode slots per queue timeout (k3-gb300.yaml)."""
+    cfg = yaml.safe_load((DEPLOY / "configs" / "k3-gb300.yaml").read_text())
+    assert cfg["max_queued_requests"] == cfg["decode_replicas"] * cfg["max_num_seqs"]
+    assert cfg["queue_timeout_seconds"] == 60

@@ -169,6 +169,17 @@ def test_config_file_is_one_k3serve_accepts():
     assert yaml.safe_load(of_kind(render(), "ConfigMap")[0]["data"]["config.yaml"])["device"] == "cuda"
 
 
+def test_queue_bounds_reach_the_config_only_when_set():
+    """Unset, k3serve's own defaults apply (8 rounds of the decode pool, 60 s); 0 is a value (never wait)."""
+    config = lambda sets=(): yaml.safe_load(of_kind(render(sets=sets), "ConfigMap")[0]["data"]["config.yaml"])  # noqa: E731
+    assert not {"max_queued_requests", "queue_timeout_seconds"} & set(config())
+    cfg = config(("serving.maxQueuedRequests=0", "serving.queueTimeoutSeconds=90"))
+    assert (cfg["max_queued_requests"], cfg["queue_timeout_seconds"]) == (0, 90)
+    assert not config_problems(cfg)
+    gb300 = yaml.safe_load(of_kind(render(DEPLOY / "helm" / "examples" / "gb300-mooncake.yaml"), "ConfigMap")[0]["data"]["config.yaml"])
+    assert gb300["max_queued_requests"] == gb300["decode_replicas"] * gb300["max_num_seqs"]  # one round: see the example
+
+
 def test_head_runs_k3serve_behind_health():
     docs = render()
     (cluster,) = of_kind(docs, "RayCluster")
@@ -243,7 +254,11 @@ def test_dashboards_configmap_carries_deploy_grafana():
     (("decode.tp=3", "decode.gpusPerPod=4"), "does not divide gpusPerPod"),
     (("model.source=hf",), "model.hf.id is required"),
     (("unknownKey=1",), "Additional property unknownKey is not allowed"),
-], ids=["bad-transfer", "uneven-tp", "tp-not-dividing", "hf-without-id", "unknown-key"])
+    (("serving.maxQueuedRequests=-1",), "serving.maxQueuedRequests: Must be greater than or equal to 0"),
+    (("serving.queueTimeoutSeconds=0",), "serving.queueTimeoutSeconds: Must be greater than 0"),
+    (("serving.mode=colocated", "serving.maxQueuedRequests=4"), "unset it for serving.mode colocated"),
+], ids=["bad-transfer", "uneven-tp", "tp-not-dividing", "hf-without-id", "unknown-key", "negative-queue",
+        "zero-queue-timeout", "colocated-queue"])
 def test_bad_values_are_rejected(sets, error):
     args = ["template", "k3", str(CHART)]
     for s in sets:
