@@ -58,6 +58,11 @@ class ServeConfig(BaseModel):
         60.0, gt=0, description="disaggregated: longest a request waits for decode room, then 503 (a client "
         "gets an answer it can retry well before common client timeouts, e.g. the OpenAI SDK's 600 s)",
     )
+    reasoning_parser: Literal["kimi", "none"] = Field(
+        "kimi", description="chat: 'kimi' returns a thinking model's <think> block as reasoning_content, apart from "
+        "content (as vLLM's --reasoning-parser kimi_k2); it acts only on output with the think markers, so a model "
+        "that never thinks is served as with 'none', which returns the text as generated",
+    )
     verify_checksums: bool = Field(True, description="decode verifies every handoff's checksums before continuing")
     ray_address: str | None = Field(None, description="join this Ray cluster; default: start a local one")
     advertise_host: str | None = Field(

@@ -350,7 +350,7 @@ def run(config: ServeConfig) -> int:
     _Server = _uvicorn_server_class()
     deployment = start_deployment(config)
     try:
-        app = build_app(deployment.client, deployment.metrics)
+        app = build_app(deployment.client, deployment.metrics, reasoning_parser=config.reasoning_parser)
         server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning"))
 
         async def main() -> None:

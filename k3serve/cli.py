@@ -165,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "max num seqs)")
     p.add_argument("--queue-timeout-seconds", type=float, help="disaggregated: longest a request waits for decode "
                    "room, then 503 (default: 60)")
+    p.add_argument("--reasoning-parser", choices=("kimi", "none"), help="chat: 'kimi' returns a thinking model's "
+                   "<think> block as reasoning_content (output without it is untouched); 'none' returns the text "
+                   "as generated (default: kimi)")
     p.add_argument("--config", type=Path, help="YAML file with any of the options above")
     p.set_defaults(func=_serve)
 

@@ -50,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+REASONING_PARSERS = ("kimi", "none")
+
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -57,7 +59,10 @@ class ClientGone(Exception):
     """The client disconnected before the response was ready."""
 
 
-def build_app(client: EngineClient, metrics: IngressMetrics | None = None) -> FastAPI:
+def build_app(client: EngineClient, metrics: IngressMetrics | None = None, reasoning_parser: str = "kimi") -> FastAPI:
+    """`reasoning_parser`: "kimi" returns a thinking model's reasoning apart on chat (reasoning.py), "none" not."""
+    if reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {reasoning_parser!r}")
     metrics = metrics if metrics is not None else IngressMetrics(model_name=client.model_name)
     app = FastAPI(title="k3serve", summary="OpenAI-compatible ingress of k3serve")
     app.state.client, app.state.metrics = client, metrics
@@ -89,7 +94,7 @@ def build_app(client: EngineClient, metrics: IngressMetrics | None = None) -> Fa
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await _serve(raw, client, metrics, lambda: prepare_chat(body, client))
+        return await _serve(raw, client, metrics, lambda: prepare_chat(body, client, reasoning_parser))
 
     return app
 

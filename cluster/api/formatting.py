@@ -10,6 +10,10 @@ detokenized with the special tokens kept, is split into content and tool calls, 
 `delta.tool_calls` pieces or folded into `message.tool_calls`; a choice that made calls and stopped
 finishes with "tool_calls" (the engine's reason stays in `finish_reason` for the metrics).
 
+A chat choice served with a reasoning parser holds a `ReasoningStream` (reasoning.py) that reads its text first:
+the reasoning goes to `reasoning_content` (message or delta), the rest on as content, through the tool-call parser
+when there is one. Both modes feed it delta by delta in `add`, so they split the text alike.
+
 Logprobs come as `TokenLogprobs` (chosen token first, then the top-n). Completions show them as
 `{tokens, token_logprobs, top_logprobs: [{token: logprob}] (chosen + top-n), text_offset}`;
 chat as `{content: [{token, logprob, bytes, top_logprobs: [top-n]}]}`.
@@ -42,6 +46,7 @@ from .protocol import (
     TopLogprob,
     UsageInfo,
 )
+from .reasoning import ReasoningDelta, ReasoningStream
 from .tool_calls import ParsedDelta, ToolCallStream, parse_tool_calls
 
 Chunk = Union[CompletionStreamResponse, ChatCompletionStreamResponse]
@@ -170,15 +175,20 @@ class CompletionFormatter(_Formatter):
 
 
 class ChatFormatter(_Formatter):
-    """One choice of a chat completion; with `tool_calls`, its text is parsed for Kimi's tool calls."""
+    """One choice of a chat completion; with `reasoning`, its text is split into reasoning and content; with
+    `tool_calls`, the content is parsed for Kimi's tool calls."""
 
     response_type, chunk_type = ChatCompletionResponse, ChatCompletionStreamResponse
 
-    def __init__(self, *args, top_logprobs: int = 0, tool_calls: bool = False, **kwargs) -> None:
+    def __init__(self, *args, top_logprobs: int = 0, tool_calls: bool = False,
+                 reasoning: ReasoningStream | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.top_logprobs = top_logprobs
         self.logprobs: list[ChatLogprob] | None = None
         self.tool_parser = ToolCallStream(self.tokenizer.special_tokens) if tool_calls else None
+        self.reasoning_parser = reasoning
+        self.reasoning_parts: list[str] = []
+        self.content_parts: list[str] = []  # the text less the reasoning
 
     def _entry(self, entry: TokenLogprobs) -> ChatLogprob:
         def top(tid: int, lp: float) -> TopLogprob:
@@ -192,19 +202,32 @@ class ChatFormatter(_Formatter):
         """The choice's first chunk, before any delta: role "assistant", empty content."""
         return self._chunk(ChatStreamChoice(index=self.index, delta=DeltaMessage(role="assistant", content="")))
 
-    def add(self, delta: RequestDelta) -> ChatLogprobs | None:
-        """Take one delta into the response; returns its own logprobs (None if not asked)."""
+    def add(self, delta: RequestDelta) -> tuple[ReasoningDelta, ChatLogprobs | None]:
+        """Take one delta into the response; returns its text split into reasoning and content, and its own
+        logprobs (None if not asked)."""
         self._track(delta)
+        piece = self._split(delta)
+        self.reasoning_parts.append(piece.reasoning)
+        self.content_parts.append(piece.content)
         if delta.logprobs is None:
-            return None
+            return piece, None
         logprobs = ChatLogprobs(content=[self._entry(e) for e in delta.logprobs])
         self.logprobs = (self.logprobs or []) + logprobs.content
-        return logprobs
+        return piece, logprobs
+
+    def _split(self, delta: RequestDelta) -> ReasoningDelta:
+        if self.reasoning_parser is None:
+            return ReasoningDelta(content=delta.new_text)
+        piece = self.reasoning_parser.feed(delta.new_text)
+        if delta.finished:
+            rest = self.reasoning_parser.finish()
+            piece.reasoning, piece.content = piece.reasoning + rest.reasoning, piece.content + rest.content
+        return piece
 
     def chunks(self, delta: RequestDelta) -> list[ChatCompletionStreamResponse]:
-        logprobs = self.add(delta)
-        message = self._delta_message(delta)
-        if message.content is None and message.tool_calls is None and not delta.finished and logprobs is None:
+        piece, logprobs = self.add(delta)
+        message = self._delta_message(piece, delta.finished)
+        if message == DeltaMessage() and not delta.finished and logprobs is None:
             return []  # nothing to show yet (partial UTF-8, held-back stop prefix or marker)
         finish_reason = delta.finish_reason
         if self.tool_parser is not None:
@@ -212,13 +235,15 @@ class ChatFormatter(_Formatter):
         return [self._chunk(ChatStreamChoice(index=self.index, delta=message, logprobs=logprobs,
                                              finish_reason=finish_reason, stop_reason=delta.stop_reason))]
 
-    def _delta_message(self, delta: RequestDelta) -> DeltaMessage:
+    def _delta_message(self, piece: ReasoningDelta, finished: bool) -> DeltaMessage:
+        reasoning = piece.reasoning or None
         if self.tool_parser is None:
-            return DeltaMessage(content=delta.new_text or None)
-        parsed = self.tool_parser.feed(delta.new_text)
-        if delta.finished:
+            return DeltaMessage(reasoning_content=reasoning, content=piece.content or None)
+        parsed = self.tool_parser.feed(piece.content)
+        if finished:
             parsed.content += self.tool_parser.finish().content
-        return DeltaMessage(content=parsed.content or None, tool_calls=_delta_tool_calls(parsed) or None)
+        return DeltaMessage(reasoning_content=reasoning, content=parsed.content or None,
+                            tool_calls=_delta_tool_calls(parsed) or None)
 
     @staticmethod
     def _shown_reason(finish_reason: str | None, called: bool) -> str | None:
@@ -227,11 +252,12 @@ class ChatFormatter(_Formatter):
 
     def choice(self) -> ChatChoice:
         """The whole choice, after its last delta."""
-        text, calls = "".join(self.text_parts), []
+        reasoning, text, calls = "".join(self.reasoning_parts), "".join(self.content_parts), []
         if self.tool_parser is not None:
             text, parsed = parse_tool_calls(text, self.tokenizer.special_tokens)
             calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in parsed]
-        message = AssistantMessage(content=text if text or not calls else None, tool_calls=calls or None)
+        content = text if text or not (reasoning or calls) else None  # "" only for a turn that wrote nothing at all
+        message = AssistantMessage(reasoning_content=reasoning or None, content=content, tool_calls=calls or None)
         return ChatChoice(index=self.index, message=message,
                           logprobs=None if self.logprobs is None else ChatLogprobs(content=self.logprobs),
                           finish_reason=self._shown_reason(self.finish_reason, bool(calls)),

@@ -15,7 +15,8 @@ with `tool_calls`, `tool` messages answering one by its `tool_call_id`. The call
 come back as `message.tool_calls` (tool_calls.py parses them from Kimi's format).
 
 Responses and stream chunks are shaped exactly like OpenAI's; `stop_reason` (the stop string or
-token id that ended a choice) is vLLM's extension. In chunks, `usage` appears only when set and
+token id that ended a choice) and `reasoning_content` (a thinking model's reasoning, present only when
+it wrote some) are vLLM's extensions. In chunks, `usage` appears only when set and
 `delta` holds only the keys that changed.
 """
 
@@ -314,10 +315,12 @@ class ChatLogprobs(BaseModel):
 
 
 class AssistantMessage(_OmitNone):
-    omit_none = ("tool_calls",)
+    omit_none = ("reasoning_content", "tool_calls")
     role: Literal["assistant"] = "assistant"
+    reasoning_content: str | None = None
+    """What a thinking model wrote between <think> and </think> (vLLM's field; reasoning.py)."""
     content: str | None
-    """None when the turn is tool calls only."""
+    """None when the turn is reasoning or tool calls only."""
     tool_calls: list[ToolCall] | None = None
 
 
@@ -354,6 +357,7 @@ class DeltaToolCall(_OmitNone):
 
 class DeltaMessage(_OmitNone):
     role: str | None = None
+    reasoning_content: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 

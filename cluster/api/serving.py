@@ -36,6 +36,7 @@ from .errors import APIError, EngineOverloadedError, bad_request, error_body
 from .fanout import FanOut
 from .formatting import ChatFormatter, Choices, CompletionFormatter, Formatter
 from .protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, _SamplingFields
+from .reasoning import ReasoningStream, prompt_opens_reasoning
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,9 @@ def prepare_completion(body: CompletionRequest, client: EngineClient) -> Prepare
     return _prepared(request_id, prompts, body, formatter, is_chat=False)
 
 
-def prepare_chat(body: ChatCompletionRequest, client: EngineClient) -> Prepared:
+def prepare_chat(body: ChatCompletionRequest, client: EngineClient, reasoning_parser: str = "kimi") -> Prepared:
+    """`reasoning_parser` "kimi" splits a thinking model's <think> block into `reasoning_content` (reasoning.py);
+    "none" returns the text as generated."""
     _check_model(body.model, client)
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     tools = body.active_tools
@@ -81,13 +84,18 @@ def prepare_chat(body: ChatCompletionRequest, client: EngineClient) -> Prepared:
     max_tokens = _fit_context(len(prompt_ids), body.effective_max_tokens, client.max_model_len, "messages")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling_params(body, max_tokens, logprobs, client)
-    if tools:  # the tool-call parser reads the markers in the text (as vLLM's kimi_k2 parser asks)
+    reasoning = reasoning_parser == "kimi"
+    if tools or reasoning:  # the parsers read the markers in the text (as vLLM's kimi_k2 parsers ask)
         params = dataclasses.replace(params, skip_special_tokens=False)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    specials = client.tokenizer.special_tokens
 
     def formatter(index: int, prompt_ids: list[int]) -> Formatter:
+        split = None if not reasoning else ReasoningStream(
+            specials, in_reasoning=prompt_opens_reasoning(prompt_ids, specials),
+            keep_special=tools is not None or not body.skip_special_tokens)
         return ChatFormatter(request_id, client.model_name, client.tokenizer, _continuous(body), index=index,
-                             top_logprobs=body.top_logprobs or 0, tool_calls=tools is not None)
+                             top_logprobs=body.top_logprobs or 0, tool_calls=tools is not None, reasoning=split)
 
     return _prepared(request_id, [(prompt_ids, params)], body, formatter, is_chat=True)
 

@@ -19,10 +19,11 @@ stream, which cannot take back what it sent, sends the text from the broken call
 
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass, field
 from typing import Iterable
+
+from .special_tokens import lexer_for
 
 SECTION_BEGIN = "<|tool_calls_section_begin|>"
 SECTION_END = "<|tool_calls_section_end|>"
@@ -63,22 +64,12 @@ class ParsedDelta:
             self.calls.append(ToolCallDelta(index, text))
 
 
-@functools.lru_cache(maxsize=8)
-def _vocabulary(special_tokens: frozenset[str]) -> tuple[frozenset[str], re.Pattern[str], frozenset[str]]:
-    """(the special tokens to drop, a pattern finding any special token, every proper prefix of one): built once
-    a tokenizer, not once a choice (Kimi's vocabulary has 256 reserved special tokens)."""
-    hidden = special_tokens - set(MARKERS)
-    tokens = sorted(hidden | set(MARKERS), key=len, reverse=True)
-    prefixes = frozenset(t[:k] for t in tokens for k in range(1, len(t)))
-    return hidden, re.compile("|".join(map(re.escape, tokens))), prefixes
-
-
 class ToolCallStream:
     """One choice's text, fed in pieces (`feed`, then `finish` once), split into content and tool-call pieces."""
 
     def __init__(self, special_tokens: Iterable[str]) -> None:
-        self.hidden, self._token, self._prefixes = _vocabulary(frozenset(special_tokens))
-        self._max_prefix = max(map(len, self._prefixes))
+        self.hidden = frozenset(special_tokens) - set(MARKERS)
+        self._lexer = lexer_for(self.hidden | set(MARKERS))
         self._state = "content"  # content | section | header | arguments | broken
         self._pending = ""  # received text not read yet: the start of a marker, maybe
         self._unsent = ""  # read but not sent: markers and header of the call being read (content if it breaks)
@@ -91,14 +82,9 @@ class ToolCallStream:
 
     def feed(self, text: str) -> ParsedDelta:
         out = ParsedDelta()
-        self._pending += text
-        while (match := self._token.search(self._pending)) is not None:
-            self._read_text(self._pending[: match.start()], out)
-            self._read_token(match.group(), out)
-            self._pending = self._pending[match.end():]
-        cut = len(self._pending) - self._marker_start_len(self._pending)
-        self._read_text(self._pending[:cut], out)
-        self._pending = self._pending[cut:]
+        pieces, self._pending = self._lexer.split(self._pending + text)
+        for piece, is_token in pieces:
+            (self._read_token if is_token else self._read_text)(piece, out)
         return out
 
     def finish(self) -> ParsedDelta:
@@ -112,13 +98,6 @@ class ToolCallStream:
             out.content += rest
         self._state = "broken"
         return out
-
-    def _marker_start_len(self, text: str) -> int:
-        """Length of the longest end of `text` that could still grow into a special token."""
-        for k in range(min(self._max_prefix, len(text)), 0, -1):
-            if text[-k:] in self._prefixes:
-                return k
-        return 0
 
     def _read_text(self, text: str, out: ParsedDelta) -> None:
         if not text:
@@ -172,7 +151,7 @@ class ToolCallStream:
 
     def without_hidden(self, text: str) -> str:
         """`text` without the special tokens that are not tool-call markers."""
-        return self._token.sub(lambda m: "" if m.group() in self.hidden else m.group(), text)
+        return self._lexer.pattern.sub(lambda m: "" if m.group() in self.hidden else m.group(), text)
 
     def _break(self, text: str, out: ParsedDelta) -> None:
         """Malformed: what was read of the broken call and everything after it is content."""

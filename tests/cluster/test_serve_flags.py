@@ -2,7 +2,8 @@
 `ServeConfig.load`): the file's values, then the flags given on top; a flag not given leaves the
 file's value, and neither leaves ServeConfig's default. Shown on the admission queue's bounds
 (`--max-queued-requests`, `--queue-timeout-seconds`), which are checked like the file's keys
-(0 is a value: never wait; colocated mode refuses them), and whose --help states ServeConfig's defaults."""
+(0 is a value: never wait; colocated mode refuses them), and whose --help states ServeConfig's defaults; and on
+the chat route's reasoning parser (`--reasoning-parser`)."""
 
 from __future__ import annotations
 
@@ -62,3 +63,21 @@ def test_help_states_serve_configs_defaults(capsys: pytest.CaptureFixture[str]) 
     timeout = ServeConfig.model_fields["queue_timeout_seconds"].default
     assert f"default: {QUEUE_ROUNDS} x decode replicas x max num seqs" in text
     assert f"then 503 (default: {timeout:g})" in text
+
+
+def test_the_reasoning_parser_is_kimi_unless_a_flag_or_the_file_says_none(tmp_path: Path) -> None:
+    assert _config().reasoning_parser == "kimi"  # output without think markers is untouched by it
+    assert _config("--reasoning-parser", "none").reasoning_parser == "none"
+    path = tmp_path / "serve.yaml"
+    path.write_text("reasoning_parser: none\n")
+    assert _config("--config", str(path)).reasoning_parser == "none"
+    assert _config("--config", str(path), "--reasoning-parser", "kimi").reasoning_parser == "kimi"
+
+
+def test_an_unknown_reasoning_parser_fails(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        _config("--reasoning-parser", "deepseek_r1")
+    path = tmp_path / "serve.yaml"
+    path.write_text("reasoning_parser: deepseek_r1\n")
+    with pytest.raises(ValidationError, match="reasoning_parser"):
+        _config("--config", str(path))

@@ -1,0 +1,102 @@
+"""Kimi's reasoning in generated text -> OpenAI's `reasoning_content` (what vLLM serves with `--reasoning-parser
+kimi_k2`), on /v1/chat/completions when the server runs with `reasoning_parser: kimi`.
+
+A Kimi thinking model (K2 Thinking, K3) writes its reasoning between the special tokens `<think>` and `</think>`,
+then its answer, then any tool calls:
+
+    <think>They want the weather: call get_weather.</think>Let me check.<|tool_calls_section_begin|>...
+
+The reasoning goes to `reasoning_content`, the rest to `content` (and through the tool-call parser when the request
+has tools); the markers reach neither. The rules:
+
+- No marker at all: everything is content. That is why the parser can be on by default: a model that never thinks
+  is served as without it (its special tokens dropped from the text instead of from the tokens, which differs only
+  where one splits a UTF-8 character: random weights do that, a trained model does not).
+- A chat template may open the block itself (its generation prompt ends with `<think>`): then the choice starts in
+  reasoning (`prompt_opens_reasoning`) and everything before the first `</think>` is reasoning. The prompt decides,
+  not a guess from the output, because a stream cannot take back what it sent: vLLM's deepseek_r1 streaming calls
+  all text reasoning until `</think>` shows, which would turn a non-thinking model's whole answer into reasoning.
+- No `</think>` by the end: everything after `<think>` is reasoning (a turn cut by max_tokens while thinking).
+- Kimi may start its tool calls without closing the block: `<|tool_calls_section_begin|>` ends the reasoning and
+  goes on, with the rest, to the content (as vLLM's kimi_k2 parser splits at the tool-call marker).
+- A `</think>` with no block open is dropped; a second block is reasoning too.
+
+Every other special token (the `<|im_end|>` that stopped the turn) is dropped from the reasoning; in the content it
+is kept when `keep_special` (the tool-call parser reads the content next and drops those it does not use, or the
+client asked for `skip_special_tokens: false`), else dropped, as the detokenizer's skip_special_tokens would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+from .special_tokens import lexer_for
+from .tool_calls import SECTION_BEGIN
+
+THINK_BEGIN = "<think>"
+THINK_END = "</think>"
+TURN_END = "<|im_end|>"
+
+
+@dataclass
+class ReasoningDelta:
+    reasoning: str = ""
+    content: str = ""
+
+
+class ReasoningStream:
+    """One choice's text, fed in pieces (`feed`, then `finish` once), split into reasoning and content."""
+
+    def __init__(self, special_tokens: Iterable[str], *, in_reasoning: bool = False, keep_special: bool = False) -> None:
+        self._lexer = lexer_for(frozenset(special_tokens) | {THINK_BEGIN, THINK_END, SECTION_BEGIN})
+        self.in_reasoning = in_reasoning
+        self.keep_special = keep_special
+        self._pending = ""  # the start of a special token, maybe
+
+    def feed(self, text: str) -> ReasoningDelta:
+        out = ReasoningDelta()
+        pieces, self._pending = self._lexer.split(self._pending + text)
+        for piece, is_token in pieces:
+            if is_token:
+                self._read_token(piece, out)
+            else:
+                self._add(piece, out)
+        return out
+
+    def finish(self) -> ReasoningDelta:
+        """The end of the text: what was held back never became a special token, so it is text."""
+        out = ReasoningDelta()
+        self._add(self._pending, out)
+        self._pending = ""
+        return out
+
+    def _add(self, text: str, out: ReasoningDelta) -> None:
+        if self.in_reasoning:
+            out.reasoning += text
+        else:
+            out.content += text
+
+    def _read_token(self, token: str, out: ReasoningDelta) -> None:
+        if token == THINK_BEGIN:
+            self.in_reasoning = True
+        elif token == THINK_END:
+            self.in_reasoning = False
+        else:
+            if token == SECTION_BEGIN:
+                self.in_reasoning = False  # tool calls end the reasoning, closed or not
+            if self.keep_special and not self.in_reasoning:
+                out.content += token
+
+
+def prompt_opens_reasoning(prompt_ids: Sequence[int], special_tokens: Mapping[str, int]) -> bool:
+    """Whether the prompt leaves a think block open for the answer: its last `<think>`, `</think>` or `<|im_end|>`
+    is `<think>` (a template whose generation prompt starts the reasoning)."""
+    begin = special_tokens.get(THINK_BEGIN)
+    closers = {special_tokens.get(THINK_END), special_tokens.get(TURN_END)} - {None}
+    for token in reversed(prompt_ids):
+        if token == begin:
+            return True
+        if token in closers:
+            return False
+    return False
