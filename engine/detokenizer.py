@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Iterable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from k3serve.engine.sampling_params import SamplingParams
 
 
 class TokenBytes(Protocol):
@@ -58,6 +61,15 @@ class IncrementalDetokenizer:
         self._is_finished = False
         if prompt_token_ids:
             self._decoder.decode(_incomplete_utf8_tail(self._bytes_of(prompt_token_ids[-4:])))
+
+    @classmethod
+    def for_request(cls, tokenizer: TokenBytes, prompt_token_ids: list[int] | None,
+                    params: "SamplingParams") -> "IncrementalDetokenizer":
+        """The detokenizer a request's SamplingParams ask for: special tokens skipped (but those it keeps) or not,
+        and its stop strings."""
+        specials = frozenset(getattr(tokenizer, "all_special_ids", ())) - frozenset(params.keep_special_token_ids)
+        return cls(tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
+                   params.include_stop_str_in_output, special_token_ids=specials)
 
     @property
     def text(self) -> str:

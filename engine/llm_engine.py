@@ -143,9 +143,7 @@ class LLMEngine:
         self.scheduler.add_request(Request(request_id, token_ids, params))
         self._tracked[request_id] = _Tracked(
             params=params,
-            detokenizer=IncrementalDetokenizer(
-                self.tokenizer, token_ids, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
-            ),
+            detokenizer=IncrementalDetokenizer.for_request(self.tokenizer, token_ids, params),
             prompt=text,
         )
         return request_id
@@ -205,9 +203,7 @@ class LLMEngine:
         self.scheduler.add_running(request)
         self._tracked[request_id] = _Tracked(
             params=params,
-            detokenizer=IncrementalDetokenizer(
-                self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
-            ),
+            detokenizer=IncrementalDetokenizer.for_request(self.tokenizer, prompt_token_ids, params),
             prompt=None,
         )
         status = self.scheduler.check_stop(request, first_token_id)

@@ -56,6 +56,9 @@ class SamplingParams:
     """Return the actual token's logprob plus this many top logprobs per prompt position."""
     skip_special_tokens: bool = True
     """Special tokens produce no output text."""
+    keep_special_token_ids: list[int] | None = None
+    """Special tokens that still produce text when skip_special_tokens (the chat API's tool-call and reasoning
+    markers, which its parsers read and never show); normalized to a list."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string at the end of the output text."""
     logit_bias: dict[int, float] | None = None
@@ -96,7 +99,8 @@ class SamplingParams:
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be an int >= 0 or None, got {name}={value!r}")
         self.stop = _normalize_stop(self.stop)
-        self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)
+        self.stop_token_ids = _normalize_token_ids(self.stop_token_ids, "stop_token_ids")
+        self.keep_special_token_ids = _normalize_token_ids(self.keep_special_token_ids, "keep_special_token_ids")
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
         if self.is_greedy:  # as vLLM: filtering is meaningless for argmax
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
@@ -124,13 +128,13 @@ def _normalize_stop(stop: str | list[str] | None) -> list[str]:
     return stop
 
 
-def _normalize_stop_token_ids(ids: list[int] | None) -> list[int]:
+def _normalize_token_ids(ids: list[int] | None, name: str) -> list[int]:
     if ids is None:
         return []
     ids = list(ids)
     for i in ids:
         if not isinstance(i, int) or isinstance(i, bool) or i < 0:
-            raise ValueError(f"stop_token_ids must be ints >= 0, got {i!r} in stop_token_ids={ids!r}")
+            raise ValueError(f"{name} must be ints >= 0, got {i!r} in {name}={ids!r}")
     return ids
 
 

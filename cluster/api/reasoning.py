@@ -10,8 +10,8 @@ The reasoning goes to `reasoning_content`, the rest to `content` (and through th
 has tools); the markers reach neither. The rules:
 
 - No marker at all: everything is content. That is why the parser can be on by default: a model that never thinks
-  is served as without it (its special tokens dropped from the text instead of from the tokens, which differs only
-  where one splits a UTF-8 character: random weights do that, a trained model does not).
+  is served exactly as without it (the request keeps only the markers as text, `keep_special_token_ids`; every
+  other special token is skipped token by token, as ever).
 - A chat template may open the block itself (its generation prompt ends with `<think>`): then the choice starts in
   reasoning (`prompt_opens_reasoning`) and everything before the first `</think>` is reasoning. The prompt decides,
   not a guess from the output, because a stream cannot take back what it sent: vLLM's deepseek_r1 streaming calls
@@ -21,9 +21,9 @@ has tools); the markers reach neither. The rules:
   goes on, with the rest, to the content (as vLLM's kimi_k2 parser splits at the tool-call marker).
 - A `</think>` with no block open is dropped; a second block is reasoning too.
 
-Every other special token (the `<|im_end|>` that stopped the turn) is dropped from the reasoning; in the content it
-is kept when `keep_special` (the tool-call parser reads the content next and drops those it does not use, or the
-client asked for `skip_special_tokens: false`), else dropped, as the detokenizer's skip_special_tokens would.
+Any other special token in the text (there are some only when the client asked for `skip_special_tokens: false`)
+is dropped from the reasoning; in the content it is kept when `keep_special` (the tool-call parser reads the
+content next and drops those it does not use, or the client asked for them), else dropped.
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@ from .errors import APIError, EngineOverloadedError, bad_request, error_body
 from .fanout import FanOut
 from .formatting import ChatFormatter, Choices, CompletionFormatter, Formatter
 from .protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, _SamplingFields
-from .reasoning import ReasoningStream, prompt_opens_reasoning
+from .reasoning import THINK_BEGIN, THINK_END, ReasoningStream, prompt_opens_reasoning
+from .tool_calls import MARKERS as TOOL_MARKERS, SECTION_BEGIN
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +86,15 @@ def prepare_chat(body: ChatCompletionRequest, client: EngineClient, reasoning_pa
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling_params(body, max_tokens, logprobs, client)
     reasoning = reasoning_parser == "kimi"
-    if tools or reasoning:  # the parsers read the markers in the text (as vLLM's kimi_k2 parsers ask)
-        params = dataclasses.replace(params, skip_special_tokens=False)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
     specials = client.tokenizer.special_tokens
+    if tools or reasoning:  # the parsers read their markers in the text (as vLLM's kimi_k2 parsers ask)
+        markers = (THINK_BEGIN, THINK_END, SECTION_BEGIN) if reasoning else ()
+        markers += TOOL_MARKERS if tools else ()
+        # Only the markers: every other special token is still skipped token by token, so the text is what it
+        # would be without the parsers (dropping them from the text instead differs where one splits a character).
+        params = dataclasses.replace(params, keep_special_token_ids=sorted({specials[m] for m in markers
+                                                                             if m in specials}))
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
 
     def formatter(index: int, prompt_ids: list[int]) -> Formatter:
         split = None if not reasoning else ReasoningStream(

@@ -1,6 +1,6 @@
 """Special tokens in detokenized text, read in pieces as it streams (for tool_calls.py and reasoning.py).
 
-Parsers of Kimi's output read the text a request was detokenized into with its special tokens kept: a marker such
+Parsers of Kimi's output read the text a request was detokenized into with their markers kept: a marker such
 as `<think>` or `<|tool_call_begin|>` is one token but may arrive split across stream pieces (a delta that ends
 inside a held-back stop string, or a test that cuts anywhere). `SpecialTokenLexer.split` cuts text into plain text
 and whole special tokens, and holds back an end that could still grow into one, so no parser ever shows half a

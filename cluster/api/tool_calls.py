@@ -6,9 +6,10 @@ Kimi writes its calls after any content, each call's id and JSON arguments betwe
     {"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>
 
 (one line in reality). The id is kept as the call's id, as vLLM does (the chat template renders it back in the next
-turn); the function's name is what lies between "functions." and ":". The parser reads text, so the request must be
-detokenized with its special tokens kept; every special token that is not one of these five markers (the
-`<|im_end|>` that stopped the turn) is dropped, and none reaches the content.
+turn); the function's name is what lies between "functions." and ":". The parser reads text, so the request keeps
+these five markers as text (`SamplingParams.keep_special_token_ids`; other special tokens are skipped as ever); any
+other special token the text holds (a client that asked for `skip_special_tokens: false`) is dropped, and none
+reaches the content.
 
 `ToolCallStream` reads the text in pieces as it is generated: content as soon as it cannot be the start of a marker,
 a call's id and name once its header is complete, then its arguments piece by piece. `parse_tool_calls` reads a

@@ -45,7 +45,9 @@ async def test_the_reasoning_comes_back_apart_from_the_answer(engine, tokenizer)
     assert choice["message"] == {"role": "assistant", "reasoning_content": THOUGHT, "content": ANSWER}
     assert choice["finish_reason"] == "stop"
     assert r.json()["usage"]["completion_tokens"] == len(engine.reply)  # the reasoning's tokens count too
-    assert engine.requests[0].sampling_params.skip_special_tokens is False  # the markers reach the parser
+    params, specials = engine.requests[0].sampling_params, tokenizer.special_tokens
+    assert params.skip_special_tokens and {specials["<think>"], specials["</think>"]} <= set(
+        params.keep_special_token_ids)  # the markers reach the parser; other special tokens are skipped as ever
 
 
 async def test_the_stream_sends_reasoning_deltas_then_content_deltas(engine):

@@ -17,6 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from k3serve.cluster.api import build_app
+from k3serve.cluster.api.tool_calls import MARKERS
 from k3serve.cluster.metrics import IngressMetrics
 from k3serve.engine.async_engine import GenerateRequest
 from k3serve.engine.detokenizer import IncrementalDetokenizer
@@ -60,7 +61,7 @@ class ScriptedEngine:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestDelta]:
         self.requests.append(request)
         params = request.sampling_params
-        detok = IncrementalDetokenizer(self.tokenizer, request.prompt, skip_special_tokens=params.skip_special_tokens)
+        detok = IncrementalDetokenizer.for_request(self.tokenizer, request.prompt, params)  # as the engine does
         reply = self.reply[: params.max_tokens]
         for n, token in enumerate(reply, 1):
             text, last = detok.push(token), n == len(reply)
@@ -140,7 +141,9 @@ async def test_the_prompt_declares_the_tools_and_the_markers_are_kept(http, engi
     (request,) = engine.requests
     assert request.prompt == tokenizer.encode_chat(ASK, tools=TOOLS)
     assert request.prompt != tokenizer.encode_chat(ASK)
-    assert request.sampling_params.skip_special_tokens is False
+    params, specials = request.sampling_params, tokenizer.special_tokens
+    assert params.skip_special_tokens  # every other special token still skipped token by token
+    assert {specials[m] for m in MARKERS} <= set(params.keep_special_token_ids)
 
 
 async def test_the_stream_sends_each_call_by_index_then_its_arguments_in_pieces(http, engine):

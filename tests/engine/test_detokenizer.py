@@ -6,6 +6,7 @@ import random
 import pytest
 
 from k3serve.engine.detokenizer import IncrementalDetokenizer
+from k3serve.engine.sampling_params import SamplingParams
 
 EOS, IM_END = 300, 301
 
@@ -143,6 +144,17 @@ def test_keep_special_tokens_when_asked():
 def test_special_token_text_can_match_a_stop_string_when_kept():
     detok, _ = stream([256, IM_END, 257], skip_special_tokens=False, stop=["<|im_end|>"])
     assert detok.text == "Hello" and detok.stopped_by == "<|im_end|>"
+
+
+def test_a_request_keeps_only_the_special_tokens_it_names():
+    """The chat API's parsers need their markers in the text; every other special token is skipped token by token,
+    so a character split around one (random weights do that) decodes as it does without the markers kept."""
+    params = SamplingParams(keep_special_token_ids=[IM_END])
+    detok = IncrementalDetokenizer.for_request(TOK, None, params)
+    text = "".join(detok.push(t) for t in [258, EOS, 259, IM_END, 257]) + detok.finish()
+    assert text == "\u4e2d!<|im_end|> world"
+    plain = IncrementalDetokenizer.for_request(TOK, None, SamplingParams())
+    assert "".join(plain.push(t) for t in [258, EOS, 259]) + plain.finish() == "\u4e2d!"
 
 
 def test_push_after_stop_is_an_error():

@@ -55,6 +55,7 @@ def test_top_k_minus_one_means_off():
         (dict(seed="7"), "seed='7'"),
         (dict(stop=["ok", ""]), "''"),
         (dict(stop_token_ids=[1, -5]), "-5"),
+        (dict(keep_special_token_ids=[True]), "keep_special_token_ids"),
         (dict(logit_bias={-1: 1.0}), "key -1"),
         (dict(logit_bias={"5": 1.0}), "key '5'"),
         (dict(logit_bias={True: 1.0}), "key True"),
