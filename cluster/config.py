@@ -9,11 +9,12 @@ with the field's name; a TP size that does not divide the model's KDA heads fail
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from k3serve.engine.host_ip import check_host_ip
 
@@ -24,9 +25,15 @@ from k3serve.engine.host_ip import check_host_ip
 # replica) that the colocated engine would serve.
 QUEUE_ROUNDS = 8
 
+# Where `ServeConfig.load` finds the API key when neither the file nor a flag gives one: a secret need not
+# sit in a YAML file or on a command line (which `ps` shows); a Kubernetes Secret arrives this way.
+API_KEY_ENV = "K3SERVE_API_KEY"
+
 
 class ServeConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # hide_input_in_errors: pydantic would echo the input (the api_key included) in any field's or
+    # cross-check's error, which `k3serve serve` prints; the messages name the field and the rule.
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     model: str = Field("k3-tiny", description="checkpoint directory, or a small preset written once and served")
     mode: Literal["disaggregated", "colocated"] = Field("disaggregated", description="separate prefill/decode pools, or one engine")
@@ -63,12 +70,32 @@ class ServeConfig(BaseModel):
         "content (as vLLM's --reasoning-parser kimi_k2); it acts only on output with the think markers, so a model "
         "that never thinks is served as with 'none', which returns the text as generated",
     )
+    api_key: SecretStr | None = Field(
+        None, description="clients must send `Authorization: Bearer <key>` on every /v1 route (/health and /metrics "
+        f"stay open); default: ${API_KEY_ENV}, else no key (as vLLM's --api-key / $VLLM_API_KEY)",
+    )
     verify_checksums: bool = Field(True, description="decode verifies every handoff's checksums before continuing")
     ray_address: str | None = Field(None, description="join this Ray cluster; default: start a local one")
     advertise_host: str | None = Field(
         None, description="IP every Ray worker binds its servers on and advertises to peers (one node only); "
         "default: $K3SERVE_HOST_IP of the worker's node, else Ray's node IP (cluster/node_address.py)",
     )
+
+    @field_validator("api_key")
+    @classmethod
+    def _usable_key(cls, key: SecretStr | None) -> SecretStr | None:
+        """A key no client can send fails here, not as every request's 401 (the message never shows the key)."""
+        if key is None:
+            return None
+        value = key.get_secret_value()
+        if not value:
+            raise ValueError(f"is empty: give a key, or unset it (and ${API_KEY_ENV}) to serve without one")
+        if value != value.strip():
+            raise ValueError("has leading or trailing white space, which no Authorization header carries (a "
+                             "Secret made with `echo` keeps its newline: use `echo -n` or --from-literal)")
+        if not value.isascii() or not value.isprintable():
+            raise ValueError("must be printable ASCII: an HTTP header carries nothing else")
+        return key
 
     @model_validator(mode="after")
     def _cross_check(self) -> "ServeConfig":
@@ -93,7 +120,8 @@ class ServeConfig(BaseModel):
 
     @classmethod
     def load(cls, path: str | Path | None = None, **overrides: Any) -> "ServeConfig":
-        """File values, then `overrides` (flags that were given; None means not given)."""
+        """File values, then `overrides` (flags that were given; None means not given); then, when neither
+        gives an api_key, $K3SERVE_API_KEY (as vLLM: `--api-key`, else $VLLM_API_KEY)."""
         data: dict[str, Any] = {}
         if path is not None:
             loaded = yaml.safe_load(Path(path).read_text()) or {}
@@ -101,6 +129,8 @@ class ServeConfig(BaseModel):
                 raise ValueError(f"{path}: a serve config is a mapping of option: value")
             data.update(loaded)
         data.update({k: v for k, v in overrides.items() if v is not None})
+        if data.get("api_key") is None and API_KEY_ENV in os.environ:
+            data["api_key"] = os.environ[API_KEY_ENV]
         return cls(**data)
 
     @property

@@ -350,7 +350,9 @@ def run(config: ServeConfig) -> int:
     _Server = _uvicorn_server_class()
     deployment = start_deployment(config)
     try:
-        app = build_app(deployment.client, deployment.metrics, reasoning_parser=config.reasoning_parser)
+        api_key = config.api_key.get_secret_value() if config.api_key is not None else None
+        app = build_app(deployment.client, deployment.metrics, reasoning_parser=config.reasoning_parser,
+                        api_key=api_key)
         server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning"))
 
         async def main() -> None:
@@ -365,6 +367,9 @@ def run(config: ServeConfig) -> int:
                     host, port = sock.getsockname()[:2]
                     print(f"k3serve: serving {config.mode} on http://{host}:{port} (model {deployment.client.model_name})",
                           flush=True)
+            if api_key is not None:
+                print("k3serve: /v1 routes require the API key (Authorization: Bearer); /health, /metrics open",
+                      flush=True)
             await serving
 
         asyncio.run(main())

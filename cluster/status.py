@@ -10,25 +10,29 @@ _GAUGES = ("k3serve:num_requests_running", "k3serve:num_requests_waiting", "k3se
            "k3serve:kda_slot_usage_ratio")
 
 
-def _get(url: str) -> tuple[int, bytes]:
+def _get(url: str, api_key: str | None = None) -> tuple[int, bytes]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key is not None else {}
     try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5) as resp:
             return resp.status, resp.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
 
 
-def print_status(base_url: str) -> int:
-    """Print the status; exit code 0 if healthy, 1 if unhealthy, 2 if unreachable."""
+def print_status(base_url: str, api_key: str | None = None) -> int:
+    """Print the status; exit code 0 if healthy, 1 if unhealthy, 2 if unreachable. `api_key`: the server's, which
+    /v1/models needs when it has one (a refusal is shown, the rest of the status still printed)."""
     base = base_url.rstrip("/")
     try:
         health, _ = _get(f"{base}/health")
-        _, models = _get(f"{base}/v1/models")
+        models_status, models = _get(f"{base}/v1/models", api_key)
         _, metrics = _get(f"{base}/metrics")
     except OSError as e:
         print(f"{base}: unreachable ({e})")
         return 2
     names = [m["id"] for m in json.loads(models or b"{}").get("data", [])]
+    if models_status == 401:
+        names = ["? (401: give the server's key: --api-key or $K3SERVE_API_KEY)"]
     print(f"{base}: {'healthy' if health == 200 else f'unhealthy ({health})'}; models: {', '.join(names) or '-'}")
     for line in metrics.decode().splitlines():
         if line.startswith(_GAUGES):

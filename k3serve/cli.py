@@ -76,9 +76,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
+    import os
+
+    from k3serve.cluster.config import API_KEY_ENV
     from k3serve.cluster.status import print_status
 
-    return print_status(args.url)
+    return print_status(args.url, args.api_key or os.environ.get(API_KEY_ENV))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,11 +171,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", choices=("kimi", "none"), help="chat: 'kimi' returns a thinking model's "
                    "<think> block as reasoning_content (output without it is untouched); 'none' returns the text "
                    "as generated (default: kimi)")
+    p.add_argument("--api-key", help="clients must send 'Authorization: Bearer <key>' on every /v1 route (/health, "
+                   "/metrics stay open); a flag shows in `ps`: prefer $K3SERVE_API_KEY, read when neither this flag "
+                   "nor --config gives a key (default: no key)")
     p.add_argument("--config", type=Path, help="YAML file with any of the options above")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("status", help="health, model and pool usage of a running server")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    p.add_argument("--api-key", help="the server's API key, for /v1/models (default: $K3SERVE_API_KEY)")
     p.set_defaults(func=_status)
     return parser
 

@@ -5,6 +5,9 @@
     GET  /health                                  200, or 503 when client.check_health raises
     GET  /metrics                                 Prometheus text (IngressMetrics)
 
+With an `api_key`, every /v1 route answers 401 unless the request carries `Authorization: Bearer
+<key>` (auth.py: before any route runs); /health and /metrics stay open, for probes and Prometheus.
+
 Every error is OpenAI's error JSON with its status: 400 bad parameters (pydantic validation
 included, never 422), 404 another model id, 503 overloaded or dead backend, 500 anything else
 (generic message; the traceback goes to the log only).
@@ -31,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k3serve.cluster.metrics import IngressMetrics, RequestTimer
 
+from .auth import BearerKeyAuth
 from .engine_client import EngineClient
 from .errors import APIError, error_body, error_response
 from .fanout import FanOut
@@ -59,14 +63,20 @@ class ClientGone(Exception):
     """The client disconnected before the response was ready."""
 
 
-def build_app(client: EngineClient, metrics: IngressMetrics | None = None, reasoning_parser: str = "kimi") -> FastAPI:
-    """`reasoning_parser`: "kimi" returns a thinking model's reasoning apart on chat (reasoning.py), "none" not."""
+def build_app(client: EngineClient, metrics: IngressMetrics | None = None, reasoning_parser: str = "kimi",
+              api_key: str | None = None) -> FastAPI:
+    """`reasoning_parser`: "kimi" returns a thinking model's reasoning apart on chat (reasoning.py), "none" not.
+    `api_key`: the bearer key every /v1 route requires (None: all open); a refusal counts as a 401 error."""
     if reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {reasoning_parser!r}")
+    if api_key == "":
+        raise ValueError("api_key is empty: every request would pass with 'Bearer ' (None serves without a key)")
     metrics = metrics if metrics is not None else IngressMetrics(model_name=client.model_name)
     app = FastAPI(title="k3serve", summary="OpenAI-compatible ingress of k3serve")
     app.state.client, app.state.metrics = client, metrics
     _install_error_handlers(app, metrics)
+    if api_key is not None:
+        app.add_middleware(BearerKeyAuth, api_key=api_key, on_refused=metrics.count_error)
 
     @app.get("/health")
     async def health() -> Response:

@@ -3,7 +3,8 @@
 file's value, and neither leaves ServeConfig's default. Shown on the admission queue's bounds
 (`--max-queued-requests`, `--queue-timeout-seconds`), which are checked like the file's keys
 (0 is a value: never wait; colocated mode refuses them), and whose --help states ServeConfig's defaults; and on
-the chat route's reasoning parser (`--reasoning-parser`)."""
+the chat route's reasoning parser (`--reasoning-parser`); and on the API key (`--api-key`), which, given by
+neither, comes from $K3SERVE_API_KEY (as vLLM's $VLLM_API_KEY) and shows in no repr and no error."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from pydantic import ValidationError
 
 from k3serve.cli import build_parser, serve_config
-from k3serve.cluster.config import QUEUE_ROUNDS, ServeConfig
+from k3serve.cluster.config import API_KEY_ENV, QUEUE_ROUNDS, ServeConfig
 
 
 def _config(*argv: str):
@@ -81,3 +82,39 @@ def test_an_unknown_reasoning_parser_fails(tmp_path: Path) -> None:
     path.write_text("reasoning_parser: deepseek_r1\n")
     with pytest.raises(ValidationError, match="reasoning_parser"):
         _config("--config", str(path))
+
+
+KEY = "k3-flag-test-key-42"
+
+
+def test_the_api_key_comes_from_the_flag_or_the_file_else_the_environment(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert _config().api_key is None  # no key: every route open
+    assert _config("--api-key", KEY).api_key.get_secret_value() == KEY
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert _config().api_key.get_secret_value() == "from-env"
+    assert _config("--api-key", KEY).api_key.get_secret_value() == KEY
+    path = tmp_path / "serve.yaml"
+    path.write_text(f"api_key: {KEY}\n")
+    assert _config("--config", str(path)).api_key.get_secret_value() == KEY
+
+
+def test_the_api_key_shows_in_no_repr_and_no_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert KEY not in repr(_config("--api-key", KEY)) and KEY not in str(_config("--api-key", KEY).model_dump())
+    with pytest.raises(ValidationError, match="colocated") as failed:  # any field's error would echo the input
+        _config("--api-key", KEY, "--mode", "colocated", "--prefill-tp", "2")
+    assert KEY not in str(failed.value)
+
+
+@pytest.mark.parametrize("key, problem", [
+    ("", "is empty"),
+    (KEY + "\n", "white space"),  # a Secret written with `echo`
+    ("kéy", "printable ASCII"),
+])
+def test_a_key_no_client_can_send_fails_at_start(key: str, problem: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(API_KEY_ENV, key)
+    with pytest.raises(ValidationError, match=problem) as failed:
+        _config()
+    assert "api_key" in str(failed.value) and (not key or key not in str(failed.value))

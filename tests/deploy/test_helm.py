@@ -205,6 +205,31 @@ def test_every_ray_container_gets_the_pod_ip_once_as_k3serve_host_ip(values):
         assert pod_ip == ["K3SERVE_HOST_IP"], pod_ip
 
 
+def api_key_env(sets: tuple[str, ...] = ()) -> dict[str, list]:
+    """Each Ray container's env entries named K3SERVE_API_KEY, by container name."""
+    (cluster,) = of_kind(render(sets=sets), "RayCluster")
+    groups = [cluster["spec"]["headGroupSpec"], *cluster["spec"]["workerGroupSpecs"]]
+    containers = [c for g in groups for c in g["template"]["spec"]["containers"]]
+    return {c["name"]: [e for e in c["env"] if e["name"] == "K3SERVE_API_KEY"] for c in containers}
+
+
+def test_the_api_key_reaches_the_head_from_its_secret_only_when_set():
+    """The key never sits in values or the config; only `k3serve serve` (the head) reads it; the probe and the
+    ServiceMonitor ask open routes."""
+    assert not any(api_key_env().values())
+    with_key = api_key_env(("auth.existingSecret=k3-api", "auth.secretKey=token"))
+    assert with_key.pop("ray-head") == [
+        {"name": "K3SERVE_API_KEY", "valueFrom": {"secretKeyRef": {"name": "k3-api", "key": "token"}}}]
+    assert not any(with_key.values())  # the pools' workers never see it
+    docs = render(monitoring=True, sets=("auth.existingSecret=k3-api",))
+    (cluster,) = of_kind(docs, "RayCluster")
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert head["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert [e["path"] for e in of_kind(docs, "ServiceMonitor")[0]["spec"]["endpoints"]] == ["/metrics"]
+    (cm,) = [d for d in of_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-config")]
+    assert "api_key" not in yaml.safe_load(cm["data"]["config.yaml"])
+
+
 def worker_groups(values) -> dict[str, dict]:
     (cluster,) = of_kind(render(values), "RayCluster")
     return {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
@@ -257,8 +282,9 @@ def test_dashboards_configmap_carries_deploy_grafana():
     (("serving.maxQueuedRequests=-1",), "serving.maxQueuedRequests: Must be greater than or equal to 0"),
     (("serving.queueTimeoutSeconds=0",), "serving.queueTimeoutSeconds: Must be greater than 0"),
     (("serving.mode=colocated", "serving.maxQueuedRequests=4"), "unset it for serving.mode colocated"),
+    (("auth.existingSecret=k3-api", "probes.readiness.path=/v1/models"), "needs the API key"),
 ], ids=["bad-transfer", "uneven-tp", "tp-not-dividing", "hf-without-id", "unknown-key", "negative-queue",
-        "zero-queue-timeout", "colocated-queue"])
+        "zero-queue-timeout", "colocated-queue", "probe-behind-the-key"])
 def test_bad_values_are_rejected(sets, error):
     args = ["template", "k3", str(CHART)]
     for s in sets:
