@@ -74,6 +74,11 @@ class ServeConfig(BaseModel):
         None, description="clients must send `Authorization: Bearer <key>` on every /v1 route (/health and /metrics "
         f"stay open); default: ${API_KEY_ENV}, else no key (as vLLM's --api-key / $VLLM_API_KEY)",
     )
+    drain_timeout_seconds: float = Field(
+        30.0, ge=0, description="on SIGTERM/SIGINT: new requests get 503 and /health 503 at once; those in flight "
+        "run on up to this long, then are aborted (a stream ends with an error event); a second signal aborts at "
+        "once. Keep it below the pod's terminationGracePeriodSeconds (0: abort at once)",
+    )
     verify_checksums: bool = Field(True, description="decode verifies every handoff's checksums before continuing")
     ray_address: str | None = Field(None, description="join this Ray cluster; default: start a local one")
     advertise_host: str | None = Field(

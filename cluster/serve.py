@@ -213,7 +213,7 @@ def _uvicorn_server_class():
 
     class Server(uvicorn.Server):
         """uvicorn re-raises SIGINT/SIGTERM after a graceful stop, which would kill the process
-        before the workers are shut down; here the signals only stop the server."""
+        before the workers are shut down; here `run` handles the signals (`_GracefulStop`)."""
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -340,9 +340,44 @@ def _in_bundle(config: ServeConfig, pg: Any, i: int) -> dict[str, Any]:
             "num_cpus": resource.get("CPU", 0), "num_gpus": resource.get("GPU", 0)}
 
 
+_ABORT_GRACE_S = 5.0  # aborted requests get their clients' end; then uvicorn cancels whatever is left
+
+
+class _GracefulStop:
+    """What SIGTERM/SIGINT do: the first drains the ingress (api/drain.py: new requests and /health get 503) until
+    the requests in flight end or `timeout_s` passes, aborts those left, then stops the server; a second signal
+    during the drain aborts at once. (uvicorn alone would stop listening, so a probe sees a refused connection
+    rather than 503, and wait on open streams without bound, a second SIGTERM ignored.)"""
+
+    def __init__(self, drain: Any, server: Any, timeout_s: float) -> None:
+        self.drain, self.server, self.timeout_s = drain, server, timeout_s
+        self._again = asyncio.Event()
+        self._stopping: asyncio.Task | None = None
+
+    def on_signal(self, name: str) -> None:
+        if self._stopping is None:
+            self.drain.begin()
+            print(f"k3serve: {name}: draining: {self.drain.in_flight} request(s) in flight get up to "
+                  f"{self.timeout_s:g} s, new ones 503 (a second signal aborts them)", flush=True)
+            self._stopping = asyncio.get_running_loop().create_task(self._drain_then_stop())
+        else:
+            print(f"k3serve: {name} again: aborting the requests in flight", flush=True)
+            self._again.set()
+
+    async def _drain_then_stop(self) -> None:
+        waits = {asyncio.ensure_future(self.drain.wait_idle()), asyncio.ensure_future(self._again.wait())}
+        await asyncio.wait(waits, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        for wait in waits:
+            wait.cancel()
+        if self.drain.in_flight:
+            print(f"k3serve: aborting {self.drain.in_flight} request(s) still in flight", flush=True)
+            await self.drain.abort(_ABORT_GRACE_S)
+        self.server.stop()
+
+
 def run(config: ServeConfig) -> int:
-    """Serve until SIGINT/SIGTERM (uvicorn turns both into a graceful stop), then shut every
-    worker (and Ray, if started here) down."""
+    """Serve until SIGINT/SIGTERM, drain (`_GracefulStop`), then shut every worker (and Ray, if started
+    here) down."""
     import uvicorn
 
     from k3serve.cluster.api import build_app
@@ -353,12 +388,14 @@ def run(config: ServeConfig) -> int:
         api_key = config.api_key.get_secret_value() if config.api_key is not None else None
         app = build_app(deployment.client, deployment.metrics, reasoning_parser=config.reasoning_parser,
                         api_key=api_key)
-        server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning"))
+        server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                        timeout_graceful_shutdown=_ABORT_GRACE_S))
+        stop = _GracefulStop(app.state.drain, server, config.drain_timeout_seconds)
 
         async def main() -> None:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, server.stop)
+                loop.add_signal_handler(sig, stop.on_signal, sig.name)
             serving = asyncio.create_task(server.serve())
             while not server.started and not serving.done():
                 await asyncio.sleep(0.05)

@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help="clients must send 'Authorization: Bearer <key>' on every /v1 route (/health, "
                    "/metrics stay open); a flag shows in `ps`: prefer $K3SERVE_API_KEY, read when neither this flag "
                    "nor --config gives a key (default: no key)")
+    p.add_argument("--drain-timeout-seconds", type=float, help="on SIGTERM/SIGINT new requests and /health get "
+                   "503; requests in flight run on up to this long, then are aborted; a second signal aborts at once "
+                   "(default: 30)")
     p.add_argument("--config", type=Path, help="YAML file with any of the options above")
     p.set_defaults(func=_serve)
 

@@ -2,11 +2,14 @@
 
     POST /v1/completions, /v1/chat/completions   JSON, or SSE when stream=true
     GET  /v1/models                               the one served model
-    GET  /health                                  200, or 503 when client.check_health raises
+    GET  /health                                  200, or 503 when client.check_health raises or the server drains
     GET  /metrics                                 Prometheus text (IngressMetrics)
 
 With an `api_key`, every /v1 route answers 401 unless the request carries `Authorization: Bearer
 <key>` (auth.py: before any route runs); /health and /metrics stay open, for probes and Prometheus.
+
+`app.state.drain` (drain.py) is the graceful stop `k3serve serve` runs on SIGTERM: once it drains, new requests
+get 503 and /health 503, while those in flight run on (or are aborted with a clear end past the drain timeout).
 
 Every error is OpenAI's error JSON with its status: 400 bad parameters (pydantic validation
 included, never 422), 404 another model id, 503 overloaded or dead backend, 500 anything else
@@ -35,6 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from k3serve.cluster.metrics import IngressMetrics, RequestTimer
 
 from .auth import BearerKeyAuth
+from .drain import Drain, DrainGate
 from .engine_client import EngineClient
 from .errors import APIError, error_body, error_response
 from .fanout import FanOut
@@ -77,9 +81,13 @@ def build_app(client: EngineClient, metrics: IngressMetrics | None = None, reaso
     _install_error_handlers(app, metrics)
     if api_key is not None:
         app.add_middleware(BearerKeyAuth, api_key=api_key, on_refused=metrics.count_error)
+    app.state.drain = drain = Drain()
+    app.add_middleware(DrainGate, drain=drain, on_refused=metrics.count_error)  # outermost: refuses before auth
 
     @app.get("/health")
     async def health() -> Response:
+        if drain.draining:  # a load balancer stops routing here while the requests in flight finish
+            return JSONResponse(error_body(503, "draining: the server is shutting down"), status_code=503)
         try:
             await client.check_health()
         except Exception as e:

@@ -118,3 +118,13 @@ def test_a_key_no_client_can_send_fails_at_start(key: str, problem: str, monkeyp
     with pytest.raises(ValidationError, match=problem) as failed:
         _config()
     assert "api_key" in str(failed.value) and (not key or key not in str(failed.value))
+
+
+def test_the_drain_timeout_is_30_s_unless_a_flag_or_the_file_says_otherwise(tmp_path: Path) -> None:
+    assert _config().drain_timeout_seconds == 30.0
+    path = tmp_path / "serve.yaml"
+    path.write_text("drain_timeout_seconds: 120\n")
+    assert _config("--config", str(path)).drain_timeout_seconds == 120.0
+    assert _config("--config", str(path), "--drain-timeout-seconds", "0").drain_timeout_seconds == 0.0  # abort at once
+    with pytest.raises(ValidationError, match="drain_timeout_seconds"):
+        _config("--drain-timeout-seconds", "-1")

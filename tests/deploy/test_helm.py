@@ -194,6 +194,24 @@ def test_head_runs_k3serve_behind_health():
     assert {"name": "http", "containerPort": 8000} in head["ports"]
 
 
+def test_the_head_drains_within_its_grace_period():
+    """SIGTERM comes after the preStop sleep (endpoints gone first); k3serve's drain then the workers' shutdown
+    must fit in what is left of terminationGracePeriodSeconds, which follows the drain timeout."""
+    def head_of(sets=()):
+        docs = render(sets=sets)
+        config = yaml.safe_load(of_kind(docs, "ConfigMap")[0]["data"]["config.yaml"])
+        pod = of_kind(docs, "RayCluster")[0]["spec"]["headGroupSpec"]["template"]["spec"]
+        return config, pod, pod["containers"][0]
+
+    config, pod, head = head_of()
+    assert config["drain_timeout_seconds"] == 30 and not config_problems(config)
+    assert head["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
+    assert pod["terminationGracePeriodSeconds"] == 5 + 30 + 30
+    config, pod, head = head_of(("serving.drainTimeoutSeconds=120", "head.preStopSleepSeconds=0"))
+    assert config["drain_timeout_seconds"] == 120 and "lifecycle" not in head
+    assert pod["terminationGracePeriodSeconds"] == 120 + 30
+
+
 @pytest.mark.parametrize("values", CASES, ids=case_id)
 def test_every_ray_container_gets_the_pod_ip_once_as_k3serve_host_ip(values):
     """The one variable cluster/node_address.py reads; no second copy of the pod IP to drift."""
@@ -281,10 +299,11 @@ def test_dashboards_configmap_carries_deploy_grafana():
     (("unknownKey=1",), "Additional property unknownKey is not allowed"),
     (("serving.maxQueuedRequests=-1",), "serving.maxQueuedRequests: Must be greater than or equal to 0"),
     (("serving.queueTimeoutSeconds=0",), "serving.queueTimeoutSeconds: Must be greater than 0"),
+    (("serving.drainTimeoutSeconds=-1",), "serving.drainTimeoutSeconds: Must be greater than or equal to 0"),
     (("serving.mode=colocated", "serving.maxQueuedRequests=4"), "unset it for serving.mode colocated"),
     (("auth.existingSecret=k3-api", "probes.readiness.path=/v1/models"), "needs the API key"),
 ], ids=["bad-transfer", "uneven-tp", "tp-not-dividing", "hf-without-id", "unknown-key", "negative-queue",
-        "zero-queue-timeout", "colocated-queue", "probe-behind-the-key"])
+        "zero-queue-timeout", "negative-drain", "colocated-queue", "probe-behind-the-key"])
 def test_bad_values_are_rejected(sets, error):
     args = ["template", "k3", str(CHART)]
     for s in sets:
