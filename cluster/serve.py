@@ -375,22 +375,27 @@ class _GracefulStop:
         self.server.stop()
 
 
+def _ingress_server(app: Any, config: ServeConfig) -> tuple[Any, _GracefulStop]:
+    """The uvicorn server of `app` (built by `build_app`) and the graceful stop its signals run, as `run` serves
+    them (tests drive the drain through these)."""
+    import uvicorn
+
+    server = _uvicorn_server_class()(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                                    timeout_graceful_shutdown=_ABORT_GRACE_S))
+    return server, _GracefulStop(app.state.drain, server, config.drain_timeout_seconds)
+
+
 def run(config: ServeConfig) -> int:
     """Serve until SIGINT/SIGTERM, drain (`_GracefulStop`), then shut every worker (and Ray, if started
     here) down."""
-    import uvicorn
-
     from k3serve.cluster.api import build_app
 
-    _Server = _uvicorn_server_class()
     deployment = start_deployment(config)
     try:
         api_key = config.api_key.get_secret_value() if config.api_key is not None else None
         app = build_app(deployment.client, deployment.metrics, reasoning_parser=config.reasoning_parser,
                         api_key=api_key)
-        server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                        timeout_graceful_shutdown=_ABORT_GRACE_S))
-        stop = _GracefulStop(app.state.drain, server, config.drain_timeout_seconds)
+        server, stop = _ingress_server(app, config)
 
         async def main() -> None:
             loop = asyncio.get_running_loop()
