@@ -160,6 +160,10 @@ async def _unless_disconnected(raw: Request, work: Awaitable[T]) -> T:
     watcher = asyncio.ensure_future(_wait_disconnect(raw))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # this request itself cancelled (a drain's timeout): the work's cleanup, its
+        task.cancel()  # engine abort, runs to its end before the cancellation goes on
+        await asyncio.shield(asyncio.gather(task, return_exceptions=True))
+        raise
     finally:
         if not task.done():
             task.cancel()

@@ -147,3 +147,33 @@ def test_1p1d_requests_cut_by_the_drain_timeout_are_aborted_on_both_workers(
     _assert_clients_got_a_clear_end(cut, stream, plain)
     _until_idle(lambda: _held(decode), "the decode worker")
     _until_idle(lambda: _held(prefill), "the prefill worker")
+
+
+def test_a_cancelled_request_lets_its_work_clean_up_before_it_ends() -> None:
+    """The drain cancels a request's handler; the work it waits on (whose cleanup aborts the engine request) must
+    finish its cleanup before the handler's cancellation goes on: the loop may end right after it."""
+    from k3serve.cluster.api.app import _unless_disconnected
+
+    class SilentClient:  # the ASGI receive of a client that never disconnects
+        async def receive(self) -> dict:
+            await asyncio.Event().wait()
+            return {}
+
+    cleaned = []
+
+    async def work() -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await asyncio.sleep(0.2)  # an abort that takes a round trip
+            cleaned.append(True)
+
+    async def main() -> None:
+        handler = asyncio.ensure_future(_unless_disconnected(SilentClient(), work()))
+        await asyncio.sleep(0.05)
+        handler.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await handler
+        assert cleaned == [True]
+
+    asyncio.run(main())
