@@ -107,9 +107,9 @@ class AdmissionQueue(Generic[T]):
         left = None if deadline is None else deadline - asyncio.get_running_loop().time()
         try:
             if left is not None and left <= 0:
-                raise TimeoutError
+                raise asyncio.TimeoutError
             await asyncio.wait_for(waiter.woken.wait(), left)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             raise EngineOverloadedError(f"{what} waited {self.timeout_seconds:g} s for room on a decode replica "
                                         "(queue_timeout_seconds); retry later") from None
 
