@@ -163,7 +163,9 @@ class RequestTimer:
                  choice: int = 0, prompt: int = 0) -> None:
         """A delta of `choice`, a sample of `prompt`, arrived with that prompt's tokens and the choice's output
         tokens so far; one that carries tokens times TTFT (the request's first) or ITL (the choice's others)."""
-        clock = self._choices.setdefault(choice, _ChoiceClock())
+        clock = self._choices.get(choice)
+        if clock is None:  # not setdefault: that builds a clock every delta
+            clock = self._choices[choice] = _ChoiceClock()
         self._prompt_tokens[prompt], clock.num_output_tokens = num_prompt_tokens, num_output_tokens
         if num_new_tokens <= 0:
             return

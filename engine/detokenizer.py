@@ -30,8 +30,8 @@ class TokenBytes(Protocol):
 class IncrementalDetokenizer:
     """Feed generated token ids one at a time; get back the newly completed text.
 
-    `special_token_ids` are dropped when `skip_special_tokens`; when not given, the tokenizer's
-    `all_special_ids` is used if it has one. With `prompt_token_ids`, trailing bytes of the
+    `special_token_ids` are dropped when `skip_special_tokens` (when not given, the tokenizer's
+    `all_special_ids` if it has one), but for `keep_special_token_ids`. With `prompt_token_ids`, trailing bytes of the
     prompt that form an incomplete UTF-8 character are prepended, so a character split across
     the prompt/output boundary comes out whole (as part of the output text).
     """
@@ -44,6 +44,7 @@ class IncrementalDetokenizer:
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
         special_token_ids: Iterable[int] | None = None,
+        keep_special_token_ids: Iterable[int] = (),
     ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -53,7 +54,7 @@ class IncrementalDetokenizer:
         self.include_stop_str_in_output = include_stop_str_in_output
         if special_token_ids is None:
             special_token_ids = getattr(tokenizer, "all_special_ids", ())
-        self.special_token_ids = frozenset(special_token_ids)
+        self.special_token_ids = frozenset(special_token_ids) - frozenset(keep_special_token_ids)
         self.stopped_by: str | None = None
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._text = ""  # decoded output text (already truncated at a stop string once found)
@@ -67,9 +68,8 @@ class IncrementalDetokenizer:
                     params: "SamplingParams") -> "IncrementalDetokenizer":
         """The detokenizer a request's SamplingParams ask for: special tokens skipped (but those it keeps) or not,
         and its stop strings."""
-        specials = frozenset(getattr(tokenizer, "all_special_ids", ())) - frozenset(params.keep_special_token_ids)
         return cls(tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
-                   params.include_stop_str_in_output, special_token_ids=specials)
+                   params.include_stop_str_in_output, keep_special_token_ids=params.keep_special_token_ids)
 
     @property
     def text(self) -> str:

@@ -155,24 +155,21 @@ class _SSEResponse(StreamingResponse):
 
 async def _unless_disconnected(raw: Request, work: Awaitable[T]) -> T:
     """`await work`, cancelled (ClientGone) if the client disconnects first. The request body has
-    been read already, so the next ASGI message can only be http.disconnect."""
+    been read already, so the next ASGI message can only be http.disconnect. Whenever the work is cut (the
+    client gone, or this request itself cancelled by a drain's timeout), its cleanup, the engine abort, runs
+    to its end before this returns or the cancellation goes on."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(raw))
+    cut = False
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:  # this request itself cancelled (a drain's timeout): the work's cleanup, its
-        task.cancel()  # engine abort, runs to its end before the cancellation goes on
-        await asyncio.shield(asyncio.gather(task, return_exceptions=True))
-        raise
     finally:
-        if not task.done():
-            task.cancel()
         watcher.cancel()
-    if task.cancelled() or not task.done():
-        try:
-            await task  # let its cleanup (abort) run
-        except asyncio.CancelledError:
-            pass
+        if not task.done():
+            cut = True
+            task.cancel()
+            await asyncio.shield(asyncio.gather(task, return_exceptions=True))
+    if cut:
         raise ClientGone()
     return task.result()
 

@@ -96,8 +96,9 @@ class DrainGate:
             else:
                 task.result()  # the app's own errors propagate as before
         finally:
-            if not task.done():  # the gate itself was cancelled (uvicorn's timeout): take the handler along
-                task.cancel()
+            if not task.done():  # the gate itself was cancelled (uvicorn's timeout): take the handler along, its
+                task.cancel()  # cleanup (the engine abort) run to its end first
+                await asyncio.shield(asyncio.gather(task, return_exceptions=True))
             self.drain._remove(task)
 
 

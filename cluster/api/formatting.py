@@ -212,7 +212,9 @@ class ChatFormatter(_Formatter):
         if delta.logprobs is None:
             return piece, None
         logprobs = ChatLogprobs(content=[self._entry(e) for e in delta.logprobs])
-        self.logprobs = (self.logprobs or []) + logprobs.content
+        if self.logprobs is None:
+            self.logprobs = []
+        self.logprobs.extend(logprobs.content)  # in place: a copy a delta was quadratic in the output
         return piece, logprobs
 
     def _split(self, delta: RequestDelta) -> ReasoningDelta:

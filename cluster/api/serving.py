@@ -46,7 +46,6 @@ STATUS_CLIENT_GONE = 499  # nginx's "client closed request": counted, never sent
 
 @dataclass
 class Prepared:
-    request_id: str  # the response's id
     requests: list[GenerateRequest]  # an engine request per choice, in choice index order
     choices: Choices  # a formatter per choice, in the same order
     stream: bool
@@ -120,7 +119,7 @@ def _prepared(request_id: str, prompts: list[tuple[list[int], SamplingParams]], 
             formatters.append(formatter(index, prompt_ids))
             formatters[-1].num_prompt_tokens = len(prompt_ids)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    return Prepared(request_id, requests, Choices(formatters, n), body.stream, include_usage, is_chat)
+    return Prepared(requests, Choices(formatters, n), body.stream, include_usage, is_chat)
 
 
 def _sample_params(params: SamplingParams, sample: int) -> SamplingParams:
