@@ -65,7 +65,8 @@ class IngressMetrics:
         self.success = Counter("k3serve:request_success", "Finished requests by finish reason.",
                                ("model_name", "finish_reason"), registry=reg)
         self.errors = Counter("k3serve:request_errors", "Requests answered with an error, by HTTP status "
-                              "(499: the client went away).", ("model_name", "status"), registry=reg)
+                              "(499: the client went away; 503 includes requests cut by a drain's timeout).", ("model_name", "status"),
+                              registry=reg)
         self.prompt_tokens = Counter("k3serve:prompt_tokens", "Prompt tokens of served requests.", m, registry=reg)
         self.generation_tokens = Counter("k3serve:generation_tokens", "Generated tokens.", m, registry=reg)
         self.running = Gauge("k3serve:num_requests_running", "Requests running on a replica.", POOL_LABELS,

@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from k3serve.cluster.metrics import IngressMetrics, RequestTimer
 
 from .auth import BearerKeyAuth
-from .drain import Drain, DrainGate
+from .drain import Drain, DrainGate, count_cut_with
 from .engine_client import EngineClient
 from .errors import APIError, error_body, error_response
 from .fanout import FanOut
@@ -120,6 +120,7 @@ def build_app(client: EngineClient, metrics: IngressMetrics | None = None, reaso
 async def _serve(raw: Request, client: EngineClient, metrics: IngressMetrics,
                  prepare: Callable[[], Prepared]) -> Response:
     timer = metrics.start_request()
+    count_cut_with(raw.scope, timer.fail)  # a drain cut counts once, as its 503, stream or not
     try:
         prep = prepare()
         fan = await _unless_disconnected(raw, start(client, prep, timer))

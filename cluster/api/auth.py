@@ -10,23 +10,21 @@ time and appears in no answer and no log line.
 from __future__ import annotations
 
 import hmac
-import json
 from http import HTTPStatus
 from typing import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .errors import error_body
+from .errors import APIError, error_response
 
 GUARDED_PREFIX = "/v1"
 UNAUTHORIZED = HTTPStatus.UNAUTHORIZED
 
 # OpenAI's own 401 is an invalid_request_error with code "invalid_api_key"; here `code` is the HTTP
 # status (errors.py), so the type says what failed. The OpenAI SDK raises AuthenticationError on the status.
-_BODY = json.dumps(error_body(UNAUTHORIZED, "missing or wrong API key: send the header "
-                   "'Authorization: Bearer <key>'", type="authentication_error")).encode()
-_HEADERS = [(b"content-type", b"application/json"), (b"content-length", str(len(_BODY)).encode()),
-            (b"www-authenticate", b"Bearer")]
+_REFUSAL = APIError(UNAUTHORIZED, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                    type="authentication_error")
+_CHALLENGE = {"WWW-Authenticate": "Bearer"}  # RFC 9110: a 401 names the scheme it wants
 
 
 def is_guarded(path: str) -> bool:
@@ -46,8 +44,7 @@ class BearerKeyAuth:
             await self.app(scope, receive, send)
             return
         self._on_refused(UNAUTHORIZED)
-        await send({"type": "http.response.start", "status": UNAUTHORIZED, "headers": _HEADERS})
-        await send({"type": "http.response.body", "body": _BODY})
+        await error_response(_REFUSAL, _CHALLENGE)(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
         headers = [value for name, value in scope["headers"] if name == b"authorization"]

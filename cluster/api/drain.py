@@ -10,6 +10,10 @@ error event and [DONE], a response not begun the 503.
 
 Each request's handler runs in a task of its own so that `abort()` can cancel it and the gate, not cancelled, can
 still answer. A pure ASGI middleware, as auth.py's, so the routes keep their receive channel.
+
+A request `abort()` cuts counts once, as a 503, stream or not: `abort()` counts it before it cancels the handler,
+with the count the route named (`count_cut_with`: its RequestTimer, whose later ends then count nothing, the
+cancelled stream's "client gone" 499 among them), else the gate's own 503 count.
 """
 
 from __future__ import annotations
@@ -21,14 +25,23 @@ from typing import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import error_body
+from .errors import APIError, error_body, error_response
 
 SHUTTING_DOWN = HTTPStatus.SERVICE_UNAVAILABLE
 _ALWAYS_OPEN = ("/health", "/metrics")  # the probe answers 503 itself; Prometheus reads the last counts
-_BODY = json.dumps(error_body(SHUTTING_DOWN, "server is shutting down: retry on another replica")).encode()
-_HEADERS = [(b"content-type", b"application/json"), (b"content-length", str(len(_BODY)).encode()),
-            (b"connection", b"close")]
-_STREAM_END = f"data: {_BODY.decode()}\n\ndata: [DONE]\n\n".encode()
+_REFUSAL = APIError(SHUTTING_DOWN, "server is shutting down: retry on another replica")
+# No Retry-After: this replica will not take the request again. Connection: close moves a keep-alive client
+# (and its retry) off it.
+_CLOSE = {"Connection": "close"}
+_STREAM_END = f"data: {json.dumps(error_body(_REFUSAL.status, _REFUSAL.message))}\n\ndata: [DONE]\n\n".encode()
+_COUNT_CUT = "k3serve.count_drain_cut"  # scope key: how `abort()` counts this request's cut
+
+
+def count_cut_with(scope: Scope, count: Callable[[int], None]) -> None:
+    """Have `abort()` count this request's cut as `count(503)` (in place of the gate's count), called before the
+    handler is cancelled: so a count that acts once (RequestTimer.fail) is the 503, not what the cancellation's
+    cleanup would count (a stream's "client gone" 499; nothing for a response not begun)."""
+    scope[_COUNT_CUT] = count
 
 
 class Drain:
@@ -36,7 +49,7 @@ class Drain:
 
     def __init__(self) -> None:
         self.draining = False
-        self._running: set[asyncio.Task] = set()
+        self._running: dict[asyncio.Task, Scope] = {}
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -53,20 +66,23 @@ class Drain:
         await self._idle.wait()
 
     async def abort(self, timeout_s: float) -> None:
-        """Cancel every request in flight and wait (up to `timeout_s`) until each one's client has had its end."""
-        for task in list(self._running):
-            task.cancel()
+        """Cancel every request in flight, each counted as a 503 first (`count_cut_with`), and wait (up to
+        `timeout_s`) until each one's client has had its end."""
+        for task, scope in list(self._running.items()):
+            if not task.done():  # a finished one is counted already, and waits only for its gate's removal
+                scope[_COUNT_CUT](SHUTTING_DOWN)
+                task.cancel()
         try:
             await asyncio.wait_for(self.wait_idle(), timeout_s)
         except asyncio.TimeoutError:
             pass  # uvicorn's own graceful-shutdown timeout cancels what is left
 
-    def _add(self, task: asyncio.Task) -> None:
-        self._running.add(task)
+    def _add(self, task: asyncio.Task, scope: Scope) -> None:
+        self._running[task] = scope
         self._idle.clear()
 
     def _remove(self, task: asyncio.Task) -> None:
-        self._running.discard(task)
+        self._running.pop(task, None)
         if not self._running:
             self._idle.set()
 
@@ -84,15 +100,21 @@ class DrainGate:
             return
         if self.drain.draining:
             self._on_refused(SHUTTING_DOWN)
-            await _refuse(send)
+            await _refuse(scope, receive, send)
             return
         reply = _Reply(send)
+
+        def count_cut(status: int) -> None:  # a route without a timer of its own (/v1/models, a body being read)
+            if not reply.finished:
+                self._on_refused(status)
+
+        count_cut_with(scope, count_cut)
         task = asyncio.ensure_future(self.app(scope, receive, reply))
-        self.drain._add(task)
+        self.drain._add(task, scope)
         try:
             await asyncio.wait({task})  # not `await task`: a cancelled handler must not cancel the gate
             if task.cancelled():  # by drain.abort(): tell the client
-                await reply.end()
+                await reply.end(scope, receive)
             else:
                 task.result()  # the app's own errors propagate as before
         finally:
@@ -118,15 +140,14 @@ class _Reply:
             self.finished = True
         await self._send(message)
 
-    async def end(self) -> None:
+    async def end(self, scope: Scope, receive: Receive) -> None:
         """The end of a response cut by the drain: the 503, or the rest of a begun one (an SSE error event)."""
         if not self.started:
-            await _refuse(self._send)
+            await _refuse(scope, receive, self._send)
         elif not self.finished:
             await self._send({"type": "http.response.body", "body": _STREAM_END if self.is_stream else b"",
                               "more_body": False})
 
 
-async def _refuse(send: Send) -> None:
-    await send({"type": "http.response.start", "status": SHUTTING_DOWN, "headers": _HEADERS})
-    await send({"type": "http.response.body", "body": _BODY})
+async def _refuse(scope: Scope, receive: Receive, send: Send) -> None:
+    await error_response(_REFUSAL, _CLOSE)(scope, receive, send)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from http import HTTPStatus
+from typing import Mapping
 
 from fastapi.responses import JSONResponse
 
@@ -39,8 +40,11 @@ def error_body(status: int, message: str, param: str | None = None, type: str | 
     return {"error": {"message": message, "type": type or error_type(status), "param": param, "code": status}}
 
 
-def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(error_body(err.status, err.message, err.param, err.type), status_code=err.status)
+def error_response(err: APIError, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """The error's JSON reply, also an ASGI app: the middlewares (auth.py, drain.py) answer with it directly.
+    `headers`: what the status asks for beside the body (a 401's WWW-Authenticate, a closing 503's Connection)."""
+    return JSONResponse(error_body(err.status, err.message, err.param, err.type), status_code=err.status,
+                        headers=headers)
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

@@ -7,9 +7,10 @@ A long stream and a long non-streaming completion (or the latter alone: then no 
 up while its abort runs) are in flight on the ingress `run` serves (`serve._ingress_server`, the real
 uvicorn server and graceful stop, driven in `asyncio.run` as `run` does) when SIGTERM's handler runs; the
 drain times out; the stream ends with an error event and [DONE], the plain request with the 503 OpenAI
-error (not a hang, not a 500), both at once rather than after their tokens. The engines' state is read
-directly (in colocated mode nothing feeds the pool gauges; the workers' stats are what the router's gauges show).
-Colocated (a real AsyncEngine) and the local 1P1D router (real in-process workers, transfer "local")."""
+error (not a hang, not a 500), both at once rather than after their tokens. The ingress's /metrics then counts
+each cut request once, as a 503 (not the stream as a 499, client gone, nor the plain one not at all). The engines'
+state is read directly (in colocated mode nothing feeds the pool gauges; the workers' stats are what the router's
+gauges show). Colocated (a real AsyncEngine) and the local 1P1D router (real in-process workers, transfer "local")."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from typing import Any, Awaitable, Callable
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from k3serve.cluster.api import build_app
 from k3serve.cluster.config import ServeConfig
@@ -47,6 +49,7 @@ class _Cut:
         self.stream_events: list[str] = []
         self.plain: httpx.Response | None = None
         self.seconds = 0.0
+        self.metrics_text = ""  # /metrics once the server stopped
 
 
 def _serve_and_drain(app: Any, stream: bool, plain: bool, running: Callable[[int], Awaitable[bool]]) -> _Cut:
@@ -82,6 +85,8 @@ def _serve_and_drain(app: Any, stream: bool, plain: bool, running: Callable[[int
             await serving
             await asyncio.gather(*clients)
             cut.seconds = time.monotonic() - signalled
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ingress") as http:
+            cut.metrics_text = (await http.get("/metrics")).text  # the route Prometheus scrapes, open while draining
 
     asyncio.run(main())  # as `run`: the tasks left are cancelled, the loop closed; the workers shut down next
     return cut
@@ -98,6 +103,22 @@ def _assert_clients_got_a_clear_end(cut: _Cut, stream: bool, plain: bool) -> Non
         error = cut.plain.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}
         assert error["code"] == 503 and "shutting down" in error["message"]
+
+
+def _request_outcomes(metrics_text: str) -> dict[str, float]:
+    """The requests the Prometheus text counts, by outcome: "error <status>", "success <finish reason>"."""
+    outcomes = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == "k3serve:request_errors_total":
+                outcomes[f"error {sample.labels['status']}"] = sample.value
+            elif sample.name == "k3serve:request_success_total":
+                outcomes[f"success {sample.labels['finish_reason']}"] = sample.value
+    return outcomes
+
+
+def _assert_each_cut_counted_once_as_503(cut: _Cut, stream: bool, plain: bool) -> None:
+    assert _request_outcomes(cut.metrics_text) == {"error 503": stream + plain}
 
 
 def _until_idle(held: Callable[[], object], what: str) -> None:
@@ -120,6 +141,7 @@ def test_colocated_requests_cut_by_the_drain_timeout_are_aborted_and_free_the_en
     cut = _serve_and_drain(build_app(client, metrics), stream, plain, running)
     assert len(client.aborted) == stream + plain  # each engine request aborted before the loop ended
     _assert_clients_got_a_clear_end(cut, stream, plain)
+    _assert_each_cut_counted_once_as_503(cut, stream, plain)
     _until_idle(lambda: None if pool_usage(engine) == (0, 0) and not engine.engine.has_unfinished()
                 else pool_usage(engine), "the engine: (MLA blocks, KDA slots)")
 
@@ -145,6 +167,7 @@ def test_1p1d_requests_cut_by_the_drain_timeout_are_aborted_on_both_workers(
 
     cut = _serve_and_drain(build_app(router, metrics), stream, plain, running)
     _assert_clients_got_a_clear_end(cut, stream, plain)
+    _assert_each_cut_counted_once_as_503(cut, stream, plain)
     _until_idle(lambda: _held(decode), "the decode worker")
     _until_idle(lambda: _held(prefill), "the prefill worker")
 
