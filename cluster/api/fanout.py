@@ -13,8 +13,11 @@ ordinary one (n = 1) that any `EngineClient`, the disaggregated router included,
                 cancellation that is usually the reason it runs: after a failed choice or a client gone, nothing
                 keeps running. Idempotent.
 
-A pump task per engine request reads its stream, so the choices advance independently of each other and of the
-reader, and `on_delta` sees each delta when it arrives (TTFT and ITL are timed there), before any formatting.
+A request of one choice (almost all of them) reads its engine stream directly, in the reader's task. With several,
+a pump task per engine request reads its stream, so the choices advance independently of each other, into a queue
+with room for one delta a choice: a pump whose delta finds it full waits, and so stops reading its stream, until the
+reader (the client) catches up; what the engine makes meanwhile waits in the engine's own stream. `on_delta` sees
+each delta as it is read from its engine stream (TTFT and ITL are timed there), before any formatting.
 """
 
 from __future__ import annotations
@@ -40,20 +43,26 @@ class FanOut:
         self.requests = list(requests)  # choice index -> its engine request
         self.on_delta = on_delta
         self._streams: list[AsyncIterator[RequestDelta]] = []
-        self._pumps: list[asyncio.Task] = []
-        self._arrived: asyncio.Queue[tuple[int, RequestDelta | Exception]] = asyncio.Queue()
-        self._finished = [False] * len(self.requests)
-        self._num_unstarted = len(self.requests)  # choices without a first delta yet
+        self._finished = [False] * len(self.requests)  # the engine request has sent its finished delta
         self._num_unread = len(self.requests)  # choices whose finished delta the reader has not had yet
+        self._closed = False
+        self._direct = len(self.requests) == 1  # read the one stream in the reader's task, no pump
+        self._first: RequestDelta | None = None  # direct: the first delta, read by `start`, until the reader has it
+        self._pumps: list[asyncio.Task] = []
+        self._arrived: asyncio.Queue[tuple[int, RequestDelta | Exception]] = asyncio.Queue(maxsize=len(self.requests))
+        self._num_unstarted = len(self.requests)  # choices without a first delta yet
         self._started = asyncio.Event()  # every choice has a first delta, or one failed before its first
         self._start_error: Exception | None = None
-        self._closed = False
 
     async def start(self) -> None:
         try:
+            if self._direct:
+                self._streams.append(self.client.generate(self.requests[0]))
+                self._first = await self._read(0)
+                return
             for index, request in enumerate(self.requests):
                 self._streams.append(self.client.generate(request))
-                self._pumps.append(asyncio.create_task(self._pump(index, self._streams[-1])))
+                self._pumps.append(asyncio.create_task(self._pump(index)))
             await self._started.wait()
             if self._start_error is not None:
                 raise self._start_error
@@ -67,9 +76,14 @@ class FanOut:
     async def __anext__(self) -> tuple[int, RequestDelta]:
         if self._num_unread == 0:
             raise StopAsyncIteration
-        index, item = await self._arrived.get()
-        if isinstance(item, Exception):
-            raise item
+        if self._direct:
+            index, item, self._first = 0, self._first, None
+            if item is None:
+                item = await self._read(0)
+        else:
+            index, item = await self._arrived.get()
+            if isinstance(item, Exception):
+                raise item
         if item.finished:
             self._num_unread -= 1
         return index, item
@@ -84,26 +98,32 @@ class FanOut:
             await asyncio.gather(*self._pumps, return_exceptions=True)
             await asyncio.gather(*(self._close_one(i) for i in range(len(self._streams))))
 
-    async def _pump(self, index: int, stream: AsyncIterator[RequestDelta]) -> None:
+    async def _read(self, index: int) -> RequestDelta:
+        """The next delta of choice `index`'s stream (shown to `on_delta`); an error if it ends unfinished."""
+        try:
+            delta = await anext(self._streams[index])
+        except StopAsyncIteration:
+            raise RuntimeError(f"{self.requests[index].request_id}: the backend ended the stream unfinished") from None
+        self.on_delta(index, delta)
+        self._finished[index] = delta.finished
+        return delta
+
+    async def _pump(self, index: int) -> None:
         started = False
         try:
-            async for delta in stream:
-                self.on_delta(index, delta)
-                self._arrived.put_nowait((index, delta))
+            while not self._finished[index]:
+                delta = await self._read(index)
                 if not started:
                     started = True
                     self._num_unstarted -= 1
                     if self._num_unstarted == 0:
                         self._started.set()
-                if delta.finished:
-                    self._finished[index] = True
-                    return
-            raise RuntimeError(f"{self.requests[index].request_id}: the backend ended the stream unfinished")
+                await self._arrived.put((index, delta))  # waits while the reader is behind
         except Exception as e:
-            self._arrived.put_nowait((index, e))
             if not started and self._start_error is None:
                 self._start_error = e
                 self._started.set()
+            await self._arrived.put((index, e))
 
     async def _close_one(self, index: int) -> None:
         request_id = self.requests[index].request_id
