@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from types import UnionType
+from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
 if TYPE_CHECKING:
     from k3serve.cluster.config import ServeConfig
@@ -84,6 +85,44 @@ def _status(args: argparse.Namespace) -> int:
     return print_status(args.url, args.api_key or os.environ.get(API_KEY_ENV))
 
 
+# `k3serve serve`'s options in --help order: ServeConfig's fields of the same names (verify_checksums, lease_seconds,
+# dtype and seed only in --config)
+_SERVE_OPTIONS = (
+    "model", "mode", "transfer", "launcher", "prefill_replicas", "decode_replicas", "prefill_tp", "decode_tp", "host",
+    "port", "served_model_name", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+    "cache_memory_bytes", "device", "ray_address", "advertise_host", "max_queued_requests", "queue_timeout_seconds",
+    "reasoning_parser", "api_key", "drain_timeout_seconds",
+)
+
+
+def _add_serve_options(p: argparse.ArgumentParser) -> None:
+    """`serve`'s options, each a ServeConfig field by the same name, whose help (the field's description), type,
+    choices (a Literal's) and the default the help shows come from the field: the help cannot drift from what
+    serving does. Each flag itself defaults to None: only a flag given overrides --config's value (`serve_config`)."""
+    from k3serve.cluster.config import API_KEY_ENV, ServeConfig
+
+    cli_notes = {"api_key": f"; a flag shows in `ps`: prefer ${API_KEY_ENV}, read when neither this flag nor "
+                            "--config gives a key"}
+    for name in _SERVE_OPTIONS:
+        field = ServeConfig.model_fields[name]
+        text = (field.description or "") + cli_notes.get(name, "")
+        if field.default is not None:  # a None default is for the description to explain
+            text += f" (default: {_shown(field.default)})"
+        choices = get_args(field.annotation) if get_origin(field.annotation) is Literal else None
+        p.add_argument("--" + name.replace("_", "-"), type=_flag_type(field.annotation), choices=choices,
+                       help=text.replace("%", "%%"))
+
+
+def _shown(default: object) -> str:
+    return f"{default:g}" if isinstance(default, float) else str(default)
+
+
+def _flag_type(annotation: Any) -> type:
+    """int or float for a number field (None allowed or not), so argparse rejects a bad number; else str."""
+    kinds = set(get_args(annotation)) - {type(None)} if get_origin(annotation) in (Union, UnionType) else {annotation}
+    return kinds.pop() if kinds in ({int}, {float}) else str
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="k3serve",
@@ -139,44 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve",
         help="serve the OpenAI API (disaggregated prefill/decode pools, or colocated)",
-        description="Start prefill and decode pools (Ray actors by default) and an OpenAI-compatible ingress. "
-        "With no --model it writes the tiny K3 checkpoint once and serves it. Flags override --config YAML "
-        "(keys: the flag names with underscores).",
+        description="Start prefill and decode pools (or one colocated engine) and an OpenAI-compatible ingress. "
+        "Flags override --config YAML (keys: the flag names with underscores); the defaults are ServeConfig's.",
     )
-    p.add_argument("--model", help="checkpoint directory or preset (default: k3-tiny)")
-    p.add_argument("--mode", choices=["disaggregated", "colocated"])
-    p.add_argument("--transfer", choices=["mooncake", "nixl", "local"], help="state transfer backend (default: mooncake)")
-    p.add_argument("--launcher", choices=["ray", "local"], help="Ray actors (default) or in-process workers")
-    p.add_argument("--prefill-replicas", type=int)
-    p.add_argument("--decode-replicas", type=int)
-    p.add_argument("--prefill-tp", type=int)
-    p.add_argument("--decode-tp", type=int)
-    p.add_argument("--host")
-    p.add_argument("--port", type=int, help="0 picks a free port (printed)")
-    p.add_argument("--served-model-name")
-    p.add_argument("--block-size", type=int)
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--max-num-batched-tokens", type=int, help="base token budget per step")
-    p.add_argument("--cache-memory-bytes", type=int, help="CPU: cache bytes per engine")
-    p.add_argument("--device")
-    p.add_argument("--ray-address", help="join an existing Ray cluster")
-    p.add_argument("--advertise-host", help="IP the Ray workers bind and advertise (one node; default: "
-                   "$K3SERVE_HOST_IP, else each worker's Ray node IP)")
-    p.add_argument("--max-queued-requests", type=int, help="disaggregated: requests the ingress holds while no "
-                   "decode replica has room; more get 503 at once (0: never wait; default: 8 x decode replicas x "
-                   "max num seqs)")
-    p.add_argument("--queue-timeout-seconds", type=float, help="disaggregated: longest a request waits for decode "
-                   "room, then 503 (default: 60)")
-    p.add_argument("--reasoning-parser", choices=("kimi", "none"), help="chat: 'kimi' returns a thinking model's "
-                   "<think> block as reasoning_content (output without it is untouched); 'none' returns the text "
-                   "as generated (default: kimi)")
-    p.add_argument("--api-key", help="clients must send 'Authorization: Bearer <key>' on every /v1 route (/health, "
-                   "/metrics stay open); a flag shows in `ps`: prefer $K3SERVE_API_KEY, read when neither this flag "
-                   "nor --config gives a key (default: no key)")
-    p.add_argument("--drain-timeout-seconds", type=float, help="on SIGTERM/SIGINT new requests and /health get "
-                   "503; requests in flight run on up to this long, then are aborted; a second signal aborts at once "
-                   "(default: 30)")
+    _add_serve_options(p)
     p.add_argument("--config", type=Path, help="YAML file with any of the options above")
     p.set_defaults(func=_serve)
 

@@ -2,13 +2,18 @@
 `ServeConfig.load`): the file's values, then the flags given on top; a flag not given leaves the
 file's value, and neither leaves ServeConfig's default. Shown on the admission queue's bounds
 (`--max-queued-requests`, `--queue-timeout-seconds`), which are checked like the file's keys
-(0 is a value: never wait; colocated mode refuses them), and whose --help states ServeConfig's defaults; and on
+(0 is a value: never wait; colocated mode refuses them); and on
 the chat route's reasoning parser (`--reasoning-parser`); and on the API key (`--api-key`), which, given by
-neither, comes from $K3SERVE_API_KEY (as vLLM's $VLLM_API_KEY) and shows in no repr and no error."""
+neither, comes from $K3SERVE_API_KEY (as vLLM's $VLLM_API_KEY) and shows in no repr and no error. Every flag is
+a ServeConfig field by the same name, whose --help shows the field's default (none where the field's is None), its
+choices the field's."""
 
 from __future__ import annotations
 
+import argparse
+import re
 from pathlib import Path
+from typing import Literal, get_args, get_origin
 
 import pytest
 from pydantic import ValidationError
@@ -57,13 +62,32 @@ def test_bad_bounds_fail_naming_the_field(argv: tuple[str, ...], field: str) -> 
         _config(*argv)
 
 
-def test_help_states_serve_configs_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+def _serve_flags() -> dict[str, argparse.Action]:
+    """`k3serve serve`'s flags by destination, --help and --config aside."""
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {a.dest: a for a in commands.choices["serve"]._actions if a.dest not in ("help", "config")}
+
+
+@pytest.mark.parametrize("name", _serve_flags())
+def test_a_flags_help_shows_serve_configs_default_and_choices(name: str) -> None:
+    flag, field = _serve_flags()[name], ServeConfig.model_fields[name]
+    shown = re.findall(r"\(default: ([^)]*)\)", flag.help)
+    if field.default is None:  # told in words (max_queued_requests: a rule), never as a value
+        assert shown == [], flag.help
+    else:
+        assert len(shown) == 1 and flag.type(shown[0]) == field.default, (flag.help, field.default)
+    if get_origin(field.annotation) is Literal:
+        assert flag.choices == get_args(field.annotation)
+
+
+def test_help_states_the_queue_default_rule(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
     text = " ".join(capsys.readouterr().out.split())
+    assert f"default {QUEUE_ROUNDS} x decode_replicas x max_num_seqs" in text
     timeout = ServeConfig.model_fields["queue_timeout_seconds"].default
-    assert f"default: {QUEUE_ROUNDS} x decode replicas x max num seqs" in text
-    assert f"then 503 (default: {timeout:g})" in text
+    assert "--queue-timeout-seconds QUEUE_TIMEOUT_SECONDS disaggregated: longest a request waits" in text
+    assert f"SDK's 600 s) (default: {timeout:g})" in text
 
 
 def test_the_reasoning_parser_is_kimi_unless_a_flag_or_the_file_says_none(tmp_path: Path) -> None:
