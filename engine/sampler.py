@@ -4,7 +4,8 @@ Per row, in this order:
 
 1. min_tokens: while fewer than `min_tokens` tokens were generated, EOS (unless `ignore_eos`)
    and `stop_token_ids` get logit -inf;
-2. logit_bias: each biased token's logit plus its bias (a banned token stays -inf);
+2. logit_bias: each biased token's logit plus its bias (a banned token stays -inf), for the whole batch in one
+   indexed add over biases kept on the device while the batch keeps its rows (`engine/logit_bias.py`);
 3. penalties: repetition over prompt + output, then frequency and presence over output;
 4. greedy rows (`is_greedy`) take the argmax and stop here;
 5. temperature, top-k, top-p (over the top-k survivors), min-p;
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from k3serve.engine.logit_bias import LogitBiasBatch
 from k3serve.engine.outputs import TokenLogprobs
 from k3serve.engine.sampling_params import SamplingParams
 
@@ -39,10 +41,12 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Stateless apart from `eos_token_id`; per-request generators are owned by the caller."""
+    """Per-request generators are owned by the caller. The sampler keeps the last batch's logit biases on the
+    device (`engine/logit_bias.py`): one engine's steps go through one Sampler."""
 
     def __init__(self, eos_token_id: int | None = None):
         self.eos_token_id = eos_token_id
+        self.logit_bias = LogitBiasBatch()
 
     def sample(
         self,
@@ -68,11 +72,13 @@ class Sampler:
                 raise ValueError(f"row {i} has seed={p.seed!r} but no generator; pass Generator().manual_seed(seed)")
 
         raw_logits = logits
-        logits = logits.clone()
+        logits = logits.clone(memory_format=torch.contiguous_format)
+        # Each step below changes its own row alone, so running a step over every row before the next one
+        # gives each row what the per-row order above gives it.
         for i, p in enumerate(params):
             self._apply_min_tokens(logits[i], p, len(output_token_ids[i]))
-            if p.logit_bias is not None:
-                apply_logit_bias(logits[i], p.logit_bias)
+        self.logit_bias.apply(logits, params)
+        for i, p in enumerate(params):
             if p.has_penalties:
                 apply_penalties(logits[i], p, prompt_token_ids[i], output_token_ids[i])
 
@@ -109,12 +115,6 @@ class Sampler:
             banned.append(self.eos_token_id)
         if banned:
             row[torch.tensor(banned, device=row.device)] = float("-inf")
-
-
-def apply_logit_bias(row: torch.Tensor, logit_bias: dict[int, float]) -> None:
-    """row [V] (modified in place): each token id's bias added to its logit, in one indexed add."""
-    token_ids = torch.tensor(list(logit_bias), dtype=torch.long, device=row.device)
-    row.index_add_(0, token_ids, torch.tensor(list(logit_bias.values()), dtype=row.dtype, device=row.device))
 
 
 def apply_penalties(
