@@ -98,6 +98,24 @@ def _decode_kernel(
 
 
 @triton.jit
+def _parts_tile(o_parts, p0, P, tile_offs, d_ok, stride_op, CHUNK_P: tl.constexpr):
+    """Parts p0 .. p0 + CHUNK_P - 1 of the program's columns, fp32. Masked by the part count only (not by the
+    weights), so the load waits on nothing and is in flight with the LSE loads."""
+    chunk = p0 + tl.arange(0, CHUNK_P)
+    return tl.load(o_parts + chunk[:, None] * stride_op + tile_offs[None, :], mask=(chunk < P)[:, None] & d_ok[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _add_parts(o, tile, lse_row, p0, P, shift, inv_total, stride_lp, CHUNK_P: tl.constexpr):
+    """o + the tile's parts weighted by exp(lse_p - lse); parts of weight 0 (lse -inf: their outputs may hold
+    anything, NaN too) are dropped, not multiplied."""
+    chunk = p0 + tl.arange(0, CHUNK_P)
+    coef = tl.exp(tl.load(lse_row + chunk * stride_lp, mask=chunk < P, other=float("-inf")) - shift) * inv_total
+    return o + tl.sum(tl.where(coef[:, None] > 0, coef[:, None] * tile, 0.0), 0)
+
+
+@triton.jit
 def _merge_kernel(
     o_parts, lse_parts, o_out, lse_out, P, H, D,
     stride_op, stride_on, stride_oh, stride_lp, stride_ln, stride_lh,
@@ -105,27 +123,25 @@ def _merge_kernel(
     BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK_P: tl.constexpr,
 ):
     """One program per (n, h, BLOCK_D columns): lse = logsumexp_p lse_p; o = Σ_p exp(lse_p - lse) o_p.
-    Parts with lse -inf are never loaded (their outputs may hold anything)."""
+    The first CHUNK_P parts are loaded before the LSE reduction (at 16 splits, all of them): one memory round trip,
+    not two."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     lse_row = lse_parts + n * stride_ln + h * stride_lh
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    tile_offs = n * stride_on + h * stride_oh + offs_d
+    first = _parts_tile(o_parts, 0, P, tile_offs, d_ok, stride_op, CHUNK_P)
     parts = tl.arange(0, BLOCK_P)
     lse = tl.load(lse_row + parts * stride_lp, mask=parts < P, other=float("-inf"))
     m = tl.max(lse, 0)
     shift = tl.where(m == float("-inf"), 0.0, m)
     total = tl.sum(tl.exp(lse - shift), 0)  # -inf parts add 0
     inv_total = 1.0 / tl.where(total > 0, total, 1.0)
-    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    o = tl.zeros([BLOCK_D], tl.float32)
-    for p0 in range(0, P, CHUNK_P):
-        chunk = p0 + tl.arange(0, CHUNK_P)
-        lse_c = tl.load(lse_row + chunk * stride_lp, mask=chunk < P, other=float("-inf"))
-        coef = tl.exp(lse_c - shift) * inv_total  # [CHUNK_P]
-        keep = coef > 0
-        tile = tl.load(o_parts + chunk[:, None] * stride_op + n * stride_on + h * stride_oh + offs_d[None, :],
-                       mask=keep[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        o += tl.sum(tl.where(keep[:, None], coef[:, None] * tile, 0.0), 0)
+    o = _add_parts(tl.zeros([BLOCK_D], tl.float32), first, lse_row, 0, P, shift, inv_total, stride_lp, CHUNK_P)
+    for p0 in range(CHUNK_P, P, CHUNK_P):
+        tile = _parts_tile(o_parts, p0, P, tile_offs, d_ok, stride_op, CHUNK_P)
+        o = _add_parts(o, tile, lse_row, p0, P, shift, inv_total, stride_lp, CHUNK_P)
     tl.store(o_out + n * stride_out_n + h * stride_out_h + offs_d, o.to(o_out.dtype.element_ty), mask=d_ok)
     if tl.program_id(2) == 0:
         tl.store(lse_out + n * H + h, shift + tl.log(total))
