@@ -1,7 +1,7 @@
 """Offline throughput of LLMEngine against two naive ways of running the same model.
 
     python benchmarks/engine_throughput.py [--model k3-tiny] [--num-prompts 32] [--prompt-len 256]
-        [--output-len 32] [--runs 3] [--baseline-prompts 4] [--out results.json]
+        [--output-len 32] [--runs 3] [--baseline-prompts 4] [--prompt-logprobs N] [--out results.json]
 
 Three ways to generate `output-len` greedy tokens (ignore_eos) for random prompts:
 
@@ -10,6 +10,10 @@ Three ways to generate `output-len` greedy tokens (ignore_eos) for random prompt
                  one forward per token (no batching, no scheduler)
     naive        one request at a time, no cache: every token is one full pass over the
                  whole sequence so far (model/score.py, the correctness oracle)
+
+With --prompt-logprobs N, a second table: the same prompts run to their first token (max_tokens=1) by the
+engine, without and with `prompt_logprobs=N` (every prompt position scored: its logprob, rank and the top N),
+in prompt tokens/s; every position but the first must come back scored.
 
 The baselines run on the first `baseline-prompts` prompts only (the naive loop is quadratic);
 tokens/s is per second of wall time either way, so the rows compare. Each figure is the median
@@ -64,6 +68,45 @@ def engine_generate(engine: LLMEngine, prompts: list[list[int]], output_len: int
     return [tokens[i] for i in ids]
 
 
+@dataclass
+class PrefillRow:
+    prompt_logprobs: int | None  # the requests' prompt_logprobs; None: not asked
+    num_prompt_tokens: int  # per run
+    median_s: float  # wall time of one run
+    prompt_tokens_per_s: float
+    all_scored: bool  # every run scored every prompt position but the first (none when not asked)
+
+
+def engine_prefill(engine: LLMEngine, prompts: list[list[int]], prompt_logprobs: int | None) -> int:
+    """Every prompt to its first token; returns how many prompt positions came back scored."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=prompt_logprobs)
+    for p in prompts:
+        engine.add_request(p, params)
+    num_scored = 0
+    while engine.has_unfinished():
+        for delta in engine.step():
+            num_scored += sum(entry is not None for entry in delta.prompt_logprobs or ())
+    return num_scored
+
+
+def measure_prompt_logprobs(engine: LLMEngine, args: argparse.Namespace, vocab: int) -> list[PrefillRow]:
+    """Prefill tokens/s without and with prompt logprobs, on fresh prompts each run (no prefix-cache hit: a hit's
+    positions are not scored); the two take turns run by run, so a change in the machine's load meets both."""
+    times: dict[int | None, list[float]] = {None: [], args.prompt_logprobs: []}
+    all_scored = dict.fromkeys(times, True)
+    for run in range(args.runs):
+        for num_top in times:
+            gen = torch.Generator().manual_seed(2000 + 2 * run + (num_top is not None))
+            prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.num_prompts)]
+            seconds, num_scored = timed(lambda: engine_prefill(engine, prompts, num_top))
+            times[num_top].append(seconds)
+            all_scored[num_top] &= num_scored == (0 if num_top is None else args.num_prompts * (args.prompt_len - 1))
+            print(f"run {run + 1}/{args.runs}: prefill, prompt_logprobs={num_top}: {seconds:.2f}s", file=sys.stderr)
+    num_prompt = args.num_prompts * args.prompt_len
+    return [PrefillRow(num_top, num_prompt, statistics.median(t), num_prompt / statistics.median(t), all_scored[num_top])
+            for num_top, t in times.items()]
+
+
 def incremental_generate(model: KimiForCausalLM, prompts: list[list[int]], output_len: int) -> list[list[int]]:
     """One request at a time: prefill in one pass, then decode token by token from the cache."""
     device = next(model.parameters()).device
@@ -111,10 +154,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt-logprobs", type=int, metavar="N",
+                        help="also measure prefill tokens/s with prompt_logprobs=N against without")
     parser.add_argument("--out", help="write the table as JSON here")
     args = parser.parse_args(argv)
     if min(args.num_prompts, args.prompt_len, args.output_len, args.runs, args.baseline_prompts) < 1:
         parser.error("--num-prompts, --prompt-len, --output-len, --runs and --baseline-prompts must be >= 1")
+    if args.prompt_logprobs is not None and (args.prompt_logprobs < 0 or args.prompt_len < 2):
+        parser.error("--prompt-logprobs must be >= 0, and scoring a prompt needs --prompt-len >= 2")
 
     model_dir = resolve_model_dir(args.model, args.seed, str(DEFAULT_MODEL_CACHE_DIR))
     engine = LLMEngine(
@@ -165,11 +212,21 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"| {r.method:<11} | {r.num_requests:>8} | {r.median_s:>8.2f} | {r.output_tokens_per_s:>9.1f} | "
               f"{r.total_tokens_per_s:>11.1f} | {r.speedup_vs_naive:>7.1f}x | {str(r.tokens_match):<12} |")
+    prefill_rows = measure_prompt_logprobs(engine, args, vocab) if args.prompt_logprobs is not None else []
+    if prefill_rows:
+        print(f"\nprefill to the first token, prompt {args.prompt_len} tokens x {args.num_prompts}, median of "
+              f"{args.runs} runs")
+        print(f"| {'prompt_logprobs':<15} | {'median s':>8} | {'prompt tok/s':>12} | all scored |")
+        print(f"|{'-' * 17}|{'-' * 10}|{'-' * 14}|{'-' * 12}|")
+        for r in prefill_rows:
+            print(f"| {str(r.prompt_logprobs):<15} | {r.median_s:>8.2f} | {r.prompt_tokens_per_s:>12.1f} | "
+                  f"{str(r.all_scored):<10} |")
     if args.out:
         config = {k: v for k, v in vars(args).items() if k != "out"}
         with open(args.out, "w") as f:
-            json.dump({"config": config, "threads": torch.get_num_threads(), "rows": [asdict(r) for r in rows]}, f, indent=2)
-    return 0 if match else 1
+            json.dump({"config": config, "threads": torch.get_num_threads(), "rows": [asdict(r) for r in rows],
+                       "prefill_rows": [asdict(r) for r in prefill_rows]}, f, indent=2)
+    return 0 if match and all(r.all_scored for r in prefill_rows) else 1
 
 
 if __name__ == "__main__":
