@@ -12,7 +12,8 @@ finishes with "tool_calls" (the engine's reason stays in `finish_reason` for the
 
 A chat choice served with a reasoning parser holds a `ReasoningStream` (reasoning.py) that reads its text first:
 the reasoning goes to `reasoning_content` (message or delta), the rest on as content, through the tool-call parser
-when there is one. Both modes feed it delta by delta in `add`, so they split the text alike.
+when there is one. The text is lexed once, by the first parser (special_tokens.py). Both modes feed the parsers
+delta by delta in `add`, so they split the text alike.
 
 Logprobs come as `TokenLogprobs` (chosen token first, then the top-n). Completions show them as
 `{tokens, token_logprobs, top_logprobs: [{token: logprob}] (chosen + top-n), text_offset}`;
@@ -46,8 +47,9 @@ from .protocol import (
     TopLogprob,
     UsageInfo,
 )
-from .reasoning import ReasoningDelta, ReasoningStream
-from .tool_calls import ParsedDelta, ToolCallStream, parse_tool_calls
+from .reasoning import ReasoningStream
+from .special_tokens import SpecialTokenReader
+from .tool_calls import ParsedDelta, ToolCallStream
 
 Chunk = Union[CompletionStreamResponse, ChatCompletionStreamResponse]
 
@@ -185,10 +187,12 @@ class ChatFormatter(_Formatter):
         super().__init__(*args, **kwargs)
         self.top_logprobs = top_logprobs
         self.logprobs: list[ChatLogprob] | None = None
-        self.tool_parser = ToolCallStream(self.tokenizer.special_tokens) if tool_calls else None
+        self.tool_parser = ToolCallStream() if tool_calls else None
         self.reasoning_parser = reasoning
+        # without a reasoning parser to lex the text for it, the tool-call parser's own reader
+        self._reader = SpecialTokenReader(self.tokenizer.special_tokens) if tool_calls and reasoning is None else None
         self.reasoning_parts: list[str] = []
-        self.content_parts: list[str] = []  # the text less the reasoning
+        self.content_parts: list[str] = []  # the text less the reasoning (and the tool calls)
 
     def _entry(self, entry: TokenLogprobs) -> ChatLogprob:
         def top(tid: int, lp: float) -> TopLogprob:
@@ -202,33 +206,45 @@ class ChatFormatter(_Formatter):
         """The choice's first chunk, before any delta: role "assistant", empty content."""
         return self._chunk(ChatStreamChoice(index=self.index, delta=DeltaMessage(role="assistant", content="")))
 
-    def add(self, delta: RequestDelta) -> tuple[ReasoningDelta, ChatLogprobs | None]:
-        """Take one delta into the response; returns its text split into reasoning and content, and its own
-        logprobs (None if not asked)."""
+    def add(self, delta: RequestDelta) -> tuple[str, ParsedDelta, ChatLogprobs | None]:
+        """Take one delta into the response; returns its text split into reasoning, and content and tool-call
+        pieces, and its own logprobs (None if not asked)."""
         self._track(delta)
-        piece = self._split(delta)
-        self.reasoning_parts.append(piece.reasoning)
-        self.content_parts.append(piece.content)
+        reasoning, parsed = self._parse(delta.new_text, delta.finished)
+        self.reasoning_parts.append(reasoning)
+        self.content_parts.append(parsed.content)
         if delta.logprobs is None:
-            return piece, None
+            return reasoning, parsed, None
         logprobs = ChatLogprobs(content=[self._entry(e) for e in delta.logprobs])
         if self.logprobs is None:
             self.logprobs = []
         self.logprobs.extend(logprobs.content)  # in place: a copy a delta was quadratic in the output
-        return piece, logprobs
+        return reasoning, parsed, logprobs
 
-    def _split(self, delta: RequestDelta) -> ReasoningDelta:
-        if self.reasoning_parser is None:
-            return ReasoningDelta(content=delta.new_text)
-        piece = self.reasoning_parser.feed(delta.new_text)
-        if delta.finished:
-            rest = self.reasoning_parser.finish()
-            piece.reasoning, piece.content = piece.reasoning + rest.reasoning, piece.content + rest.content
-        return piece
+    def _parse(self, text: str, finished: bool) -> tuple[str, ParsedDelta]:
+        """A delta's text through the parsers: its reasoning, and its content and tool-call pieces."""
+        if self.reasoning_parser is not None:
+            split = self.reasoning_parser.feed(text)
+            if finished:
+                rest = self.reasoning_parser.finish()
+                split.reasoning, split.held_back = split.reasoning + rest.reasoning, rest.held_back
+            if self.tool_parser is None:
+                return split.reasoning, ParsedDelta(content=split.content_text)
+            reasoning, pieces, held_back = split.reasoning, split.content, split.held_back
+        elif self.tool_parser is not None:
+            reasoning, pieces = "", self._reader.feed(text)
+            held_back = self._reader.finish() if finished else ""
+        else:
+            return "", ParsedDelta(content=text)
+        parsed = self.tool_parser.read(pieces)
+        if finished:
+            parsed.content += self.tool_parser.finish(held_back).content
+        return reasoning, parsed
 
     def chunks(self, delta: RequestDelta) -> list[ChatCompletionStreamResponse]:
-        piece, logprobs = self.add(delta)
-        message = self._delta_message(piece, delta.finished)
+        reasoning, parsed, logprobs = self.add(delta)
+        message = DeltaMessage(reasoning_content=reasoning or None, content=parsed.content or None,
+                               tool_calls=_delta_tool_calls(parsed) or None)
         if message == DeltaMessage() and not delta.finished and logprobs is None:
             return []  # nothing to show yet (partial UTF-8, held-back stop prefix or marker)
         finish_reason = delta.finish_reason
@@ -236,16 +252,6 @@ class ChatFormatter(_Formatter):
             finish_reason = self._shown_reason(finish_reason, self.tool_parser.num_complete > 0)
         return [self._chunk(ChatStreamChoice(index=self.index, delta=message, logprobs=logprobs,
                                              finish_reason=finish_reason, stop_reason=delta.stop_reason))]
-
-    def _delta_message(self, piece: ReasoningDelta, finished: bool) -> DeltaMessage:
-        reasoning = piece.reasoning or None
-        if self.tool_parser is None:
-            return DeltaMessage(reasoning_content=reasoning, content=piece.content or None)
-        parsed = self.tool_parser.feed(piece.content)
-        if finished:
-            parsed.content += self.tool_parser.finish().content
-        return DeltaMessage(reasoning_content=reasoning, content=parsed.content or None,
-                            tool_calls=_delta_tool_calls(parsed) or None)
 
     @staticmethod
     def _shown_reason(finish_reason: str | None, called: bool) -> str | None:
@@ -256,7 +262,7 @@ class ChatFormatter(_Formatter):
         """The whole choice, after its last delta."""
         reasoning, text, calls = "".join(self.reasoning_parts), "".join(self.content_parts), []
         if self.tool_parser is not None:
-            text, parsed = parse_tool_calls(text, self.tokenizer.special_tokens)
+            text, parsed = self.tool_parser.result()
             calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in parsed]
         content = text if text or not (reasoning or calls) else None  # "" only for a turn that wrote nothing at all
         message = AssistantMessage(reasoning_content=reasoning or None, content=content, tool_calls=calls or None)

@@ -28,54 +28,50 @@ content next and drops those it does not use, or the client asked for them), els
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Collection, Mapping, Sequence
 
-from .special_tokens import lexer_for
-from .tool_calls import SECTION_BEGIN
+from .special_tokens import SECTION_BEGIN, THINK_BEGIN, THINK_END, Piece, SpecialTokenReader
 
-THINK_BEGIN = "<think>"
-THINK_END = "</think>"
 TURN_END = "<|im_end|>"
 
 
 @dataclass
 class ReasoningDelta:
     reasoning: str = ""
-    content: str = ""
+    content: list[Piece] = field(default_factory=list)  # lexed, for the tool-call parser next
+    held_back: str = ""  # from `finish`: the content's end that never became a special token
+
+    @property
+    def content_text(self) -> str:
+        return "".join([piece for piece, _ in self.content]) + self.held_back
 
 
 class ReasoningStream:
-    """One choice's text, fed in pieces (`feed`, then `finish` once), split into reasoning and content."""
+    """One choice's text, fed in pieces (`feed`, then `finish` once), split into reasoning and content; it lexes the
+    text, and hands the content on lexed (special_tokens.py)."""
 
-    def __init__(self, special_tokens: Iterable[str], *, in_reasoning: bool = False, keep_special: bool = False) -> None:
-        self._lexer = lexer_for(frozenset(special_tokens) | {THINK_BEGIN, THINK_END, SECTION_BEGIN})
+    def __init__(self, special_tokens: Collection[str], *, in_reasoning: bool = False,
+                 keep_special: bool = False) -> None:
+        self._reader = SpecialTokenReader(special_tokens)
         self.in_reasoning = in_reasoning
         self.keep_special = keep_special
-        self._pending = ""  # the start of a special token, maybe
 
     def feed(self, text: str) -> ReasoningDelta:
         out = ReasoningDelta()
-        pieces, self._pending = self._lexer.split(self._pending + text)
-        for piece, is_token in pieces:
+        for piece, is_token in self._reader.feed(text):
             if is_token:
                 self._read_token(piece, out)
+            elif self.in_reasoning:
+                out.reasoning += piece
             else:
-                self._add(piece, out)
+                out.content.append((piece, False))
         return out
 
     def finish(self) -> ReasoningDelta:
         """The end of the text: what was held back never became a special token, so it is text."""
-        out = ReasoningDelta()
-        self._add(self._pending, out)
-        self._pending = ""
-        return out
-
-    def _add(self, text: str, out: ReasoningDelta) -> None:
-        if self.in_reasoning:
-            out.reasoning += text
-        else:
-            out.content += text
+        held_back = self._reader.finish()
+        return ReasoningDelta(reasoning=held_back) if self.in_reasoning else ReasoningDelta(held_back=held_back)
 
     def _read_token(self, token: str, out: ReasoningDelta) -> None:
         if token == THINK_BEGIN:
@@ -86,7 +82,7 @@ class ReasoningStream:
             if token == SECTION_BEGIN:
                 self.in_reasoning = False  # tool calls end the reasoning, closed or not
             if self.keep_special and not self.in_reasoning:
-                out.content += token
+                out.content.append((token, True))
 
 
 def prompt_opens_reasoning(prompt_ids: Sequence[int], special_tokens: Mapping[str, int]) -> bool:

@@ -11,10 +11,12 @@ these five markers as text (`SamplingParams.keep_special_token_ids`; other speci
 other special token the text holds (a client that asked for `skip_special_tokens: false`) is dropped, and none
 reaches the content.
 
-`ToolCallStream` reads the text in pieces as it is generated: content as soon as it cannot be the start of a marker,
-a call's id and name once its header is complete, then its arguments piece by piece. `parse_tool_calls` reads a
-whole text. Malformed output (a stray or misplaced marker, a header that is not `name:index`, a call still open at
-the end) never raises: the whole text is the content of `parse_tool_calls` (as vLLM's `extract_tool_calls`); a
+`ToolCallStream` reads the text in pieces as it is generated, already lexed (special_tokens.py: by the reasoning
+parser when there is one, else by the chat formatter's reader): content as soon as it cannot be the start of a
+marker, a call's id and name once its header is complete, then its arguments piece by piece; once finished, its
+`result` is the whole text's content and calls, what a response that does not stream returns. `parse_tool_calls`
+reads a whole text. Malformed output (a stray or misplaced marker, a header that is not `name:index`, a call still
+open at the end) never raises: the whole text is the content of the result (as vLLM's `extract_tool_calls`); a
 stream, which cannot take back what it sent, sends the text from the broken call on as content.
 """
 
@@ -22,16 +24,18 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Collection, Sequence
 
-from .special_tokens import lexer_for
-
-SECTION_BEGIN = "<|tool_calls_section_begin|>"
-SECTION_END = "<|tool_calls_section_end|>"
-CALL_BEGIN = "<|tool_call_begin|>"
-ARGUMENTS_BEGIN = "<|tool_call_argument_begin|>"
-CALL_END = "<|tool_call_end|>"
-MARKERS = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENTS_BEGIN, CALL_END)
+from .special_tokens import (
+    ARGUMENTS_BEGIN,
+    CALL_BEGIN,
+    CALL_END,
+    SECTION_BEGIN,
+    SECTION_END,
+    TOOL_MARKERS as MARKERS,
+    Piece,
+    lexer_for,
+)
 
 _CALL_ID = re.compile(r"(?:functions\.)?(?P<name>[^\s:]+):\d+")
 
@@ -66,13 +70,12 @@ class ParsedDelta:
 
 
 class ToolCallStream:
-    """One choice's text, fed in pieces (`feed`, then `finish` once), split into content and tool-call pieces."""
+    """One choice's text, read as lexed pieces (`read`, then `finish` once), split into content and tool-call
+    pieces; then `result`. A special token that is not a marker is dropped (the stop token, or any other a client
+    asked for with `skip_special_tokens: false`)."""
 
-    def __init__(self, special_tokens: Iterable[str]) -> None:
-        self.hidden = frozenset(special_tokens) - set(MARKERS)
-        self._lexer = lexer_for(self.hidden | set(MARKERS))
+    def __init__(self) -> None:
         self._state = "content"  # content | section | header | arguments | broken
-        self._pending = ""  # received text not read yet: the start of a marker, maybe
         self._unsent = ""  # read but not sent: markers and header of the call being read (content if it breaks)
         self._header = ""
         self._blank = ""  # whitespace at the end of the arguments so far: sent once more arguments follow
@@ -80,24 +83,48 @@ class ToolCallStream:
         self.num_calls = 0  # calls whose header was sent
         self.num_complete = 0  # calls whose <|tool_call_end|> was read
         self.malformed = False
+        self._text: list[str] = []  # all read but the dropped special tokens: a malformed text's content
+        self._content: list[str] = []  # all sent as content
+        self._calls: list[tuple[str, str, list[str]]] = []  # all sent as calls: (id, name, argument pieces)
 
-    def feed(self, text: str) -> ParsedDelta:
+    def read(self, pieces: Sequence[Piece]) -> ParsedDelta:
         out = ParsedDelta()
-        pieces, self._pending = self._lexer.split(self._pending + text)
+        if not pieces:  # most deltas of a reasoning: nothing for this parser
+            return out
         for piece, is_token in pieces:
+            if is_token and piece not in MARKERS:
+                self._read_dropped(out)
+                continue
+            self._text.append(piece)
             (self._read_token if is_token else self._read_text)(piece, out)
-        return out
+        return self._kept(out)
 
-    def finish(self) -> ParsedDelta:
-        """The end of the text: what was held back goes out as content; a call or a section left open with nothing
-        in it is malformed."""
+    def finish(self, held_back: str = "") -> ParsedDelta:
+        """The end of the text: what the lexer held back (which never became a special token) and what was not sent
+        go out as content; a call or a section left open with nothing in it is malformed."""
         out = ParsedDelta()
-        rest, self._pending = self._unsent + self._blank + self._pending, ""
+        self._text.append(held_back)
+        rest = self._unsent + self._blank + held_back
         if self._state in ("header", "arguments") or (self._state == "section" and self.num_complete == 0):
             self.malformed = True
         if self.malformed or self._state in ("content", "broken") or rest.strip():
             out.content += rest
         self._state = "broken"
+        return self._kept(out)
+
+    def result(self) -> tuple[str, list[ParsedCall]]:
+        """The whole text, once finished: (its content, its tool calls); malformed, (the whole text, no call)."""
+        if self.malformed:
+            return "".join(self._text), []
+        return "".join(self._content), [ParsedCall(i, name, "".join(parts)) for i, name, parts in self._calls]
+
+    def _kept(self, out: ParsedDelta) -> ParsedDelta:
+        """`out`, kept for `result` too."""
+        self._content.append(out.content)
+        for piece in out.calls:
+            if piece.id is not None:
+                self._calls.append((piece.id, piece.name, []))
+            self._calls[piece.index][2].append(piece.arguments)
         return out
 
     def _read_text(self, text: str, out: ParsedDelta) -> None:
@@ -125,12 +152,12 @@ class ToolCallStream:
             self._arguments_begun = True
             out.add_arguments(self.num_calls - 1, body)
 
+    def _read_dropped(self, out: ParsedDelta) -> None:
+        if self._state in ("header", "arguments"):
+            self._break("", out)  # the turn ended inside a call
+
     def _read_token(self, token: str, out: ParsedDelta) -> None:
         state = self._state
-        if token in self.hidden:
-            if state in ("header", "arguments"):
-                self._break("", out)  # the turn ended inside a call
-            return
         if state == "broken":
             out.content += token
         elif state == "content" and token == SECTION_BEGIN:
@@ -150,10 +177,6 @@ class ToolCallStream:
         else:
             self._break(token, out)
 
-    def without_hidden(self, text: str) -> str:
-        """`text` without the special tokens that are not tool-call markers."""
-        return self._lexer.pattern.sub(lambda m: "" if m.group() in self.hidden else m.group(), text)
-
     def _break(self, text: str, out: ParsedDelta) -> None:
         """Malformed: what was read of the broken call and everything after it is content."""
         self.malformed = True
@@ -161,16 +184,10 @@ class ToolCallStream:
         self._state, self._unsent, self._blank = "broken", "", ""
 
 
-def parse_tool_calls(text: str, special_tokens: Iterable[str]) -> tuple[str, list[ParsedCall]]:
+def parse_tool_calls(text: str, special_tokens: Collection[str]) -> tuple[str, list[ParsedCall]]:
     """A whole text -> (its content, its tool calls). Malformed: (the whole text, no call)."""
-    stream = ToolCallStream(special_tokens)
-    content, calls = "", []
-    for delta in (stream.feed(text), stream.finish()):
-        content += delta.content
-        for piece in delta.calls:
-            if piece.id is not None:
-                calls.append(ParsedCall(piece.id, piece.name, ""))
-            calls[piece.index].arguments += piece.arguments
-    if stream.malformed:
-        return stream.without_hidden(text), []
-    return content, calls
+    pieces, held_back = lexer_for(special_tokens).split(text)
+    stream = ToolCallStream()
+    stream.read(pieces)
+    stream.finish(held_back)
+    return stream.result()

@@ -1,6 +1,6 @@
 """A Kimi thinking model's <think> block -> reasoning and content (cluster/api/reasoning.py), on text in the model's
-exact format: whole, and streamed in pieces cut anywhere (inside a marker too); then chained into the tool-call
-parser as the chat formatter does."""
+exact format: whole, and streamed in pieces cut anywhere (inside a marker too), against splits written out by hand;
+then chained into the tool-call parser as the chat formatter chains them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 import pytest
 
 from k3serve.cluster.api.reasoning import ReasoningStream, prompt_opens_reasoning
-from k3serve.cluster.api.tool_calls import ParsedCall, parse_tool_calls
+from k3serve.cluster.api.tool_calls import ParsedCall, ToolCallStream
 from k3serve.model.chat_template import KIMI_SPECIAL_TOKENS
 
 SPECIALS = list(KIMI_SPECIAL_TOKENS)
@@ -25,73 +25,80 @@ def split(text: str, cuts: list[int] = (), **options) -> tuple[str, str]:
     stream = ReasoningStream(SPECIALS, **options)
     bounds = [0, *sorted(cuts), len(text)]
     deltas = [stream.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])] + [stream.finish()]
-    return "".join(d.reasoning for d in deltas), "".join(d.content for d in deltas)
+    return "".join(d.reasoning for d in deltas), "".join(d.content_text for d in deltas)
 
 
-def test_reasoning_then_the_answer():
-    assert split(THINKING) == (THOUGHT, ANSWER)
+T, A = "I think <b>x</b>.\n", "Hi!"  # short: every text below is cut at each of its positions
+SPLITS = {  # id: (text, options, expected reasoning, expected content), written out by hand
+    "think-then-answer": (f"<think>{T}</think>{A}<|im_end|>", {}, T, A),
+    "stop-token-kept-for-the-tool-parser": (f"<think>{T}</think>{A}<|im_end|>", {"keep_special": True}, T,
+                                            A + "<|im_end|>"),
+    "no-marker-all-content": ("<think </think <|x|> <<|im_end|>", {}, "", "<think </think <|x|> <"),
+    "opened-by-the-prompt": (f"{T}</think>{A}", {"in_reasoning": True}, T, A),
+    "never-closed-cut-by-max-tokens": (f"<think>{T}", {}, T, ""),
+    "opened-by-the-prompt-never-closed": (T, {"in_reasoning": True}, T, ""),
+    "stray-end-dropped": (f"{A}</think>{A}", {}, "", A + A),
+    "two-blocks": ("<think>a</think>b<think>c</think>d", {}, "ac", "bd"),
+    "other-token-dropped-from-reasoning": (f"<think>{T}<|im_middle|></think>{A}", {"keep_special": True}, T, A),
+    "held-back-start-in-reasoning-is-text": (f"<think>{T}</thi", {}, T + "</thi", ""),
+    "held-back-start-in-content-is-text": (f"{A} <|im_", {}, "", A + " <|im_"),
+    "calls-end-an-open-block": (f"<think>{T}{CALL}<|im_end|>", {"keep_special": True}, T, CALL + "<|im_end|>"),
+    "calls-markers-dropped": (f"<think>{T}{CALL}", {}, T, 'functions.get_weather:0{"city": "Paris"}'),
+    "calls-end-a-block-the-prompt-opened": (f"{T}{CALL}", {"in_reasoning": True, "keep_special": True}, T, CALL),
+}
 
 
-def test_text_without_markers_is_all_content():
-    text = "Plain <thinking> about <think without a close, and a </think lookalike."
-    assert split(text + "<|im_end|>") == ("", text)
+@pytest.mark.parametrize("text, options, reasoning, content", SPLITS.values(), ids=SPLITS.keys())
+def test_the_split_is_the_same_however_the_text_is_cut(text, options, reasoning, content):
+    """Whole, cut once at every position (inside every marker too), and a character at a time."""
+    for cuts in [[], *([cut] for cut in range(1, len(text))), list(range(1, len(text)))]:
+        assert split(text, cuts, **options) == (reasoning, content), cuts
 
 
-def test_a_block_the_prompt_opened_makes_all_before_its_end_reasoning():
-    assert split(f"{THOUGHT}</think>{ANSWER}<|im_end|>", in_reasoning=True) == (THOUGHT, ANSWER)
-
-
-def test_a_stray_end_marker_is_dropped():
-    assert split(f"{THOUGHT}</think>{ANSWER}") == ("", THOUGHT + ANSWER)
-
-
-def test_no_end_marker_by_the_end_is_all_reasoning():
-    """A turn cut by max_tokens while thinking: no content at all."""
-    assert split(f"<think>{THOUGHT}") == (THOUGHT, "")
-    assert split(THOUGHT, in_reasoning=True) == (THOUGHT, "")
-
-
-def test_a_held_back_marker_start_that_never_completes_is_text():
-    assert split(f"<think>{THOUGHT}</thi") == (THOUGHT + "</thi", "")
-    assert split(f"{ANSWER} <|im_") == ("", ANSWER + " <|im_")
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_any_split_gives_what_the_whole_text_gives(seed):
+@pytest.mark.parametrize("seed", range(5))
+def test_any_split_of_a_long_text_gives_the_expected_split(seed):
     rng = random.Random(seed)
     text = THINKING + CALL
     cuts = rng.sample(range(1, len(text)), rng.randint(1, 30))
-    for options in ({}, {"keep_special": True}):
-        assert split(text, cuts, **options) == split(text, **options)
+    assert split(text, cuts) == (THOUGHT, ANSWER + 'functions.get_weather:0{"city": "Paris"}')
+    assert split(text, cuts, keep_special=True) == (THOUGHT, ANSWER + "<|im_end|>" + CALL)
 
 
 def test_one_character_at_a_time_never_leaks_a_marker():
     stream = ReasoningStream(SPECIALS)
     deltas = [stream.feed(c) for c in THINKING] + [stream.finish()]
-    assert all("<" not in d.content and "think>" not in d.reasoning for d in deltas)
-    assert ("".join(d.reasoning for d in deltas), "".join(d.content for d in deltas)) == (THOUGHT, ANSWER)
+    assert all("<" not in d.content_text and "think>" not in d.reasoning for d in deltas)
+    assert ("".join(d.reasoning for d in deltas), "".join(d.content_text for d in deltas)) == (THOUGHT, ANSWER)
     assert sum(bool(d.reasoning) for d in deltas) > 10  # the reasoning streams as it is generated
 
 
-def test_other_special_tokens_stay_in_the_content_only_when_kept():
-    text = f"<think>{THOUGHT}<|im_middle|></think>{ANSWER}<|im_end|>"
-    assert split(text) == (THOUGHT, ANSWER)
-    assert split(text, keep_special=True) == (THOUGHT, ANSWER + "<|im_end|>")  # for the tool-call parser next
+def chained(text: str, cuts: list[int]) -> tuple[str, str, list[ParsedCall]]:
+    """`text` fed in the pieces between `cuts` to the reasoning parser, its content handed on lexed to the tool-call
+    parser (as the chat formatter chains them): (reasoning, content, calls)."""
+    reasoning_stream, tool_stream = ReasoningStream(SPECIALS, keep_special=True), ToolCallStream()
+    bounds, reasoning = [0, *cuts, len(text)], ""
+    for a, b in zip(bounds, bounds[1:]):
+        delta = reasoning_stream.feed(text[a:b])
+        reasoning += delta.reasoning
+        tool_stream.read(delta.content)
+    end = reasoning_stream.finish()
+    tool_stream.finish(end.held_back)
+    return reasoning + end.reasoning, *tool_stream.result()
 
 
-def test_reasoning_then_a_tool_call_section():
-    """The content, markers kept, goes on to the tool-call parser: reasoning, content and the call come apart."""
-    reasoning, content = split(f"<think>{THOUGHT}</think>Let me check.{CALL}<|im_end|>", keep_special=True)
-    assert reasoning == THOUGHT
-    assert parse_tool_calls(content, SPECIALS) == (
-        "Let me check.", [ParsedCall("functions.get_weather:0", "get_weather", '{"city": "Paris"}')])
+WEATHER_CALL = ParsedCall("functions.get_weather:0", "get_weather", '{"city": "Paris"}')
+CHAINS = {  # id: (text, expected reasoning, content, calls)
+    "reasoning-content-call": (f"<think>{T}</think>Let me check.{CALL}<|im_end|>", T, "Let me check.", [WEATHER_CALL]),
+    "calls-end-a-block-left-open": (f"<think>{T}Let me check.{CALL}<|im_end|>", T + "Let me check.", "",
+                                    [WEATHER_CALL]),
+    "a-start-of-a-marker-held-to-the-end": (f"<think>{T}</think>{A} <|tool_c", T, A + " <|tool_c", []),
+}
 
 
-def test_tool_calls_end_a_block_left_open():
-    """Kimi may call a tool without closing its reasoning: the section marker ends it."""
-    reasoning, content = split(f"<think>{THOUGHT}{CALL}<|im_end|>", keep_special=True)
-    assert reasoning == THOUGHT
-    assert parse_tool_calls(content, SPECIALS)[1][0].name == "get_weather"
+@pytest.mark.parametrize("text, reasoning, content, calls", CHAINS.values(), ids=CHAINS.keys())
+def test_reasoning_then_tool_calls_however_the_text_is_cut(text, reasoning, content, calls):
+    for cuts in [[], *([cut] for cut in range(1, len(text)))]:
+        assert chained(text, cuts) == (reasoning, content, calls), cuts
 
 
 IDS = KIMI_SPECIAL_TOKENS

@@ -1,5 +1,6 @@
 """Kimi's tool-call format -> OpenAI tool calls (cluster/api/tool_calls.py), on text in the model's exact format:
-a whole text, and the same text streamed in pieces cut anywhere (inside a marker, inside the JSON)."""
+a whole text, and the same text streamed in pieces cut anywhere (inside a marker, inside the JSON), lexed as the
+chat formatter lexes it (special_tokens.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import random
 
 import pytest
 
+from k3serve.cluster.api.special_tokens import SpecialTokenReader
 from k3serve.cluster.api.tool_calls import ParsedCall, ParsedDelta, ToolCallStream, parse_tool_calls
 from k3serve.model.chat_template import KIMI_SPECIAL_TOKENS
 
@@ -27,12 +29,25 @@ TWO_CALLS = "I will look both up." + section(call("functions.get_weather:0", WEA
                                              call("functions.get_time:1", TIME)) + "<|im_end|>"
 
 
+class Parser:
+    """A ToolCallStream fed text, as the chat formatter feeds it: through a reader of the vocabulary."""
+
+    def __init__(self) -> None:
+        self.reader, self.stream = SpecialTokenReader(SPECIALS), ToolCallStream()
+
+    def feed(self, text: str) -> ParsedDelta:
+        return self.stream.read(self.reader.feed(text))
+
+    def finish(self) -> ParsedDelta:
+        return self.stream.finish(self.reader.finish())
+
+
 def streamed(text: str, cuts: list[int]) -> tuple[str, list[ParsedCall], list[ParsedDelta], ToolCallStream]:
     """`text` fed in the pieces between `cuts`, then finished: the content, the calls the pieces assemble, the
     pieces themselves and the stream."""
-    stream = ToolCallStream(SPECIALS)
+    parser = Parser()
     bounds = [0, *sorted(cuts), len(text)]
-    deltas = [stream.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])] + [stream.finish()]
+    deltas = [parser.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])] + [parser.finish()]
     content, calls = "", []
     for delta in deltas:
         content += delta.content
@@ -43,7 +58,7 @@ def streamed(text: str, cuts: list[int]) -> tuple[str, list[ParsedCall], list[Pa
             else:
                 assert piece.name is None and piece.arguments, piece  # then only argument text
             calls[piece.index].arguments += piece.arguments
-    return content, calls, deltas, stream
+    return content, calls, deltas, parser.stream
 
 
 def test_one_call_without_content():
@@ -78,7 +93,7 @@ def test_any_split_streams_what_the_whole_text_parses_to(seed):
     rng = random.Random(seed)
     cuts = rng.sample(range(1, len(TWO_CALLS)), rng.randint(1, 40))
     content, calls, deltas, stream = streamed(TWO_CALLS, cuts)
-    assert (content, calls) == parse_tool_calls(TWO_CALLS, SPECIALS)
+    assert (content, calls) == parse_tool_calls(TWO_CALLS, SPECIALS) == stream.result()
     assert not stream.malformed and stream.num_complete == 2
 
 
@@ -91,7 +106,7 @@ def test_one_character_at_a_time_never_leaks_a_marker():
 
 
 def test_a_cut_inside_a_marker_holds_back_only_that_marker():
-    stream = ToolCallStream(SPECIALS)
+    stream = Parser()
     assert stream.feed("Sure<|tool_calls_sec").content == "Sure"
     delta = stream.feed('tion_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"q": "<|')
     assert delta.content == "" and len(delta.calls) == 1
@@ -100,13 +115,12 @@ def test_a_cut_inside_a_marker_holds_back_only_that_marker():
 
 
 def test_the_last_piece_of_content_comes_out_at_the_finish():
-    stream = ToolCallStream(SPECIALS)
+    stream = Parser()
     assert stream.feed("a <|im_").content == "a "
     assert stream.finish().content == "<|im_"
 
 
-@pytest.mark.parametrize("text", [
-    "Hi" + "<|tool_calls_section_begin|>" + '<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a": 1',
+MALFORMED = [
     "Hi" + "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0",
     "Hi" + "<|tool_calls_section_begin|>",
     "Hi" + section(call("not a call id", "{}")),
@@ -114,12 +128,34 @@ def test_the_last_piece_of_content_comes_out_at_the_finish():
     "Hi" + section("stray text" + call("functions.f:0", "{}")),
     "Hi" + call("functions.f:0", "{}"),  # a call outside a section
     "Hi" + section("<|tool_call_begin|>functions.f:0<|tool_call_end|>"),  # no arguments marker
-])
+]
+
+
+def every_split(text: str) -> list[list[int]]:
+    """Each single cut, and a cut between every two characters."""
+    return [[cut] for cut in range(1, len(text))] + [list(range(1, len(text)))]
+
+
+@pytest.mark.parametrize("text", MALFORMED)
 def test_malformed_output_is_returned_as_content(text):
-    content, calls = parse_tool_calls(text + "<|im_end|>", SPECIALS)
-    assert (content, calls) == (text, [])
-    streamed_content, _, _, stream = streamed(text + "<|im_end|>", [3, 9, 20])  # what it sent stays sent
-    assert stream.malformed and streamed_content.startswith("Hi")
+    """Broken before any call was sent: streamed, cut anywhere, it is all content, and the very content the whole
+    response returns."""
+    assert parse_tool_calls(text + "<|im_end|>", SPECIALS) == (text, [])
+    for cuts in every_split(text + "<|im_end|>"):
+        content, calls, _, stream = streamed(text + "<|im_end|>", cuts)
+        assert (content, calls) == (text, []) and stream.malformed, cuts
+        assert stream.result() == (text, [])
+
+
+def test_a_call_cut_inside_its_arguments_was_sent_as_a_call_then_breaks():
+    """The call's id, name and arguments were streamed before the turn ended inside it: the stream cannot take them
+    back (content "Hi" and the call so far); the whole response falls back to the whole text."""
+    text = "Hi<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{\"a\": 1"
+    assert parse_tool_calls(text + "<|im_end|>", SPECIALS) == (text, [])
+    for cuts in every_split(text + "<|im_end|>"):
+        content, calls, _, stream = streamed(text + "<|im_end|>", cuts)
+        assert (content, calls) == ("Hi", [ParsedCall("functions.f:0", "f", '{"a": 1')]) and stream.malformed, cuts
+        assert stream.result() == (text, [])
 
 
 def test_a_stream_breaking_after_a_good_call_keeps_it_and_sends_the_rest_as_content():
@@ -128,7 +164,7 @@ def test_a_stream_breaking_after_a_good_call_keeps_it_and_sends_the_rest_as_cont
     content, calls, _, stream = streamed(text, [40, 100])
     assert calls == [ParsedCall("functions.f:0", "f", "{}")] and stream.malformed
     assert content == bad + "<|tool_calls_section_end|>"
-    assert parse_tool_calls(text, SPECIALS) == (text, [])  # a whole text falls back whole
+    assert parse_tool_calls(text, SPECIALS) == stream.result() == (text, [])  # a whole text falls back whole
 
 
 def test_an_empty_section_is_no_call():

@@ -171,6 +171,16 @@ async def test_each_choice_parses_its_own_calls(http):
     assert [c["message"]["tool_calls"] for c in whole["choices"]] == [EXPECTED_CALLS] * 2
 
 
+async def test_without_a_reasoning_parser_the_calls_come_back_alike(engine):
+    """Then the tool-call parser reads the text without the reasoning parser before it."""
+    async with ingress(engine, reasoning_parser="none") as http:
+        whole = (await http.post(CHAT, json={"messages": ASK, "tools": TOOLS})).json()["choices"][0]
+        chunks = parse_sse((await http.post(CHAT, json={"messages": ASK, "tools": TOOLS, "stream": True})).text)
+    assert whole["message"] == {"role": "assistant", "content": "Let me check.", "tool_calls": EXPECTED_CALLS}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "Let me check."
+    assert streamed_calls(chunks) == EXPECTED_CALLS and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
 async def test_a_reply_without_calls_is_plain_content(http, engine, tokenizer):
     engine.reply = tokenizer.encode("It is sunny.<|im_end|>")
     for stream in (False, True):
@@ -193,6 +203,20 @@ async def test_a_call_cut_by_max_tokens_is_returned_as_text(http, engine, tokeni
     (choice,) = r.json()["choices"]
     assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]
     assert choice["message"]["content"] == tokenizer.decode(engine.reply[:cut])
+
+
+async def test_a_malformed_reply_streams_as_content_what_the_whole_response_returns(http, engine, tokenizer):
+    """A header that is not `name:index`: no call at all, in either mode; the stream's content, put together, is the
+    whole response's content, markers and all (the stop token dropped)."""
+    text = ("Let me check.<|tool_calls_section_begin|><|tool_call_begin|>get weather<|tool_call_argument_begin|>"
+            f"{WEATHER_ARGS}<|tool_call_end|><|tool_calls_section_end|>")
+    engine.reply = tokenizer.encode(text + "<|im_end|>")
+    whole = (await http.post(CHAT, json={"messages": ASK, "tools": TOOLS})).json()["choices"][0]
+    assert whole["message"] == {"role": "assistant", "content": text} and whole["finish_reason"] == "stop"
+    chunks = parse_sse((await http.post(CHAT, json={"messages": ASK, "tools": TOOLS, "stream": True})).text)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == text
+    assert not any("tool_calls" in c["choices"][0]["delta"] for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
 async def test_tool_choice_none_hides_the_tools(http, engine, tokenizer):
