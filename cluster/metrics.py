@@ -12,7 +12,8 @@ The app drives one `RequestTimer` per HTTP request (`start_request`, `on_delta`,
 whatever its number of choices.
 Queue, prefill and handoff times are only known to the serving layer, which reports them with
 `observe_queue_time` and friends (the disaggregated router's queue time: arrival to a decode
-reservation, which its prefill waits for); it also sets the per-(pool, replica) gauges with
+reservation, which its prefill waits for, or to leaving its admission queue without one: timed out,
+cancelled); it also sets the per-(pool, replica) gauges with
 `set_pool_stats`, and with `set_ingress_queue` the requests its admission queue holds, as
 `k3serve:num_requests_waiting{pool="ingress", replica="router"}` (on the pools dashboard and in
 `k3serve status` beside the replicas' queues). Every series carries `model_name`.

@@ -1,8 +1,10 @@
 """The disaggregated backend of the ingress: an `EngineClient` over prefill and decode pools.
 
 One request:
-    1. tokenize, check the context;  pick the decode replica with the fewest requests in flight
-       from here (then the most free blocks), `admit` there (reservation; its deltas will come
+    1. tokenize, check the prompt as the engines do (`engine/prompt_check.py`: its ids and
+       logit_bias's in the vocabulary, the context), so a bad one is refused at once, not after a
+       wait in the queue;  pick the decode replica with the fewest requests in flight from here
+       (then the most free blocks), `admit` there (reservation; its deltas will come
        through this router's feed from that replica, `cluster/decode_feed.py`, whose addresses
        are those of the process that made the reservation; a replica that restarted under a
        still-open feed: once more through a new feed); NoCapacity: the next replica;
@@ -24,7 +26,6 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
-import time
 from typing import AsyncIterator, Sequence
 
 from k3serve.cluster.admission import AdmissionQueue
@@ -36,6 +37,7 @@ from k3serve.cluster.replicas import DecodeReplica, PrefillReplica, ReplicaDiedE
 from k3serve.decode.worker import UnknownFeedError
 from k3serve.engine.async_engine import GenerateRequest
 from k3serve.engine.outputs import RequestDelta
+from k3serve.engine.prompt_check import check_prompt
 from k3serve.model.tokenizer import Tokenizer
 from k3serve.prefill.worker import HandoffTarget
 from k3serve.transfer.control import NoCapacityError
@@ -58,15 +60,18 @@ class DisaggregatedRouter:
         tokenizer: Tokenizer,
         model_name: str,
         max_model_len: int,
+        vocab_size: int,
         metrics: IngressMetrics | None = None,
         refresh_seconds: float = 0.25,
         max_queued_requests: int | None = None,
         queue_timeout_seconds: float | None = None,
     ) -> None:
-        """max_queued_requests / queue_timeout_seconds bound the admission queue (None: no bound,
+        """vocab_size: the model's (config.json), which the engines check ids against.
+        max_queued_requests / queue_timeout_seconds bound the admission queue (None: no bound,
         as the colocated engine's scheduler queues); `k3serve serve` passes ServeConfig's."""
         self.prefill, self.decode = list(prefill), list(decode)
         self.tokenizer, self.model_name, self.max_model_len = tokenizer, model_name, max_model_len
+        self.vocab_size = vocab_size
         self.metrics = metrics
         self.replica_metrics = ReplicaMetricsCollector(metrics.registry if metrics is not None else None)
         self.refresh_seconds = refresh_seconds
@@ -77,7 +82,8 @@ class DisaggregatedRouter:
         self._feeds: dict[str, DecodeFeed] = {r.name: DecodeFeed(r) for r in self.decode}
         self._refresher: asyncio.Task | None = None
         self.admission: AdmissionQueue[tuple[DecodeReplica, HandoffTarget, RequestDeltas]] = AdmissionQueue(
-            max_queued_requests, queue_timeout_seconds, metrics.set_ingress_queue if metrics is not None else None)
+            max_queued_requests, queue_timeout_seconds, metrics.set_ingress_queue if metrics is not None else None,
+            metrics.observe_queue_time if metrics is not None else None)
         if metrics is not None:
             metrics.set_ingress_queue(0)
 
@@ -96,16 +102,10 @@ class DisaggregatedRouter:
         self._start_refresher()
         prompt = request.prompt
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; max_model_len={self.max_model_len}")
         rid, params = request.request_id, request.sampling_params
-        arrival = time.perf_counter()
-        decode, target, deltas = await self.admission.admit(
+        check_prompt(prompt_ids, params, self.vocab_size, self.max_model_len)
+        decode, target, deltas = await self.admission.admit(  # observes the queue time
             lambda: self._admit(rid, prompt_ids, params), f"request {rid} ({len(prompt_ids)} prompt tokens)")
-        if self.metrics is not None:
-            self.metrics.observe_queue_time(time.perf_counter() - arrival)
         decode_done = False  # decode ended the request itself; otherwise its reservation is ours to free
         try:
             result = await self._prefill(rid, prompt_ids, params, target)

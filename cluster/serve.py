@@ -91,12 +91,14 @@ def _worker_kwargs(config: ServeConfig) -> tuple[dict, dict]:
 
 def _router(config: ServeConfig, prefill: list, decode: list, engine_kwargs: dict) -> tuple[Any, IngressMetrics]:
     from k3serve.cluster.router import DisaggregatedRouter
+    from k3serve.model.config import ModelConfig
     from k3serve.model.tokenizer import Tokenizer
 
     name = engine_kwargs["served_model_name"]
     metrics = IngressMetrics(model_name=name)
     tokenizer = Tokenizer.from_dir(engine_kwargs["model"])
-    router = DisaggregatedRouter(prefill, decode, tokenizer, name, config.max_model_len, metrics,
+    vocab_size = ModelConfig.from_dir(engine_kwargs["model"]).vocab_size
+    router = DisaggregatedRouter(prefill, decode, tokenizer, name, config.max_model_len, vocab_size, metrics,
                                  max_queued_requests=config.queue_capacity,
                                  queue_timeout_seconds=config.queue_timeout_seconds)
     return router, metrics

@@ -20,6 +20,7 @@ from k3serve.engine.detokenizer import IncrementalDetokenizer
 from k3serve.engine.memory import PoolPlan, base_token_budget, plan_engine_pools
 from k3serve.engine.outputs import RequestDelta, TokenLogprobs
 from k3serve.engine.prefix_cache import PrefixCache
+from k3serve.engine.prompt_check import check_prompt
 from k3serve.engine.request import Request
 from k3serve.engine.runner import load_runner
 from k3serve.engine.tp_group import TPGroup
@@ -137,7 +138,7 @@ class LLMEngine:
             raise ValueError(f"duplicate request_id {request_id!r}")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._check_prompt(token_ids, params)
+        check_prompt(token_ids, params, self.config.vocab_size, self.args.max_model_len)
         if params.max_tokens is None:  # until the context is full
             params = _with_max_tokens(params, self.args.max_model_len - len(token_ids))
         self.scheduler.add_request(Request(request_id, token_ids, params))
@@ -147,24 +148,6 @@ class LLMEngine:
             prompt=text,
         )
         return request_id
-
-    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        biased_outside = sorted(t for t in params.logit_bias or () if t >= vocab)
-        if biased_outside:
-            raise ValueError(f"logit_bias must use token ids in the vocabulary [0, {vocab}), got {biased_outside[:5]}")
-        limit = self.args.max_model_len
-        if len(token_ids) >= limit:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len={limit} leaves no room to generate")
-        if params.max_tokens is not None and len(token_ids) + params.max_tokens > limit:
-            raise ValueError(
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len={limit}"
-            )
 
     # ---- disaggregated decode: a reservation, then a request whose prompt ran elsewhere -------
     def reserve(self, num_tokens: int) -> tuple[list[int], int] | None:
@@ -193,7 +176,7 @@ class LLMEngine:
         state now sit in the reserved `block_ids` / `slot_id`. Decode starts at the first sampled
         token: no prompt token is ever applied to the state again. Takes ownership of the
         reservation (freed when the request finishes)."""
-        self._check_prompt(prompt_token_ids, params)
+        check_prompt(prompt_token_ids, params, self.config.vocab_size, self.args.max_model_len)
         if params.max_tokens is None:
             params = _with_max_tokens(params, self.args.max_model_len - len(prompt_token_ids))
         request = Request(

@@ -236,9 +236,10 @@ def pools() -> dashboard.Dashboard:
         .with_panel(series(ids, "Healthy replicas", "Replicas that can take requests, per pool.", "short", [
             query(f"sum by (pool) (k3serve:replicas_healthy{{{POOL}}})", "{{pool}}", "A"),
         ], width=8))
-        .with_panel(series(ids, "Ingress queue time", "Arrival to a decode reservation: the wait in the "
-                           "ingress's admission queue while every decode replica is full (before the prefill). "
-                           "Alert: p95 over 10 s for 10 min; past queue_timeout_seconds a request gets 503.", "s",
+        .with_panel(series(ids, "Ingress queue time", "Arrival to a decode reservation, or to leaving without "
+                           "one (timed out, cancelled): the wait in the ingress's admission queue while every "
+                           "decode replica is full (before the prefill). Alert: p95 over 10 s for 10 min; past "
+                           "queue_timeout_seconds a request gets 503.", "s",
                            quantile_queries("k3serve:request_queue_time_seconds"), width=24))
         .with_row(dashboard.Row("Cache").id(ids.id()))
         .with_panel(series(ids, "KV block usage", "Share of paged MLA latent-KV blocks in use.", "percentunit",

@@ -7,15 +7,22 @@ KDA slot: one request at a time; transfer "local", the tiny model), a real route
   with the tokens it gets alone (greedy: the offline engine's); while the first runs the other four
   wait (the ingress gauge says 4) and the gauge ends at 0; every admission's wait is a queue time.
   Each request that ends admits the next at once (no stats refresh runs meanwhile).
+- Room that opens goes to the earliest request that wants it: a request refused just before the
+  room opened (the refusal still on its way back) gets it, not a later arrival that tries
+  meanwhile, nor a later request that tried at the same time and whose refusal came back first.
+  Without a queue (max_queued_requests=0) that later arrival tries, rather than a 503 untried.
 - Room freed by another ingress is noticed at the next stats refresh.
 - A large prompt at the head, waiting for MLA blocks, is not overtaken by a small one that would fit
   (a stream of small ones would starve it): the small one waits behind it, through several wakes.
-- With max_queued_requests waiting, the next request gets 503 at once; the waiting one is served.
-- A request that waits longer than queue_timeout_seconds gets 503 saying so, and leaves the queue.
-- A waiting request that is cancelled leaves the queue at once, holding nothing; the one behind it
-  is admitted when room opens.
+- With max_queued_requests waiting, the next request gets 503 at once (not a queue time: it never
+  waited); the waiting one is served.
+- A request that waits longer than queue_timeout_seconds gets 503 saying so, and leaves the queue;
+  its wait is a queue time (the p95 alert must see the requests that gave up).
+- A waiting request that is cancelled leaves the queue at once, holding nothing, its wait a queue
+  time; the one behind it is admitted when room opens.
 - A prompt of max_model_len tokens, which no replica could ever hold, fails at once (400), full
-  pool and queue or not.
+  pool and queue or not; so does, through the app, a prompt token id or a logit_bias key outside
+  the vocabulary, with the engines' own 400, and no engine sees it.
 - ServeConfig validates the bounds (colocated mode refuses them) and defaults the queue to 8 rounds
   of the decode pool; the router `k3serve serve` builds gets them.
 """
@@ -23,15 +30,18 @@ KDA slot: one request at a time; transfer "local", the tiny model), a real route
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
+from k3serve.cluster.api import build_app
 from k3serve.cluster.api.errors import EngineOverloadedError
 from k3serve.cluster.config import ServeConfig
 from k3serve.cluster.metrics import IngressMetrics
@@ -56,16 +66,40 @@ MODEL = "k3-tiny"
 
 
 class RecordingDecode:
-    """A decode worker that records the request ids it admitted, in order; the rest passes through."""
+    """A decode worker that records the request ids it admitted, in order; the rest passes through.
+    `answered[rid]` is set once the engine decided an admit of `rid` (room or not); with a gate in
+    `reply_gates[rid]`, that answer waits for it on its way back to the router (the reply's latency)."""
 
     def __init__(self, worker: DecodeWorker) -> None:
         self.worker, self.name = worker, worker.name
         self.admitted: list[str] = []
+        self.answered: collections.defaultdict[str, asyncio.Event] = collections.defaultdict(asyncio.Event)
+        self.reply_gates: dict[str, asyncio.Event] = {}
 
     async def admit(self, request_id: str, *args):
-        reservation = await self.worker.admit(request_id, *args)
+        try:
+            reservation = await self.worker.admit(request_id, *args)
+        finally:
+            self.answered[request_id].set()
+            if request_id in self.reply_gates:
+                await self.reply_gates[request_id].wait()
         self.admitted.append(request_id)
         return reservation
+
+    def __getattr__(self, name: str):
+        return getattr(self.worker, name)
+
+
+class RecordingPrefill:
+    """A prefill worker that records the request ids it was asked to prefill; the rest passes through."""
+
+    def __init__(self, worker: PrefillWorker) -> None:
+        self.worker, self.name = worker, worker.name
+        self.asked: list[str] = []
+
+    async def prefill(self, request_id: str, *args):
+        self.asked.append(request_id)
+        return await self.worker.prefill(request_id, *args)
 
     def __getattr__(self, name: str):
         return getattr(self.worker, name)
@@ -97,12 +131,13 @@ def two_slot_decode(tiny_checkpoint: Path):
 
 @contextlib.asynccontextmanager
 async def serving(workers, tiny_checkpoint: Path, **router_kwargs):
-    """A router over the workers (queue bounds, refresh period); its decode replica records admissions.
-    Afterwards the decode pool must be idle: nothing leaked."""
+    """A router over the workers (queue bounds, refresh period); its replicas record what they were
+    asked. Afterwards the decode pool must be idle: nothing leaked."""
     prefill, decode = workers
     metrics = IngressMetrics(CollectorRegistry(), model_name=MODEL)
-    router = DisaggregatedRouter([prefill], [RecordingDecode(decode)], Tokenizer.from_dir(tiny_checkpoint), MODEL,
-                                 ENGINE_ARGS["max_model_len"], metrics, **router_kwargs)
+    router = DisaggregatedRouter([RecordingPrefill(prefill)], [RecordingDecode(decode)], Tokenizer.from_dir(tiny_checkpoint),
+                                 MODEL, ENGINE_ARGS["max_model_len"], ModelConfig.from_dir(tiny_checkpoint).vocab_size,
+                                 metrics, **router_kwargs)
     try:
         yield router
     finally:
@@ -114,6 +149,14 @@ def queued(router: DisaggregatedRouter) -> float:
     """The ingress queue gauge, as /metrics exports it."""
     return router.metrics.registry.get_sample_value(
         "k3serve:num_requests_waiting", {"model_name": MODEL, "pool": "ingress", "replica": "router"})
+
+
+def queue_times(router: DisaggregatedRouter) -> tuple[float, float]:
+    """(count, sum) of the queue-time histogram, as /metrics exports it."""
+    def sample(suffix: str) -> float:
+        return router.metrics.registry.get_sample_value(f"k3serve:request_queue_time_seconds_{suffix}",
+                                                        {"model_name": MODEL})
+    return sample("count"), sample("sum")
 
 
 async def until(predicate, what: str, deadline_s: float = 5.0) -> None:
@@ -144,9 +187,80 @@ async def test_a_burst_beyond_the_decode_slots_waits_and_is_served_in_arrival_or
         assert [first_tokens, *await asyncio.gather(*rest)] == reference[:BURST]  # none answered 503
         assert router.decode[0].admitted == rids
         assert queued(router) == 0
-        count = router.metrics.registry.get_sample_value("k3serve:request_queue_time_seconds_count",
-                                                         {"model_name": MODEL})
-        assert count == BURST
+        assert queue_times(router)[0] == BURST
+
+
+async def test_room_that_opens_while_a_refusal_is_on_its_way_goes_to_the_refused_earlier_request(
+    workers, tiny_checkpoint
+) -> None:
+    """A's admit is refused (the pool is full), but the answer is still on its way when the slot
+    frees, and B arrives after that: the slot is A's, B must not try beside A's outdated refusal."""
+    async with serving(workers, tiny_checkpoint, refresh_seconds=3600) as router:
+        decode = router.decode[0]
+        occupant = await occupy(router)
+        decode.reply_gates["A"] = asyncio.Event()
+        a = router.generate(GenerateRequest("A", PROMPTS[1], HOLD))
+        a_first = asyncio.ensure_future(a.__anext__())
+        await decode.answered["A"].wait()  # refused: the occupant holds the only slot
+        await occupant.aclose()  # frees the slot (the engine applies the abort before any later admit)
+        b = router.generate(GenerateRequest("B", PROMPTS[2], HOLD))
+        b_first = asyncio.ensure_future(b.__anext__())
+        await until(lambda: decode.answered["B"].is_set() or router.admission.num_waiting == 1, "B to try or wait")
+        decode.reply_gates["A"].set()
+        await _first_admitted_is_a_then_b(router, a, a_first, b, b_first)
+
+
+async def test_of_two_concurrent_first_tries_refused_the_earlier_gets_the_slot_that_opens(
+    workers, tiny_checkpoint
+) -> None:
+    """A and B try at once (nobody waits) and both are refused; the slot frees while both answers are on
+    their way, and B's arrives first: the slot is still A's, the earlier arrival."""
+    async with serving(workers, tiny_checkpoint, refresh_seconds=3600) as router:
+        decode = router.decode[0]
+        occupant = await occupy(router)
+        decode.reply_gates.update(A=asyncio.Event(), B=asyncio.Event())
+        a = router.generate(GenerateRequest("A", PROMPTS[1], HOLD))
+        a_first = asyncio.ensure_future(a.__anext__())
+        await decode.answered["A"].wait()
+        b = router.generate(GenerateRequest("B", PROMPTS[2], HOLD))
+        b_first = asyncio.ensure_future(b.__anext__())
+        await decode.answered["B"].wait()  # both refused
+        await occupant.aclose()
+        decode.reply_gates["B"].set()
+        decode.reply_gates["A"].set()
+        await _first_admitted_is_a_then_b(router, a, a_first, b, b_first)
+
+
+async def test_without_a_queue_an_arrival_tries_even_beside_a_refusal_on_its_way(workers, tiny_checkpoint) -> None:
+    """max_queued_requests=0 (never wait): with nothing queued there is no order to keep, so B, arriving after
+    the slot opened while A's refusal is on its way, tries and gets the slot instead of a 503 without trying."""
+    async with serving(workers, tiny_checkpoint, max_queued_requests=0, refresh_seconds=3600) as router:
+        decode = router.decode[0]
+        occupant = await occupy(router)
+        decode.reply_gates["A"] = asyncio.Event()
+        a = asyncio.ensure_future(_tokens(router, "A", PROMPTS[1]))
+        await decode.answered["A"].wait()
+        await occupant.aclose()
+        b = router.generate(GenerateRequest("B", PROMPTS[2], HOLD))
+        await b.__anext__()
+        decode.reply_gates["A"].set()
+        with pytest.raises(EngineOverloadedError, match="no decode replica has room"):
+            await a
+        assert decode.admitted == ["occupant", "B"]
+        await b.aclose()
+
+
+async def _first_admitted_is_a_then_b(router: DisaggregatedRouter, a, a_first, b, b_first) -> None:
+    """A gets the one slot while B waits (at most the free slots are granted); B gets it when A ends."""
+    await asyncio.wait({a_first, b_first}, return_when=asyncio.FIRST_COMPLETED)
+    decode = router.decode[0]
+    assert decode.admitted == ["occupant", "A"]
+    await a_first
+    assert not b_first.done() and router.admission.num_waiting == 1
+    await a.aclose()
+    await b_first
+    assert decode.admitted == ["occupant", "A", "B"]
+    await b.aclose()
 
 
 async def test_room_freed_by_another_ingress_is_noticed_at_the_next_stats_refresh(
@@ -193,9 +307,11 @@ async def test_beyond_max_queued_requests_the_next_request_gets_503_at_once(
         with pytest.raises(EngineOverloadedError, match="1 requests are already waiting"):
             await _tokens(router, "turned-away", PROMPTS[2])
         assert time.monotonic() - started < 0.5
+        assert queue_times(router)[0] == 1  # the occupant's: the one turned away never waited
         await occupant.aclose()
         assert await waiting == reference[1]
         assert router.decode[0].admitted == ["occupant", "waits"]
+        assert queue_times(router)[0] == 2
 
 
 async def test_a_request_that_waits_longer_than_the_queue_timeout_gets_503(workers, tiny_checkpoint) -> None:
@@ -206,6 +322,8 @@ async def test_a_request_that_waits_longer_than_the_queue_timeout_gets_503(worke
             await _tokens(router, "too-late", PROMPTS[1])
         assert 0.3 <= time.monotonic() - started < 2.0
         assert router.admission.num_waiting == 0 and queued(router) == 0
+        count, seconds = queue_times(router)
+        assert count == 2 and seconds >= 0.3  # the occupant's admission, and the wait that timed out
         await occupant.aclose()
         assert router.decode[0].admitted == ["occupant"]
 
@@ -222,9 +340,11 @@ async def test_a_cancelled_waiting_request_leaves_at_once_and_the_next_is_admitt
         with pytest.raises(asyncio.CancelledError):
             await cancelled
         assert router.admission.num_waiting == 1 and queued(router) == 1
+        assert queue_times(router)[0] == 2  # the occupant's admission, and the cancelled wait
         await occupant.aclose()
         assert await behind == reference[2]
         assert router.decode[0].admitted == ["occupant", "behind"]
+        assert queue_times(router)[0] == 3
 
 
 async def test_a_prompt_no_replica_could_hold_fails_at_once_even_behind_a_full_pool(
@@ -240,6 +360,37 @@ async def test_a_prompt_no_replica_could_hold_fails_at_once_even_behind_a_full_p
         assert time.monotonic() - started < 0.5
         await occupant.aclose()
         await waiting
+
+
+async def test_ids_outside_the_vocabulary_get_the_engines_400_at_once_even_with_the_queue_full(
+    workers, tiny_checkpoint
+) -> None:
+    """Through the app, while the only decode slot is taken and max_queued_requests wait: a prompt token
+    id and a logit_bias key outside the vocabulary are refused by the ingress itself, with the 400 the
+    engines answer (their check), not a 503 for the full queue, nor after a wait; no engine sees them."""
+    async with serving(workers, tiny_checkpoint, max_queued_requests=1) as router:
+        vocab = router.vocab_size
+        occupant = await occupy(router)
+        waiting = asyncio.create_task(_tokens(router, "waits", PROMPTS[1]))
+        await until(lambda: router.admission.num_waiting == 1, "the queue full")
+        transport = httpx.ASGITransport(app=build_app(router, router.metrics))
+        async with httpx.AsyncClient(transport=transport, base_url="http://ingress") as http:
+            started = time.monotonic()
+            token = await http.post("/v1/completions", json={"prompt": [1, 2, vocab], "max_tokens": 4})
+            bias = await http.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logit_bias": {"5": 1, str(vocab): 1}})
+            assert time.monotonic() - started < 1.0
+        assert (token.status_code, token.json()) == (400, {"error": {
+            "message": f"prompt token ids [{vocab}] are outside the vocabulary [0, {vocab})",
+            "type": "invalid_request_error", "param": None, "code": 400}})
+        assert (bias.status_code, bias.json()) == (400, {"error": {
+            "message": f"logit_bias must use token ids in the vocabulary [0, {vocab}), got [{vocab}]",
+            "type": "invalid_request_error", "param": "logit_bias", "code": 400}})
+        assert router.admission.num_waiting == 1
+        await occupant.aclose()
+        await waiting
+        assert set(router.decode[0].answered) == {"occupant", "waits"}
+        assert router.prefill[0].asked == ["occupant", "waits"]
 
 
 def test_serve_config_bounds_the_queue_and_the_router_it_builds_gets_them(tiny_checkpoint) -> None:

@@ -33,6 +33,7 @@ from k3serve.engine.async_engine import GenerateRequest
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.llm import LLM
 from k3serve.engine.sampling_params import SamplingParams
+from k3serve.model.config import ModelConfig
 from k3serve.model.tokenizer import Tokenizer
 from k3serve.prefill.worker import PrefillWorker
 
@@ -102,7 +103,8 @@ def reference(tiny_checkpoint: Path) -> list[list[int]]:
 async def router(workers, tiny_checkpoint: Path):
     prefill, decode = workers
     router = DisaggregatedRouter([prefill], [CuttableDecode(decode)], Tokenizer.from_dir(tiny_checkpoint),
-                                 "k3-tiny", ENGINE_ARGS["max_model_len"])
+                                 "k3-tiny", ENGINE_ARGS["max_model_len"],
+                                 ModelConfig.from_dir(tiny_checkpoint).vocab_size)
     yield router
     await router.close()
     await _wait_decode_idle(decode)
@@ -235,7 +237,8 @@ async def test_a_restart_its_feed_saw_hands_the_next_request_to_the_new_addresse
     prefill, before = workers
     decode = CuttableDecode(before)
     router = DisaggregatedRouter([prefill], [decode], Tokenizer.from_dir(tiny_checkpoint), "k3-tiny",
-                                 ENGINE_ARGS["max_model_len"], refresh_seconds=3600.0)  # no refresh meanwhile
+                                 ENGINE_ARGS["max_model_len"], ModelConfig.from_dir(tiny_checkpoint).vocab_size,
+                                 refresh_seconds=3600.0)  # no refresh meanwhile
     try:
         assert await _tokens(router, "before-restart", PROMPTS[0]) == reference[0]
         decode.worker = restarted_decode  # the replica died and restarted ...
