@@ -11,8 +11,8 @@ anchor = torch gather of the blocks + einsum/softmax (the reference a serving st
 eager only. Floor = KV + q + o bytes / copy bandwidth; bw = floor / in_graph (the share of copy bandwidth).
 `splits` = the split count kernels/mla/split_rule.py picks.
 
---sweep: a second table at N16 ctx8K, N64 ctx8K, N16 ctx32K, N4 ctx32K, N1 ctx32K (12 heads): the rule's pick,
-each `waves` of the rule, and each explicit split count of --splits, all timed in graph, each first checked
+--sweep: a second table at N16 ctx8K, N64 ctx8K, N16 ctx32K, N4 ctx32K, N1 ctx32K (12 heads): the rule's pick
+(also with each of SWEEP_KNOBS' warps and stages), each `waves` of the rule, and each explicit split count of --splits, all timed in graph, each first checked
 against the fp32 reference. --smoke: tiny shapes on the CPU, the kernels through the Triton interpreter (fp16:
 it cannot multiply bf16)."""
 
@@ -28,7 +28,7 @@ from _gpu_common import (ceilings, check, device, device_name, floor_us, graph_l
                          x_floor)
 from k3serve.kernels import mla
 from k3serve.kernels.mla import mla_decode_paged
-from k3serve.kernels.mla.split_rule import head_groups, split_plan
+from k3serve.kernels.mla.split_rule import default_waves, head_groups, num_stages, split_plan
 
 L, R, BLOCK = 512, 64, 64
 SCALE = 192**-0.5
@@ -37,6 +37,10 @@ ANCHOR_TOL = 2e-2  # the anchor runs its einsum/softmax in bf16: 1.05e-2 seen at
 SWEEP_SHAPES = [(16, 8192), (64, 8192), (16, 32768), (4, 32768), (1, 32768)]
 SWEEP_HEADS = 12
 SWEEP_WAVES = (1, 2, 4)
+# Launch knobs beside the rule's (12 heads: 4 warps, 5 stages, two pages in flight a program, one program an SM,
+# splits for one wave; kernels/mla/split_rule.py): the rule before 2026-12-01e (3 stages: one page in flight, two
+# programs an SM, splits for two waves) and 8 warps (128 registers a thread instead of 255).
+SWEEP_KNOBS = {"1 page in flight": {"num_stages": 3}, "8 warps": {"num_warps": 8}}
 
 
 def torch_decode(q_latent, q_pe, kv, tables, lens, dtype=None):
@@ -105,6 +109,12 @@ def _num_sm(dev: torch.device) -> int:
     return triton_decode.num_sm(dev)
 
 
+def _stages(H: int, dev: torch.device) -> int:
+    from k3serve.kernels.mla import triton_decode
+
+    return num_stages(H, triton_decode.shared_per_block(dev))
+
+
 def row(N: int, ctx: int, H: int, dev, ceil, dtype) -> dict:
     case = DecodeCase(N, ctx, H, dev, dtype)
     ref = case.reference()
@@ -117,7 +127,7 @@ def row(N: int, ctx: int, H: int, dev, ceil, dtype) -> dict:
     graph = graph_us(case.kernel, dev)
     in_graph = case.in_graph(dev)
     floor = floor_us(case.bytes_moved, case.flops, ceil)
-    splits, _ = split_plan(N, head_groups(H), -(-ctx // BLOCK), _num_sm(dev))
+    splits, _ = split_plan(N, head_groups(H), -(-ctx // BLOCK), _num_sm(dev), default_waves(_stages(H, dev)))
     return dict(op="mla decode", shape=f"N{N} ctx{ctx} H{H}", splits=splits, ours=time_ms(case.public, dev) * 1e3,
                 graph_1call=graph, in_graph=in_graph,
                 anchor=time_ms(lambda: torch_decode(case.q_latent, case.q_pe, case.kv, case.tables[0], case.lens),
@@ -133,12 +143,17 @@ def sweep_rows(N: int, ctx: int, dev, ceil, dtype, split_counts: list[int]) -> l
     ref = case.reference()
     floor = floor_us(case.bytes_moved, case.flops, ceil)
     sms, pages = _num_sm(dev), -(-ctx // BLOCK)
-    variants = {"rule": {}, **{f"waves {w}": {"waves": w} for w in SWEEP_WAVES},
-                **{f"splits {s}": {"num_splits": s} for s in split_counts}}
+    variants = {"rule": {}, **{f"rule, {name}": knobs for name, knobs in SWEEP_KNOBS.items()},
+                **{f"waves {w}": {"waves": w} for w in SWEEP_WAVES},
+                **{f"splits {s}": {"num_splits": s} for s in split_counts},
+                **{f"splits {s}, {name}": {"num_splits": s, **knobs} for s in split_counts
+                   for name, knobs in SWEEP_KNOBS.items() if "page" in name}}
     rows = []
     for name, knobs in variants.items():
         check(f"mla N{N} ctx{ctx} {name}", _err(ref, case.kernel(**knobs)), TOL)
-        splits, per_split = split_plan(N, head_groups(SWEEP_HEADS), pages, sms, **knobs)
+        stages = knobs.get("num_stages", _stages(SWEEP_HEADS, dev))
+        splits, per_split = split_plan(N, head_groups(SWEEP_HEADS), pages, sms,
+                                       knobs.get("waves", default_waves(stages)), knobs.get("num_splits"))
         us = case.in_graph(dev, **knobs)
         rows.append(dict(shape=f"N{N} ctx{ctx} H{SWEEP_HEADS}", variant=name, splits=splits, pages_per_split=per_split,
                          programs=N * head_groups(SWEEP_HEADS) * splits,

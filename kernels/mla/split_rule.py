@@ -1,18 +1,15 @@
-"""How many KV splits the paged MLA decode (triton_decode.py) runs: a rule of the batch, the head groups, the
-longest sequence's pages and the SM count, kept apart from the kernel so the CPU suite checks it without triton.
+"""How the paged MLA decode (triton_decode.py) is launched: heads a program, pipeline stages, and how many KV
+splits — a rule of the batch, the head groups, the longest sequence's pages and the SM count, kept apart from the
+kernel so the CPU suite checks it without triton.
 
 The grid runs in waves of `num_sm` programs. The splits are the largest count whose N x head_groups x splits
 programs fit in `waves` whole waves (floor, not ceil: a ceil spilled a few programs into one more, partly empty
-wave, e.g. N64 with 3 splits ran 192 programs, 1.45 waves, on 132 SMs)."""
+wave, e.g. N64 with 3 splits ran 192 programs, 1.45 waves, on 132 SMs). A wave here is one program an SM: a
+launch whose programs fit two an SM on the chip at once runs two such waves together."""
 
 from __future__ import annotations
 
 MIN_PAGES_PER_SPLIT = 2  # a split shorter than this pays the merge for less than it saves
-# Two whole waves at every batch: the H200 sweep of 2026-12-01 (in graph; gpu_mla_sweep.log in
-# benchmarks/results/h200-2026-12-01c) timed them fastest at N16 ctx8K (51.6 us vs 59.2 on one wave), N64 ctx8K
-# (157.7 vs 204.6: 91% of copy bandwidth), N16 and N4 ctx32K; only one sequence of 32K ran faster on one wave
-# (28.0 vs 32.1 us).
-DEFAULT_WAVES = 2
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -28,7 +25,28 @@ def head_groups(num_heads: int) -> int:
     return _cdiv(num_heads, block_h(num_heads))
 
 
-def split_plan(num_seqs: int, head_groups: int, max_pages: int, num_sm: int, waves: int | None = None,
+TWO_PAGES_SHARED_BYTES = 167944  # 5 stages at 16 heads, L 512 + R 64, page 64 (triton 3.6 for sm_90)
+
+
+def num_stages(num_heads: int, shared_per_block: int) -> int:
+    """Pipeline stages of the page loop. The block-table load takes a stage of its own, so 3 stages buffer a page
+    once (94 KB of shared memory, two programs an SM) and 5 keep two pages in flight (168 KB, one program an SM).
+    16-head groups run 5 where a block may have that much shared memory (an H100/H200/B200, not an A100): on an
+    H200 (2026-12-01, `gpu_mla.py --sweep`, in graph) one wave of them beat two waves of 3-stage programs at N16
+    ctx8K (46.9 vs 51.0 us: 76% of copy bandwidth) and N16 ctx32K (144.6 vs 154.0). 32-head groups (registers for
+    [32, 512] fp32 sums) keep 2."""
+    if block_h(num_heads) == 32:
+        return 2
+    return 5 if shared_per_block >= TWO_PAGES_SHARED_BYTES else 3
+
+
+def default_waves(num_stages: int) -> int:
+    """Waves of programs the splits fill: as many as fit on the chip at once, which the stages' shared memory
+    decides (see `num_stages`)."""
+    return 1 if num_stages >= 5 else 2
+
+
+def split_plan(num_seqs: int, head_groups: int, max_pages: int, num_sm: int, waves: int,
                num_splits: int | None = None) -> tuple[int, int]:
     """(num_splits, pages_per_split) of a launch over num_seqs x head_groups (sequence, head group) pairs whose
     longest sequence has max_pages pages. num_splits None picks floor(waves x num_sm / pairs), at least 1, at most
@@ -38,11 +56,10 @@ def split_plan(num_seqs: int, head_groups: int, max_pages: int, num_sm: int, wav
     if min(num_seqs, head_groups, num_sm) < 1 or max_pages < 0:
         raise ValueError(f"split_plan needs positive sizes, got N={num_seqs} groups={head_groups} "
                          f"pages={max_pages} SMs={num_sm}")
-    if num_splits is not None and num_splits < 1 or waves is not None and waves < 1:
+    if num_splits is not None and num_splits < 1 or waves < 1:
         raise ValueError(f"num_splits and waves must be >= 1, got {num_splits} and {waves}")
     max_pages = max(max_pages, 1)
     if num_splits is None:
-        waves = waves or DEFAULT_WAVES
         fit = max(1, waves * num_sm // (num_seqs * head_groups))
         num_splits = min(fit, max(1, _cdiv(max_pages, MIN_PAGES_PER_SPLIT)))
     pages_per_split = _cdiv(max_pages, num_splits)

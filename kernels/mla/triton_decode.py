@@ -21,6 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .._backend import cuda_properties, device_of
+from . import split_rule
 from .split_rule import block_h, head_groups, split_plan
 
 LN2 = 0.6931471805599453
@@ -162,6 +163,11 @@ def num_sm(device: torch.device) -> int:
     return cuda_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
+def shared_per_block(device: torch.device) -> int:
+    """Shared memory a block may opt into (the Triton interpreter on the CPU: an H200's)."""
+    return cuda_properties(device).shared_memory_per_block_optin if device.type == "cuda" else 232448
+
+
 def merge_attn_states(outputs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
     """outputs [P, N, H, D], lses [P, N, H] -> (o [N, H, D] outputs.dtype, lse [N, H] fp32)."""
     P, N, H, D = outputs.shape
@@ -178,16 +184,15 @@ def mla_decode_paged(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, block_tab
                      num_warps: int = 4, num_stages: int | None = None) -> tuple[Tensor, Tensor]:
     """q_latent [N, H, L], q_pe [N, H, R] (any float dtype and head/sequence strides, rounded to the cache dtype
     in the kernel) -> (o_latent [N, H, L] in q_latent's dtype, lse [N, H] fp32). max_seq_len sizes the grid;
-    num_splits None picks as many splits as fill `waves` whole waves of programs (split_rule.py; waves None: its
-    default). waves, num_splits, num_warps and num_stages are the knobs `benchmarks/gpu_mla.py --sweep` times; the
-    warps and stages defaults are its winners on an H200 (2026-11-30): three pages in flight for 16-head groups,
-    two for 32 (register pressure)."""
+    num_splits None picks as many splits as fill `waves` whole waves of programs. waves, num_splits, num_warps and
+    num_stages are the knobs `benchmarks/gpu_mla.py --sweep` times; None takes split_rule.py's rule, whose
+    defaults are the sweep's winners on an H200."""
     N, H, L = q_latent.shape
     R, PAGE = q_pe.shape[-1], kv_cache.shape[1]
     BLOCK_H, groups = block_h(H), head_groups(H)
-    num_stages = num_stages or (3 if BLOCK_H == 16 else 2)
+    num_stages = num_stages or split_rule.num_stages(H, shared_per_block(q_latent.device))
     num_splits, pages_per_split = split_plan(N, groups, triton.cdiv(max_seq_len, PAGE), num_sm(q_latent.device),
-                                             waves, num_splits)
+                                             waves or split_rule.default_waves(num_stages), num_splits)
     block_tables, seq_lens = block_tables.to(q_latent.device), seq_lens.to(q_latent.device)  # int32 or int64
     o = q_latent.new_empty(N, H, L)
     lse = torch.empty(N, H, dtype=torch.float32, device=q_latent.device)
