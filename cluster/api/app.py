@@ -40,7 +40,7 @@ from k3serve.cluster.metrics import IngressMetrics, RequestTimer
 from .auth import BearerKeyAuth
 from .drain import Drain, DrainGate, count_cut_with
 from .engine_client import EngineClient
-from .errors import APIError, error_body, error_response
+from .errors import APIError, error_response
 from .fanout import FanOut
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from .serving import (
@@ -87,12 +87,12 @@ def build_app(client: EngineClient, metrics: IngressMetrics | None = None, reaso
     @app.get("/health")
     async def health() -> Response:
         if drain.draining:  # a load balancer stops routing here while the requests in flight finish
-            return JSONResponse(error_body(503, "draining: the server is shutting down"), status_code=503)
+            return error_response(APIError(503, "draining: the server is shutting down"))
         try:
             await client.check_health()
         except Exception as e:
             logger.warning("health check failed: %r", e)
-            return JSONResponse(error_body(503, f"unhealthy: {type(e).__name__}"), status_code=503)
+            return error_response(APIError(503, f"unhealthy: {type(e).__name__}"))
         return Response(status_code=200)
 
     @app.get("/v1/models")
