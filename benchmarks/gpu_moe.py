@@ -18,7 +18,10 @@ expert ids relabeled by a bijection of 0..E-1 (`relabeled`): the same number of 
 per pair, on other weights; there are enough copies for >= 128 MB of expert weights, and neighbours in the cycle
 share no expert while hits x copies <= E (T1-T16); past that (T64: 70-80 hits of 112) a call alone reads 25
 times L2. x_floor columns: a timing / floor; gemv_TBps = the floor's bytes / the gemv in-graph time. T192 gives the
-hit experts ~3.5 rows each, as the decode step's router does at batch 64; mma = the Gluon tensor-core pair (gluon_mma.py)."""
+hit experts ~3.5 rows each, as the decode step's router does at batch 64; mma = the Gluon tensor-core pair (gluon_mma.py).
+fused_in_graph / unfused_in_graph: the pair the dispatch picks for T (`backend`), with the weighted top-k sum fused
+into its down kernel (what runs) and, as the finalize anchor, left out of it (`unfused_us`: an fp32 [pairs, D]
+intermediate and a separate weighted sum by token)."""
 
 from __future__ import annotations
 
@@ -112,6 +115,27 @@ def path_us(path: str, x, weights, topk_weights, routings: list[torch.Tensor], r
             f"{path}_in_graph": in_graph_us([lambda ids=ids: run(ids) for ids in routings], dev)}
 
 
+def unfused_us(x, weights, topk_weights, routings: list[torch.Tensor], ref: torch.Tensor, path: str,
+               dev) -> float | None:
+    """In graph, us, of the finalize anchor: `path`'s kernels with the top-k sum left out of them — each (token,
+    expert) pair its own row (x repeated a pair, top-1 of weight 1), writing an fp32 [pairs, D] intermediate — then a
+    separate weighted sum by token (index_add). The same expert rows and weight stream as the fused call."""
+    if dev.type != "cuda":
+        return None
+    calls = []
+    for ids in routings:
+        tok, j = torch.nonzero(ids < weights.w1.shape[0], as_tuple=True)  # this rank's pairs (a sync: not timed)
+        x_pairs, ids_pairs, w_pairs = x[tok], ids[tok, j][:, None], topk_weights[tok, j][:, None]
+        ones = torch.ones_like(w_pairs)
+
+        def call(x_pairs=x_pairs, ids_pairs=ids_pairs, w_pairs=w_pairs, ones=ones, tok=tok) -> torch.Tensor:
+            y = triton_moe.fused_experts(x_pairs, weights, ones, ids_pairs, SITU, 0, path=path)  # [pairs, D]
+            return torch.zeros(x.shape[0], y.shape[1], device=y.device).index_add_(0, tok, y * w_pairs)
+        calls.append(call)
+    check(f"moe {path} unfused finalize T{x.shape[0]}", rel_err(ref, calls[0]()), TOL)
+    return in_graph_us(calls, dev)
+
+
 def row(T: int, weights: ExpertWeights, top_k: int, num_total: int, dev, ceil) -> dict:
     E, I, D = weights.w1.shape
     x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
@@ -122,6 +146,7 @@ def row(T: int, weights: ExpertWeights, top_k: int, num_total: int, dev, ceil) -
     topk_weights = torch.rand(T, top_k, device=dev)
     out = fused_experts(x, weights, topk_weights, topk_ids, SITU, 0)
     backend = moe.last_backend["fused_experts"] + (f" {triton_moe.last_path}" if dev.type == "cuda" else "")
+    dispatched = triton_moe.last_path if dev.type == "cuda" else None
     ref = naive.fused_experts(x, weights, topk_weights, topk_ids, SITU, 0)
     err = rel_err(ref, out)
     check(f"moe T{T}", err, TOL)
@@ -132,6 +157,7 @@ def row(T: int, weights: ExpertWeights, top_k: int, num_total: int, dev, ceil) -
     gemv = path_us("gemv", x, weights, topk_weights, routings, refs, dev)
     mma = path_us("mma", x, weights, topk_weights, routings, refs, dev)
     dot = path_us("dot", x, weights, topk_weights, routings, refs, dev)
+    unfused = None if dispatched is None else unfused_us(x, weights, topk_weights, routings, ref, dispatched, dev)
     anchor = TorchExperts(x, weights, topk_weights, topk_ids, 0)
     check("torch anchor", rel_err(ref, anchor.run(*anchor.bf16)), TOL)
     pairs = int(((topk_ids >= 0) & (topk_ids < E)).sum())
@@ -147,7 +173,8 @@ def row(T: int, weights: ExpertWeights, top_k: int, num_total: int, dev, ceil) -
                 mma_in_graph_x_floor=x_floor(mma["mma_in_graph"], floor),
                 dot_in_graph_x_floor=x_floor(dot["dot_in_graph"], floor),
                 gemv_TBps="-" if gemv_in_graph is None else f"{bytes_moved / gemv_in_graph / 1e6:.2f}",
-                routings=len(routings), err=f"{err:.1e}", backend=backend)
+                fused_in_graph=None if dispatched is None else {"gemv": gemv, "mma": mma, "dot": dot}[dispatched][f"{dispatched}_in_graph"],
+                unfused_in_graph=unfused, routings=len(routings), err=f"{err:.1e}", backend=backend)
 
 
 def main() -> None:
@@ -165,7 +192,7 @@ def main() -> None:
         print(rows[-1], file=sys.stderr, flush=True)
     columns = ["op", "shape", "gemv", "gemv_graph_1call", "gemv_in_graph", "mma", "mma_in_graph", "dot", "dot_in_graph",
                "anchor", "anchor_is", "bf16_bank", "floor", "gemv_in_graph_x_floor", "mma_in_graph_x_floor",
-               "dot_in_graph_x_floor", "gemv_TBps", "err", "backend"]
+               "dot_in_graph_x_floor", "gemv_TBps", "fused_in_graph", "unfused_in_graph", "err", "backend"]
     launch = graph_launch_us(dev)
     report(f"MXFP4 MoE, one EP rank (us; D {D}, I {I}, {E} local of {total} experts, top-{top_k})", columns, rows,
            ceil, args.out, dev, graph_launch_note(launch), {"graph_launch_us": launch})
