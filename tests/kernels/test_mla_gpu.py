@@ -46,13 +46,16 @@ def test_decode_matches_reference(case: str) -> None:
     assert (lse[~empty] - ref_lse[~empty]).abs().max() < 1e-2
 
 
+@pytest.mark.parametrize("num_stages", [3, 5], ids=["one-page-in-flight", "two-pages-in-flight"])
 @pytest.mark.parametrize("num_splits", [1, 3, 64], ids=lambda s: f"S{s}")
-def test_explicit_splits_agree(num_splits: int) -> None:
-    """The direct (one split) path and the partial + merge path give the same answer."""
+def test_explicit_splits_agree(num_splits: int, num_stages: int) -> None:
+    """The direct (one split) path and the partial + merge path give the same answer, with two pages in flight
+    (split_rule's pick on an H100/H200) and one (its pick where a block cannot have 168 KB of shared memory)."""
     from k3serve.kernels.mla import triton_decode  # needs triton: imported only where a GPU runs the test
 
     q_latent, q_pe, kv, tables, lens = _paged([4000, 130, 64], 12)
-    o, lse = triton_decode.mla_decode_paged(q_latent, q_pe, kv, tables, lens, SCALE, 4000, num_splits)
+    o, lse = triton_decode.mla_decode_paged(q_latent, q_pe, kv, tables, lens, SCALE, 4000, num_splits,
+                                            num_stages=num_stages)
     ref_o, ref_lse = naive.mla_decode_paged(q_latent, q_pe, kv, tables, lens, SCALE, L)
     assert_rel_rms("o_latent", ref_o, o, TOL)
     assert (lse - ref_lse).abs().max() < 1e-2
