@@ -42,8 +42,8 @@ _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 
 _A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA, k_width=2))  # [64, 32] bf16 codes
 _PACKED = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA, k_width=1))  # [64, 16] their bytes
 _B = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=_MMA, k_width=2))  # [32, 8] bf16 activations
-# A group's packed bytes as loaded: [warp 4, row bit 2, lane row 8, lane col 4, byte 4], 4 adjacent bytes a row.
-_LOAD_A = gl.constexpr(gl.BlockedLayout([1, 2, 1, 1, 4], [1, 1, 8, 4, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0]))
+# A group's packed words as loaded: [warp 4, row bit 2, lane row 8, lane col 4], one 32-bit word (8 codes) a row.
+_LOAD_A = gl.constexpr(gl.BlockedLayout([1, 2, 1, 1], [1, 1, 8, 4], [4, 1, 1, 1], [3, 2, 1, 0]))
 # A group's activations as loaded: [token 8, lane col 4, code 8], 8 adjacent bf16 a lane (every warp the same).
 _LOAD_B = gl.constexpr(gl.BlockedLayout([1, 1, 8], [8, 4, 1], [1, 1, 4], [2, 1, 0]))
 _ROW = gl.constexpr(gl.SliceLayout(1, _MMA))  # [64] rows of the accumulator
@@ -53,14 +53,13 @@ _B_TOKEN = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(2, _LOAD_B)))  # [8] to
 
 @gluon.jit
 def _a_offsets(stride_row):
-    """[4, 2, 8, 4, 4] byte offsets in a 64-row tile of group 0: row 16w + 8b + r, byte 4c + j."""
-    w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, _LOAD_A)))))
-    b = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, _LOAD_A)))))
-    r = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, _LOAD_A)))))
-    c = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, _LOAD_A)))))
-    j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, _LOAD_A)))))
-    row = w[:, None, None, None, None] * 16 + b[None, :, None, None, None] * 8 + r[None, None, :, None, None]
-    return row.to(gl.int64) * stride_row + c[None, None, None, :, None] * 4 + j[None, None, None, None, :]
+    """[4, 2, 8, 4] word offsets in a 64-row tile of group 0 (stride_row in words): row 16w + 8b + r, word c."""
+    w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, _LOAD_A))))
+    b = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, _LOAD_A))))
+    r = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, _LOAD_A))))
+    c = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, _LOAD_A))))
+    row = w[:, None, None, None] * 16 + b[None, :, None, None] * 8 + r[None, None, :, None]
+    return row.to(gl.int64) * stride_row + c[None, None, None, :]
 
 
 @gluon.jit
@@ -80,12 +79,36 @@ def _token_rows(sorted_pairs, start, m0, count, top_k, SLICE: gl.constexpr):
     return start + t, pair, pair // top_k, ok
 
 
+# Codes to bf16 by bit fields, two a 32-bit register (as Marlin does): code j of a word (bits 4j..4j+3) and code
+# j + 4 (bits 16+4j..) land in the low and high half of register j, sign at bit 15 / 31, the 3 bits e1 e0 m at 6..8 /
+# 22..24: a bf16 whose exponent field is e, that is the code's value x 2^-126 (e = 0, the code 0.5, a subnormal);
+# one bf16 multiply by 2^126 makes it the code's value, exactly.
+_UPCAST = gl.constexpr("""{
+.reg .b32 w, t, u, q, k;
+mov.b32 w, $8;
+mov.b32 k, 0x7E807E80;
+shl.b32 t, w, 12; shl.b32 u, w, 6; and.b32 t, t, 0x80008000; and.b32 u, u, 0x01C001C0; or.b32 q, t, u;
+mul.rn.bf16x2 q, q, k; mov.b32 {$0, $4}, q;
+shl.b32 t, w, 8; shl.b32 u, w, 2; and.b32 t, t, 0x80008000; and.b32 u, u, 0x01C001C0; or.b32 q, t, u;
+mul.rn.bf16x2 q, q, k; mov.b32 {$1, $5}, q;
+shl.b32 t, w, 4; shr.b32 u, w, 2; and.b32 t, t, 0x80008000; and.b32 u, u, 0x01C001C0; or.b32 q, t, u;
+mul.rn.bf16x2 q, q, k; mov.b32 {$2, $6}, q;
+shr.b32 u, w, 6; and.b32 t, w, 0x80008000; and.b32 u, u, 0x01C001C0; or.b32 q, t, u;
+mul.rn.bf16x2 q, q, k; mov.b32 {$3, $7}, q;
+}""")
+
+
 @gluon.jit
 def _weights(packed, a_offs, g: gl.constexpr):
-    """Group g's 64 x 32 codes (packed: the tile's bytes of this K step) as the MMA's A operand, exact bf16."""
-    raw = gl.load(packed + a_offs + g * 16)
-    lanes = gl.convert_layout(gl.reshape(gl.permute(raw, [0, 1, 2, 4, 3]), [64, 16]), _PACKED)
-    return gl.convert_layout(gl.fp4_to_fp(lanes, gl.bfloat16, axis=1), _A)
+    """Group g's 64 x 32 codes (packed: the tile's words of this K step) as the MMA's A operand, exact bf16 (no
+    scale). Lane (r, c)'s slot 8j + 2c + h holds code 8c + j + 4h of its rows."""
+    words = gl.load(packed + a_offs + g * 4)
+    c0, c1, c2, c3, c4, c5, c6, c7 = gl.inline_asm_elementwise(
+        _UPCAST, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words], dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
+    lo = gl.join(gl.join(c0, c4), gl.join(c1, c5))  # [.., h, j & 1] of j = 0, 1
+    hi = gl.join(gl.join(c2, c6), gl.join(c3, c7))  # of j = 2, 3
+    codes = gl.permute(gl.join(lo, hi), [0, 1, 2, 6, 5, 3, 4])  # [w, b, r, j >> 1, j & 1, c, h]
+    return gl.convert_layout(gl.reshape(codes, [64, 32]), _A)
 
 
 @gluon.jit
@@ -93,7 +116,7 @@ def _activations(src, b_offs, ok, g: gl.constexpr):
     """Group g's activations of the tile's tokens (zero past the expert's rows) as the MMA's B operand (src: this
     K step's first)."""
     raw = gl.load(src + b_offs + g * 32, mask=ok[:, None, None], other=0.0)
-    slots = gl.reshape(gl.permute(gl.reshape(raw, [8, 4, 4, 2]), [2, 1, 3, 0]), [32, 8])  # slot 8j + 2c + h
+    slots = gl.reshape(gl.permute(gl.reshape(raw, [8, 4, 2, 4]), [3, 1, 2, 0]), [32, 8])  # slot 8j + 2c + h: 8c + j + 4h
     return gl.convert_layout(slots, _B)
 
 
@@ -146,7 +169,7 @@ def mma_up_kernel(x, w1p, w1s, w3p, w3s, h, sorted_pairs, expert_starts, expert_
                 b = _activations(xk, b_offs, ok, g)
                 gate = _scaled(gate, _weights(gate_w, a_offs, g), b, gate_s, s_offs, g)
                 up = _scaled(up, _weights(up_w, a_offs, g), b, up_s, s_offs, g)
-            gate_w, up_w, gate_s, up_s, xk = gate_w + G * 16, up_w + G * 16, gate_s + G, up_s + G, xk + G * 32
+            gate_w, up_w, gate_s, up_s, xk = gate_w + G * 4, up_w + G * 4, gate_s + G, up_s + G, xk + G * 32
         if ACT == 1:  # SiTU-GLU
             act = beta * _tanh(gate / beta) / (1.0 + gl.exp(-gate)) * (linear_beta * _tanh(up / linear_beta))
         else:  # SwiGLU
@@ -172,7 +195,7 @@ def mma_down_kernel(h, w2p, w2s, out, topk_weights, sorted_pairs, expert_starts,
         for _ in range(0, I // 32, G):
             for g in gl.static_range(G):
                 acc = _scaled(acc, _weights(w, a_offs, g), _activations(hk, b_offs, ok, g), ws, s_offs, g)
-            w, ws, hk = w + G * 16, ws + G, hk + G * 32
+            w, ws, hk = w + G * 4, ws + G, hk + G * 32
         _, pair, tok, dst_ok = _token_rows(sorted_pairs, start, m0, count, top_k, _TOKEN)
         acc = acc * gl.load(topk_weights + pair, mask=dst_ok, other=0.0)[None, :]
         gl.atomic_add(out + tok.to(gl.int64)[None, :] * stride_out + rows[:, None], acc, mask=dst_ok[None, :])
@@ -200,13 +223,27 @@ def experts(x: Tensor, w1: MXFP4Tensor, w3: MXFP4Tensor, w2: MXFP4Tensor, h: Ten
     pairs, starts, counts, active, num_active = routing
     kind, beta, linear_beta = act
     E, I, D = w1.shape
-    max_active = min(E, pairs.numel())
-    p1, s1, p3, s3, p2, s2 = w1.packed, w1.scales, w3.packed, w3.scales, w2.packed, w2.scales
-    mma_up_kernel[(max_active, I // ROWS)](
+    p1, p3 = _words(w1), _words(w3)
+    s1, s3 = w1.scales, w3.scales
+    mma_up_kernel[(min(E, pairs.numel()), I // ROWS)](
         x, p1, s1, p3, s3, h, pairs, starts, counts, active, num_active, top_k, D, beta, linear_beta,
         x.stride(0), p1.stride(0), p1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
         ACT=kind, G=groups_a_step(D // 32), num_warps=NUM_WARPS)
-    mma_down_kernel[(max_active, D // ROWS)](
+    down_projection(h, w2, out, topk_weights, routing, top_k)
+
+
+def down_projection(h: Tensor, w2: MXFP4Tensor, out: Tensor, topk_weights: Tensor,
+                    routing: tuple[Tensor, Tensor, Tensor, Tensor, Tensor], top_k: int) -> None:
+    """out[tok] += topk_weight[pair] · h[pair] W2[e]^T (the down kernel alone; `experts` runs it after the up)."""
+    pairs, starts, counts, active, num_active = routing
+    E, D, I = w2.shape
+    p2, s2 = _words(w2), w2.scales
+    mma_down_kernel[(min(E, pairs.numel()), D // ROWS)](
         h, p2, s2, out, topk_weights, pairs, starts, counts, active, num_active, top_k, I,
         h.stride(0), p2.stride(0), p2.stride(1), s2.stride(0), s2.stride(1), out.stride(0),
         G=groups_a_step(I // 32), num_warps=NUM_WARPS)
+
+
+def _words(w: MXFP4Tensor) -> Tensor:
+    """The packed bank as 32-bit words, 8 codes each (the kernels' strides are then in words)."""
+    return w.packed.view(torch.int32)

@@ -21,8 +21,8 @@ POINTERS = {"x": "*bf16", "h": "*bf16", "out": "*fp32", "topk_weights": "*fp32",
 def _compile(kernel, constants: dict):
     """`kernel` compiled for sm_90; weights and scales as bytes, routing as int32, pointers and strides 16-divisible."""
     names = [n for n in kernel.arg_names if n not in constants]
-    signature = {n: POINTERS.get(n, "*u8" if n[0] == "w" else "*i32" if n.endswith(("pairs", "starts", "counts",
-                 "experts", "active")) else "i32") for n in names}
+    signature = {n: POINTERS.get(n, "*i32" if n[0] == "w" and n.endswith("p") else "*u8" if n[0] == "w" else "*i32"
+                 if n.endswith(("pairs", "starts", "counts", "experts", "active")) else "i32") for n in names}
     signature.update({n: "constexpr" for n in constants})
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(signature) if signature[n][0] == "*"
              or n.startswith("stride")}

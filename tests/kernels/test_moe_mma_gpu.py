@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3serve.kernels.moe import ExpertWeights, naive, silu_glu, triton_moe
-from k3serve.kernels.mxfp4 import quantize_mxfp4
+from k3serve.kernels.moe import ExpertWeights, gluon_mma, naive, silu_glu, triton_moe
+from k3serve.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 from _close import assert_rel_rms
 from test_moe_gpu import D, E, SITU, TOL, _routing, _skewed_routing, k3_bank, random_mxfp4
@@ -73,3 +73,21 @@ def test_replays_in_a_cuda_graph_on_new_routing() -> None:
     topk_ids.copy_(new_ids)
     graph.replay()
     assert_rel_rms("replayed out", naive.fused_experts(x, weights, topk_weights, topk_ids, SITU, 0), out, TOL)
+
+
+@pytest.mark.parametrize("s", [0, 1, 64, 127, 191, 192, 254])
+def test_every_code_is_exact_at_every_scale_exponent(s: int) -> None:
+    """The down kernel on all 16 codes (the subnormal 0.5 among them: the upcast's bf16 subnormal times 2^126) at one
+    E8M0 scale s, activations scaled by 2^(127 - s) (within 2^+-100, so the MMA's fp32 sums stay finite), against
+    the fp64 sum of the exact products. A flushed subnormal, a wrong sign or a scale factor that overflows is an
+    O(1) error."""
+    w2 = random_mxfp4(1, 128, 64)
+    w2.packed.copy_(torch.arange(256, dtype=torch.uint8, device="cuda").repeat(16).view(1, 128, 32))
+    w2.scales.fill_(s)
+    h = (torch.randn(1, 64, device="cuda") * 2.0 ** max(-100, min(100, 127 - s))).to(torch.bfloat16)
+    codes = dequantize_mxfp4(w2.packed[0], torch.full_like(w2.scales[0], 127), torch.float64)  # [128, 64] exact
+    expected = (h.double() @ codes.T) * 2.0 ** (s - 127)  # [1, 128]
+    out = torch.zeros(1, 128, device="cuda")
+    routing = triton_moe.route(torch.zeros(1, 1, dtype=torch.int64, device="cuda"), 0, 1)
+    gluon_mma.down_projection(h, w2, out, torch.ones(1, device="cuda"), routing, 1)
+    assert ((out.double() - expected).abs() / expected.abs().max()).max() < 1e-6
