@@ -11,11 +11,53 @@ and scheduler trust the fields afterwards. After construction:
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
 # Temperatures below this are treated as greedy (vLLM's `_SAMPLING_EPS`).
 GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a request's output must match, as vLLM's `StructuredOutputsParams`: exactly one of a JSON schema
+    (`json`, the schema's text; a dict is serialized), any JSON object (`json_object`), a regular expression
+    (`regex`), one of a list of strings (`choice`) or an EBNF grammar (`grammar`). Checked here for shape only;
+    whether the schema, regex or grammar compiles is the engine's question (its error becomes a 400)."""
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) and c for c in self.choice) \
+                    or not self.choice:
+                raise ValueError(f"structured output choice must be a non-empty list of non-empty strings, "
+                                 f"got {self.choice!r}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"structured output {name} must be a non-empty string, got {value!r}")
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"structured output json_object must be a bool, got {self.json_object!r}")
+        kinds = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ValueError(f"structured outputs need exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {kinds or 'none'}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: "json", "json_object", "regex", "choice" or "grammar"."""
+        return next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None) \
+            if not self.json_object else "json_object"
 
 
 @dataclass
@@ -64,6 +106,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     """Token id -> bias in [-100, 100], added to that token's logit before penalties and temperature (OpenAI's
     `logit_bias`); the ids must be in the model's vocabulary (the engine checks). Logprobs stay raw: unbiased."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrains the output to a JSON schema, any JSON object, a regex, a choice or a grammar (the engine masks
+    every token the constraint does not allow, after logit_bias and before penalties and temperature)."""
 
     def __post_init__(self) -> None:
         if self.n != 1:
@@ -102,6 +147,9 @@ class SamplingParams:
         self.stop_token_ids = _normalize_token_ids(self.stop_token_ids, "stop_token_ids")
         self.keep_special_token_ids = _normalize_token_ids(self.keep_special_token_ids, "keep_special_token_ids")
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams or None, "
+                             f"got {self.structured_outputs!r}")
         if self.is_greedy:  # as vLLM: filtering is meaningless for argmax
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
