@@ -11,11 +11,14 @@ from global memory straight into the MMA's operand registers:
 
   k order   An MMA sums over its k slots, so any one-to-one map of slots to a group's 32 codes, applied to A and
             B alike, gives the same sum. Lane (r, c) of the pair of k16 MMAs that cover a group holds slots
-            2c + 8j + h (j < 4, h < 2); we give it codes 8c .. 8c + 7 of its rows: 4 adjacent bytes of each packed
-            row (one 32-bit load a row) and, for B, its token's 8 adjacent activations (one 16-byte load). The
-            loaded tensors are laid onto the operand layouts by a permute + reshape the compiler maps onto the
-            same registers (no shared memory: `tests/kernels/test_moe_gluon_compile.py`).
-  codes     `gl.fp4_to_fp`: each e2m1 code as its exact bf16 value (no scale).
+            2c + 8j + h (j < 4, h < 2); we give it codes 8c .. 8c + 7 of its rows — one 32-bit word of each
+            packed row, slot (j, h) holding code 8c + j + 4h — and, for B, its token's 8 adjacent activations
+            (one 16-byte load) in the same order. The tensors are laid onto the operand layouts by joins,
+            permutes and reshapes the compiler maps onto the same registers (no shared memory:
+            `tests/kernels/test_moe_gluon_compile.py`).
+  codes     by bit fields, two a register (`_UPCAST`, Marlin's way): each e2m1 code as its exact bf16 value (no
+            scale) in two shifts, two masks and one bf16x2 multiply a pair of codes — a third of the integer
+            instructions of `gl.fp4_to_fp`'s byte lookups, which had bound the pair (ncu: 81% SM, 42% DRAM).
   scales    each group's two MMAs accumulate into a zero fragment, which is then scaled by 2^(s-127) on the fp32
             accumulators (exact for every s <= 254: two normal powers of two; E8M0 255 gives NaN) and added.
 
