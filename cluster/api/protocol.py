@@ -3,8 +3,8 @@
 Requests accept fields they do not know (OpenAI clients send extras such as `user`, `metadata`,
 `store` or `parallel_tool_calls`): those change nothing in the answer, so they are ignored and
 logged at debug level. The extras that would change it, features k3serve does not implement
-(a forced tool choice, the deprecated `functions`, tools on /v1/completions, structured output,
-suffix, best_of, chat echo), are refused with a 400 naming the field unless their value asks for
+(a forced tool choice, the deprecated `functions`, tools on /v1/completions, suffix, best_of, chat
+echo), are refused with a 400 naming the field unless their value asks for
 nothing (`NOT_IMPLEMENTED`, the one table of them): answering 200 with something other than what
 was asked would be silently wrong. Range checks that the OpenAI API states live here; everything
 `SamplingParams` validates is left to it (its ValueError becomes a 400).
@@ -13,6 +13,10 @@ Chat takes OpenAI's `tools` (functions only; a wrong shape is a 400 naming `tool
 `tool_choice` "auto" (the default) or "none", and the turns that follow a call: assistant messages
 with `tool_calls`, `tool` messages answering one by its `tool_call_id`. The calls the model makes
 come back as `message.tool_calls` (tool_calls.py parses them from Kimi's format).
+
+Both routes take structured output: OpenAI's `response_format` and vLLM's `guided_json`, `guided_regex`,
+`guided_choice`, `guided_grammar` and `structured_outputs`; structured_outputs.py maps them onto the engine's one
+constraint.
 
 Responses and stream chunks are shaped exactly like OpenAI's; `stop_reason` (the stop string or
 token id that ended a choice) and `reasoning_content` (a thinking model's reasoning, present only when
@@ -48,7 +52,6 @@ def _one_of(*harmless: str) -> Callable[[Any], bool]:
 
 
 _NO_TOOLS = "k3serve serves tool calling on /v1/chat/completions with `tools` only"
-_NO_STRUCTURED_OUTPUT = "k3serve does not implement structured output"
 
 NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     # field (where the route does not implement it): (the values that ask for nothing, why the others are refused)
@@ -57,13 +60,8 @@ NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "tool_choice": (_one_of("none", "auto"), 'only "none" or "auto" is accepted: k3serve does not implement a forced '
                                              '("required" or named) tool choice'),
     "function_call": (_one_of("none", "auto"), f'{_NO_TOOLS}; only "none" or "auto" is accepted'),
-    "response_format": (lambda value: value is None or value == {"type": "text"},
-                        f'{_NO_STRUCTURED_OUTPUT}; only {{"type": "text"}} is accepted'),
-    "guided_json": (_asks_nothing, _NO_STRUCTURED_OUTPUT),  # vLLM's extensions for the same
-    "guided_regex": (_asks_nothing, _NO_STRUCTURED_OUTPUT),
-    "guided_choice": (_asks_nothing, _NO_STRUCTURED_OUTPUT),
-    "guided_grammar": (_asks_nothing, _NO_STRUCTURED_OUTPUT),
-    "structured_outputs": (_asks_nothing, _NO_STRUCTURED_OUTPUT),
+    "guided_whitespace_pattern": (_asks_nothing, "k3serve does not implement a custom whitespace pattern in "
+                                                 "structured output"),
     "suffix": (_asks_nothing, "k3serve does not implement insertion (text after the completion)"),
     "best_of": (lambda value: value is None or value == 1, "must be 1: k3serve samples one sequence per request"),
     # OpenAI's chat has no echo; vLLM's (the last message's content before the reply when the roles match) is not
@@ -97,6 +95,35 @@ class StreamOptions(_Request):
     """Put the usage so far on every chunk (vLLM's extension; guidellm asks for it)."""
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`: the output must be JSON that validates against `schema`."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)  # a misspelt key would drop the schema
+    name: str = Field(min_length=1)
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    """The JSON Schema (OpenAI's key is `schema`, which pydantic's BaseModel keeps for itself)."""
+    strict: bool | None = None
+    """Accepted; the schema is always enforced, as vLLM does."""
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: "text" (no constraint), "json_object" (any JSON object) or "json_schema" (with
+    its `json_schema`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a `json_schema` object with `name` and `schema`')
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f'`json_schema` is only allowed with type "json_schema", not {self.type!r}')
+        return self
+
+
 class _SamplingFields(_Request):
     """Fields both routes share, and the refusal of the `NOT_IMPLEMENTED` extras."""
 
@@ -124,6 +151,16 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Structured output, at most one of them asking for a constraint (structured_outputs.py).
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict[str, Any] | None = None
+    """vLLM's extra: a JSON schema, as an object or its text."""
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    """An EBNF grammar (xgrammar's dialect, as vLLM's default backend reads it)."""
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM's newer extra: {"json" | "json_object" | "regex" | "choice" | "grammar": ...}, one key."""
 
     @model_validator(mode="after")
     def _check_shared(self) -> "_SamplingFields":

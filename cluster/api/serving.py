@@ -37,6 +37,7 @@ from .fanout import FanOut
 from .formatting import ChatFormatter, Choices, CompletionFormatter, Formatter
 from .protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, _SamplingFields
 from .reasoning import THINK_BEGIN, THINK_END, ReasoningStream, prompt_opens_reasoning
+from .structured_outputs import structured_outputs_of
 from .tool_calls import MARKERS as TOOL_MARKERS, SECTION_BEGIN
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,8 @@ def prepare_completion(body: CompletionRequest, client: EngineClient) -> Prepare
 
 def prepare_chat(body: ChatCompletionRequest, client: EngineClient, reasoning_parser: str = "kimi") -> Prepared:
     """`reasoning_parser` "kimi" splits a thinking model's <think> block into `reasoning_content` (reasoning.py);
-    "none" returns the text as generated."""
+    "none" returns the text as generated. A structured output constraint covers the whole output, so a constrained
+    request is never split: its content is the constrained text (structured_outputs.py)."""
     _check_model(body.model, client)
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     tools = body.active_tools
@@ -84,7 +86,7 @@ def prepare_chat(body: ChatCompletionRequest, client: EngineClient, reasoning_pa
     max_tokens = _fit_context(len(prompt_ids), body.effective_max_tokens, client.max_model_len, "messages")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling_params(body, max_tokens, logprobs, client)
-    reasoning = reasoning_parser == "kimi"
+    reasoning = reasoning_parser == "kimi" and params.structured_outputs is None
     specials = client.tokenizer.special_tokens
     if tools or reasoning:  # the parsers read their markers in the text (as vLLM's kimi_k2 parsers ask)
         markers = (THINK_BEGIN, THINK_END, SECTION_BEGIN) if reasoning else ()
@@ -189,7 +191,7 @@ def _sampling_params(body: _SamplingFields, max_tokens: int, logprobs: int | Non
             **kwargs, seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop,
             stop_token_ids=stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens, include_stop_str_in_output=body.include_stop_str_in_output,
-            logit_bias=_logit_bias(body.logit_bias),
+            logit_bias=_logit_bias(body.logit_bias), structured_outputs=structured_outputs_of(body),
         )
     except ValueError as e:
         raise _bad_value(e) from None

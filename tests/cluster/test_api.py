@@ -391,11 +391,6 @@ BAD_REQUESTS = {  # id: (route, payload, expected param)
     "tool_choice-forced": (CHAT, {"messages": HI, "tool_choice": {"type": "function", "function": {"name": "f"}}},
                            "tool_choice"),
     "function_call-forced": (CHAT, {"messages": HI, "function_call": {"name": "f"}}, "function_call"),
-    "response_format-json_object": (CHAT, {"messages": HI, "response_format": {"type": "json_object"}},
-                                    "response_format"),
-    "response_format-json_schema": (CHAT, {"messages": HI, "response_format": {"type": "json_schema", "json_schema":
-                                           {"name": "x", "schema": {"type": "object"}}}}, "response_format"),
-    "guided_json": ("/v1/completions", {"prompt": PROMPT, "guided_json": {"type": "object"}}, "guided_json"),
     "suffix": ("/v1/completions", {"prompt": PROMPT, "suffix": " and so on."}, "suffix"),
     "best_of-2": ("/v1/completions", {"prompt": PROMPT, "best_of": 2}, "best_of"),
     "chat-echo": (CHAT, {"messages": HI, "echo": True}, "echo"),
