@@ -24,7 +24,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.llm_engine import LLMEngine
-from k3serve.engine.outputs import RequestDelta
+from k3serve.engine.outputs import RequestDelta, RequestFailedError
 from k3serve.engine.tp_group import TPGroup
 from k3serve.engine.sampling_params import SamplingParams
 
@@ -48,6 +48,11 @@ Item = RequestDelta | BaseException  # a delta, or the error that ends the reque
 
 def _ends_request(item: Item) -> bool:
     return isinstance(item, BaseException) or item.finished
+
+
+def _item(delta: RequestDelta) -> Item:
+    """A step's delta as its stream gets it: the error that ends it for a request that failed."""
+    return delta if delta.error is None else RequestFailedError(delta.error)
 
 
 class _Stream:
@@ -205,7 +210,7 @@ class AsyncEngine:
                 if not self._drain_commands(block):
                     self.engine.close()
                     return
-                self._emit_all([(delta.request_id, delta) for delta in self.engine.step()])
+                self._emit_all([(delta.request_id, _item(delta)) for delta in self.engine.step()])
         except BaseException as e:  # surface to every waiting caller, never hang them
             self._error = e
             with self._lock:

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.llm_engine import LLMEngine
-from k3serve.engine.outputs import CompletionOutput, RequestOutput
+from k3serve.engine.outputs import CompletionOutput, RequestFailedError, RequestOutput
 from k3serve.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -59,6 +59,10 @@ class LLM:
             )
         while engine.has_unfinished():
             for delta in engine.step():
+                if delta.error is not None:  # a failed request fails the call, as a bad prompt does
+                    for rid in order:
+                        engine.abort_request(rid)
+                    raise RequestFailedError(delta.error)
                 out = outputs[delta.request_id]
                 out.num_cached_tokens = delta.num_cached_tokens
                 completion = out.outputs[0]

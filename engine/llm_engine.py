@@ -3,6 +3,10 @@
     step():  schedule -> run the model -> sample -> scheduler.update_from_output -> detokenize
              (stop strings finish requests) -> one RequestDelta per request that changed
 
+A constrained request (`SamplingParams.structured_outputs`) gets its matcher at submission and its row masked
+before sampling; its token then advances the matcher, which may end it ("stop") or fail it (a delta with `error`;
+`engine/structured_output.py`).
+
 `LLM` (offline) and `AsyncEngine` (streaming) drive it; prefill and decode workers reuse it.
 """
 
@@ -21,13 +25,14 @@ from k3serve.engine.memory import PoolPlan, base_token_budget, plan_engine_pools
 from k3serve.engine.outputs import RequestDelta, TokenLogprobs
 from k3serve.engine.prefix_cache import PrefixCache
 from k3serve.engine.prompt_check import check_prompt
-from k3serve.engine.request import Request
+from k3serve.engine.request import Request, RequestStatus
 from k3serve.engine.runner import load_runner
 from k3serve.engine.tp_group import TPGroup
 from k3serve.engine.sampler import PromptScoring, Sampler
 from k3serve.engine.sampling_params import SamplingParams
 from k3serve.engine.scheduler import Scheduler, SchedulerConfig
 from k3serve.engine.state_pool import StatePool
+from k3serve.engine.structured_output import StructuredOutputs
 from k3serve.model.config import ModelConfig
 from k3serve.model.parallel import TensorParallel
 from k3serve.model.presets import PRESETS
@@ -116,6 +121,8 @@ class LLMEngine:
             PrefixCache(block_pool, state_pool) if args.enable_prefix_caching else None,
         )
         self.sampler = Sampler(eos_token_id=self.tokenizer.eos_token_id)
+        self.structured_outputs = StructuredOutputs(self.tokenizer, self.config.vocab_size,
+                                                    pin_memory=args.device.startswith("cuda"))
         self._tracked: dict[str, _Tracked] = {}
         self._pending: list[RequestDelta] = []  # deltas produced between steps (handoff first tokens)
         self._ids = itertools.count()
@@ -132,7 +139,8 @@ class LLMEngine:
     def add_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
     ) -> str:
-        """Queue a request; returns its id. Raises ValueError for a prompt the engine cannot serve."""
+        """Queue a request; returns its id. Raises ValueError for a prompt the engine cannot serve, or a
+        structured output constraint it cannot compile."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._tracked:
             raise ValueError(f"duplicate request_id {request_id!r}")
@@ -141,10 +149,11 @@ class LLMEngine:
         check_prompt(token_ids, params, self.config.vocab_size, self.args.max_model_len)
         if params.max_tokens is None:  # until the context is full
             params = _with_max_tokens(params, self.args.max_model_len - len(token_ids))
+        self.structured_outputs.add(request_id, params)
         self.scheduler.add_request(Request(request_id, token_ids, params))
         self._tracked[request_id] = _Tracked(
             params=params,
-            detokenizer=IncrementalDetokenizer.for_request(self.tokenizer, token_ids, params),
+            detokenizer=self._detokenizer(token_ids, params),
             prompt=text,
         )
         return request_id
@@ -175,10 +184,13 @@ class LLMEngine:
         """Continue a request whose prompt was computed by a prefill engine and whose KV and KDA
         state now sit in the reserved `block_ids` / `slot_id`. Decode starts at the first sampled
         token: no prompt token is ever applied to the state again. Takes ownership of the
-        reservation (freed when the request finishes)."""
+        reservation (freed when the request finishes) unless it raises (ValueError: a prompt or
+        constraint this engine cannot serve). A constrained request's matcher takes the first
+        token now: a token its constraint rejects fails the request, one that completes it ends it."""
         check_prompt(prompt_token_ids, params, self.config.vocab_size, self.args.max_model_len)
         if params.max_tokens is None:
             params = _with_max_tokens(params, self.args.max_model_len - len(prompt_token_ids))
+        self.structured_outputs.add(request_id, params)
         request = Request(
             request_id, prompt_token_ids, params, output_token_ids=[first_token_id],
             num_computed_tokens=len(prompt_token_ids), block_ids=list(block_ids), slot_id=slot_id,
@@ -186,10 +198,14 @@ class LLMEngine:
         self.scheduler.add_running(request)
         self._tracked[request_id] = _Tracked(
             params=params,
-            detokenizer=IncrementalDetokenizer.for_request(self.tokenizer, prompt_token_ids, params),
+            detokenizer=self._detokenizer(prompt_token_ids, params),
             prompt=None,
         )
-        status = self.scheduler.check_stop(request, first_token_id)
+        verdict = self.structured_outputs.accept_sampled({request_id: first_token_id})
+        if verdict.failed:
+            self._pending.append(self._end(request_id, error=verdict.failed[request_id]))
+            return
+        status = RequestStatus.FINISHED_STOPPED if verdict.terminated else self.scheduler.check_stop(request, first_token_id)
         if status is not None:  # the first token already ends it (prefill normally catches this)
             self.scheduler.finish_request(request_id, status.finish_reason)
         self._pending.append(self._delta(request_id, first_token_id, None, request if status is not None else None))
@@ -200,11 +216,15 @@ class LLMEngine:
         Returns its last delta (no new tokens, held-back text flushed, finish_reason "abort") for
         a streaming caller to end the stream with; None (falsy) if the request is unknown.
         """
-        tracked = self._tracked.pop(request_id, None)
-        if tracked is None:
+        if request_id not in self._tracked:
             return None
-        request = self.scheduler.finish_request(request_id, "abort")
         self._pending = [d for d in self._pending if d.request_id != request_id]  # nothing after the last delta
+        return self._end(request_id)
+
+    def _end(self, request_id: str, error: str | None = None) -> RequestDelta:
+        """Finish a tracked request as aborted, or as failed with `error`, wherever it is; its last delta."""
+        tracked = self._forget(request_id)
+        request = self.scheduler.finish_request(request_id, "abort")
         return RequestDelta(
             request_id=request_id,
             new_token_ids=[],
@@ -215,7 +235,19 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            error=error,
         )
+
+    def _detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
+        """A request's detokenizer. A constrained output is its constraint's language from its first byte: the
+        bytes of a character the prompt left unfinished are not joined to it, as they are to free text."""
+        prompt_tail = prompt_token_ids if params.structured_outputs is None else None
+        return IncrementalDetokenizer.for_request(self.tokenizer, prompt_tail, params)
+
+    def _forget(self, request_id: str) -> _Tracked:
+        """The engine's state of a request that ended, its matcher included, dropped."""
+        self.structured_outputs.release(request_id)
+        return self._tracked.pop(request_id)
 
     def stats(self, num_reserved: int = 0) -> EngineStats:
         s = self.scheduler
@@ -259,11 +291,15 @@ class LLMEngine:
                 [r.output_token_ids for r in reqs],
                 [r.prompt_token_ids for r in reqs],
                 [_position_generator(self._tracked[i].params.seed, r.num_output_tokens) for i, r in zip(ids, reqs)],
+                token_mask=self.structured_outputs.token_mask(ids),
             )
             sampled = dict(zip(ids, out.sampled_token_ids))
             logprobs = dict(zip(ids, out.logprobs))
-        finished = {r.request_id: r for r in self.scheduler.update_from_output(output, sampled)}
-        return [self._delta(rid, token, logprobs.get(rid), finished.get(rid)) for rid, token in sampled.items()]
+        verdict = self.structured_outputs.accept_sampled(sampled)
+        failed = [self._end(rid, error=why) for rid, why in verdict.failed.items()]  # update_from_output skips them
+        finished = {r.request_id: r for r in self.scheduler.update_from_output(output, sampled, verdict.terminated)}
+        return failed + [self._delta(rid, token, logprobs.get(rid), finished.get(rid))
+                         for rid, token in sampled.items() if rid not in verdict.failed]
 
     def _delta(self, request_id: str, token_id: int, logprobs: TokenLogprobs | None, done: Request | None) -> RequestDelta:
         tracked = self._tracked[request_id]
@@ -281,7 +317,7 @@ class LLMEngine:
             if finish_reason == "stop" and token_id != self.tokenizer.eos_token_id:
                 stop_reason = token_id  # a stop_token_id (EOS reports None, as in vLLM)
         if finish_reason is not None:
-            del self._tracked[request_id]
+            self._forget(request_id)
         return RequestDelta(
             request_id=request_id,
             new_token_ids=[token_id],

@@ -96,3 +96,9 @@ class RequestDelta:
     stop_reason: int | str | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the first delta, if requested
     num_cached_tokens: int = 0  # prompt tokens served by a prefix-cache hit at first admission
+    error: str | None = None  # the request failed (finish_reason "abort"): why; streams raise RequestFailedError
+
+
+class RequestFailedError(RuntimeError):
+    """The engine could not continue one request (its structured output constraint rejected the sampled
+    token); every other request goes on."""

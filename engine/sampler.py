@@ -2,6 +2,8 @@
 
 Per row, in this order:
 
+0. structured outputs: every token the row's constraint does not allow gets logit -inf, for the batch's
+   constrained rows only (a `TokenMask` from `engine/structured_output.py`: one host bitmask, one copy);
 1. min_tokens: while fewer than `min_tokens` tokens were generated, EOS (unless `ignore_eos`)
    and `stop_token_ids` get logit -inf;
 2. logit_bias: each biased token's logit plus its bias (a banned token stays -inf), for the whole batch in one
@@ -12,15 +14,18 @@ Per row, in this order:
 6. sampling by exponential race: token = argmax(p / q) with q ~ Exp(1) drawn for that row alone,
    from the row's `torch.Generator` when it has one.
 
-Steps 2 and 3 are in vLLM v1's order (its logit-bias processor runs before the penalties), so a
-repetition penalty divides a biased logit, and greedy rows see the bias.
+Steps 0, 2 and 3 are in vLLM v1's order (its grammar bitmask is applied before the sampler, its logit-bias
+processor before the penalties), so a repetition penalty divides a biased logit, and greedy rows see the bias.
+A masked token stays -inf through steps 1-5 (they add, scale or filter), so the mask could sit anywhere before
+step 4; it comes first, where vLLM has it.
 
 Step 6 is what makes a seed reproducible: a seeded row consumes exactly V draws of its own
 generator per step and no other row touches it, so the same seed yields the same tokens
 whether the request runs alone or in any batch. Unseeded rows draw from torch's global RNG.
 
 Logprobs are "raw logprobs" (vLLM's default `logprobs_mode`): log_softmax of the logits as the
-model produced them, before min_tokens, logit_bias, penalties, temperature and filtering.
+model produced them, before the structured-output mask, min_tokens, logit_bias, penalties, temperature and
+filtering (vLLM v1 takes its raw logprobs after the grammar mask: there a disallowed token's logprob is -inf).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch
 from k3serve.engine.logit_bias import LogitBiasBatch
 from k3serve.engine.outputs import TokenLogprobs
 from k3serve.engine.sampling_params import SamplingParams
+from k3serve.engine.structured_output import TokenMask
 
 
 @dataclass
@@ -55,6 +61,7 @@ class Sampler:
         output_token_ids: list[list[int]],  # [N][num_output_tokens]
         prompt_token_ids: list[list[int]],  # [N][num_prompt_tokens]
         generators: list[torch.Generator | None],  # [N]; seeded rows: Generator().manual_seed(seed)
+        token_mask: TokenMask | None = None,  # the constrained rows' allowed tokens; None: no row is constrained
     ) -> SamplerOutput:
         if logits.dim() != 2:
             raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
@@ -75,6 +82,8 @@ class Sampler:
         logits = logits.clone(memory_format=torch.contiguous_format)
         # Each step below changes its own row alone, so running a step over every row before the next one
         # gives each row what the per-row order above gives it.
+        if token_mask is not None:
+            token_mask.apply(logits)
         for i, p in enumerate(params):
             self._apply_min_tokens(logits[i], p, len(output_token_ids[i]))
         self.logit_bias.apply(logits, params)

@@ -108,7 +108,8 @@ class SamplingParams:
     `logit_bias`); the ids must be in the model's vocabulary (the engine checks). Logprobs stay raw: unbiased."""
     structured_outputs: StructuredOutputsParams | None = None
     """Constrains the output to a JSON schema, any JSON object, a regex, a choice or a grammar (the engine masks
-    every token the constraint does not allow, after logit_bias and before penalties and temperature)."""
+    every token the constraint does not allow before min_tokens, logit_bias, penalties and temperature, as vLLM v1
+    does; logprobs stay raw, unmasked)."""
 
     def __post_init__(self) -> None:
         if self.n != 1:

@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections import deque
 from itertools import islice
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Callable, Collection, Literal
 
 from k3serve.engine.block_pool import BlockPool, compute_block_hashes
 from k3serve.engine.budget import DEFAULT_MAX_RUNNING_TO_SCALE, scheduled_token_budget
@@ -236,9 +236,13 @@ class Scheduler:
             finished_request_ids=finished,
         )
 
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int], stopped_request_ids: Collection[str] = ()
+    ) -> list[Request]:
         """Advance the scheduled requests by their chunks; append the tokens sampled for chunks
-        that reached the end of the known tokens; return the requests that finished."""
+        that reached the end of the known tokens; return the requests that finished. A request in
+        `stopped_request_ids` (its structured output is complete) finishes "stop" with its token,
+        as at EOS."""
         finished: list[Request] = []
         for seq in output.seqs:
             req = self.requests.get(seq.request_id)
@@ -265,7 +269,8 @@ class Scheduler:
                 raise ValueError(f"no sampled token for {req.request_id!r}, whose chunk needs_sample")
             token_id = sampled_token_ids[req.request_id]
             req.output_token_ids.append(token_id)
-            status = self.check_stop(req, token_id)
+            stopped = req.request_id in stopped_request_ids
+            status = RequestStatus.FINISHED_STOPPED if stopped else self.check_stop(req, token_id)
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)

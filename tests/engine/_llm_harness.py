@@ -6,9 +6,10 @@
                                      (model/score.py, one fresh pass) and append the argmax of
                                      the last row; cached per prompt for the session
 
-Leak check (`assert_engine_empty`): no unfinished request, no engine-side request state, no
-block or KDA slot in use; cached prefix blocks and checkpoints are allowed (they are reusable,
-not used), then the prefix cache is cleared and both pools must be completely empty.
+Leak check (`assert_engine_empty`): no unfinished request, no engine-side request state (structured
+output matchers included), no block or KDA slot in use; cached prefix blocks and checkpoints are
+allowed (they are reusable, not used), then the prefix cache is cleared and both pools must be
+completely empty.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def assert_engine_empty(engine: LLMEngine) -> None:
     scheduler = engine.scheduler
     assert not scheduler.has_unfinished(), f"unfinished requests: {sorted(scheduler.requests)}"
     assert not engine._tracked, f"engine still tracks {sorted(engine._tracked)}"
+    assert engine.structured_outputs.num_matchers == 0, "a structured output matcher outlived its request"
     assert scheduler.block_pool.num_used == 0, f"{scheduler.block_pool.num_used} MLA blocks still in use"
     assert scheduler.state_pool.num_used == 0, f"{scheduler.state_pool.num_used} KDA slots still in use"
     if scheduler.prefix_cache is not None:

@@ -1,0 +1,266 @@
+"""Structured outputs: a request's output held to a JSON schema, any JSON object, a regex, a choice or an EBNF
+grammar (`SamplingParams.structured_outputs`), with xgrammar, as vLLM v1 does it.
+
+    submission   the constraint compiled against the engine's vocabulary (an LRU of compiled grammars, keyed by
+                 the constraint): a bad schema, regex or grammar is a ValueError there (the API's 400); the
+                 request gets its own matcher
+    every step   the batch's constrained rows only: each matcher fills its row of a host bitmask (1 bit a token,
+                 [rows, ceil(V / 32)] int32), one copy to the logits' device, every token a row's constraint
+                 does not allow -> -inf (`engine/sampler.py`, before anything else; logprobs stay raw)
+    after it     each constrained row's sampled token goes into its matcher: a token it rejects fails the
+                 request (never continued); a matcher that accepted a stop token ends the request,
+                 finish_reason "stop"
+
+A matcher's stop tokens are those that end its request (the scheduler's `check_stop`): EOS and the request's
+`stop_token_ids` (the API adds <|im_end|> there); a complete output allows only them, and min_tokens bans the
+same ones, so a constraint complete before min_tokens leaves no token to sample (the request fails).
+
+A matcher's state is the tokens its request generated. Preemption keeps them (only the KV and KDA state are
+computed again), so it keeps the matcher too, as vLLM v1 does; a decode engine makes the matcher of a handed-off
+request from the token the prefill engine sampled (`accept` before its first decode step). A batch without a
+constrained row costs one empty-dict check. xgrammar is imported with the first constrained request: an engine
+without it serves everything else, and refuses a constrained request with a ValueError that says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from k3serve.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from k3serve.kernels._backend import to_device_async
+
+if TYPE_CHECKING:
+    from k3serve.model.tokenizer import Tokenizer
+
+XGRAMMAR_REQUIREMENT = "xgrammar==0.2.8"
+
+JSON_MAX_WHITESPACE = 32
+"""Whitespace characters a JSON output may put between two of its elements (vLLM lets xgrammar allow any number).
+Enough to pretty-print 7 levels deep at an indent of 4; but a model that falls into emitting whitespace must
+move on, and a schema of bounded values gives a bounded output (finishes within a bounded max_tokens)."""
+
+COMPILED_GRAMMAR_CACHE_SIZE = 64
+"""Compiled grammars kept for reuse. A request holds its own grammar while it runs, so eviction never recompiles
+a running request's; it only makes a later request with that constraint compile it again."""
+
+
+class ConstraintViolationError(RuntimeError):
+    """A request's sampled token is not one its constraint allows (the mask left no token, e.g. min_tokens banned
+    the only one, or the token came from another engine): the request cannot go on."""
+
+
+def import_xgrammar() -> Any:
+    """The xgrammar module; ValueError (a 400 at the API) where it is not installed."""
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise ValueError(f"structured outputs need the xgrammar package ({XGRAMMAR_REQUIREMENT}), which this "
+                         f"engine cannot import: {e}") from None
+    return xgrammar
+
+
+def _xgrammar_message(error: Exception) -> str:
+    """xgrammar's error without its C++ source location ("[13:01:18] /project/cpp/x.cc:83: ...")."""
+    text = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(error).strip())
+    return text.removeprefix("Check failed: (error.empty()) is false: ")
+
+
+def choice_grammar(choice: tuple[str, ...]) -> str:
+    """An EBNF grammar whose only sentences are the choices (vLLM compiles a choice the same way). Each is a JSON
+    string literal, whose escapes xgrammar's EBNF reads; non-ASCII characters stay as they are."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choice)
+
+
+class GrammarCompiler:
+    """Compiles constraints against one engine's vocabulary. The vocabulary (xgrammar's TokenizerInfo: every
+    token id's bytes, the special tokens emptied so no grammar can match their text, the tokenizer's stop ids)
+    is built with the first compilation; each constraint is compiled once while it stays among the
+    `cache_size` last used."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = COMPILED_GRAMMAR_CACHE_SIZE) -> None:
+        if cache_size < 1:
+            raise ValueError(f"cache_size must be >= 1, got {cache_size}")
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the logits' width (the model's vocabulary): the bitmask covers it
+        self.cache_size = cache_size
+        self.num_compiled = 0  # compilations so far (cache misses that compiled)
+        self._cache: OrderedDict[StructuredOutputsParams, Any] = OrderedDict()
+        self._compiler: Any = None
+
+    def compile(self, constraint: StructuredOutputsParams) -> Any:
+        """The xgrammar CompiledGrammar of `constraint`; ValueError naming what does not compile."""
+        compiled = self._cache.get(constraint)
+        if compiled is not None:
+            self._cache.move_to_end(constraint)
+            return compiled
+        compiled = self._compile(constraint)
+        self.num_compiled += 1
+        self._cache[constraint] = compiled
+        if len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, constraint: StructuredOutputsParams) -> Any:
+        compiler = self._xgrammar_compiler()
+        kind = constraint.kind
+        try:
+            if kind == "json":
+                json.loads(constraint.json)  # a clean message for text that is not JSON at all
+                return compiler.compile_json_schema(constraint.json, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+            if kind == "json_object":
+                return compiler.compile_json_schema('{"type": "object"}', max_whitespace_cnt=JSON_MAX_WHITESPACE)
+            if kind == "regex":
+                return compiler.compile_regex(constraint.regex)
+            return compiler.compile_grammar(choice_grammar(constraint.choice) if kind == "choice" else constraint.grammar)
+        except (RuntimeError, ValueError) as e:  # xgrammar raises RuntimeError for a constraint it cannot read
+            raise ValueError(f"structured output {kind} does not compile: {_xgrammar_message(e)}") from None
+
+    def _xgrammar_compiler(self) -> Any:
+        if self._compiler is None:
+            xgr = import_xgrammar()
+            self._compiler = xgr.GrammarCompiler(tokenizer_info(xgr, self.tokenizer, self.vocab_size),
+                                                 cache_enabled=False)  # this class is the cache
+        return self._compiler
+
+
+def tokenizer_info(xgr: Any, tokenizer: Tokenizer, vocab_size: int) -> Any:
+    """xgrammar's view of the vocabulary: each id's raw bytes (`VocabType.RAW`: byte-level BPE and tiktoken
+    alike), `vocab_size` ids (the model's; ids past the tokenizer's are never allowed). Special tokens other than
+    the stop tokens get empty bytes, which xgrammar takes as special: never allowed by a grammar (their text
+    would otherwise match, and the detokenizer drops it). The stop tokens end a complete output."""
+    stop_token_ids = sorted(t for t in tokenizer.stop_token_ids if t < vocab_size)
+    if not stop_token_ids:
+        raise ValueError("structured outputs need a tokenizer with an end-of-sequence token")
+    hidden = tokenizer.special_token_ids - set(stop_token_ids)
+    ids = range(min(tokenizer.vocab_size, vocab_size))
+    vocab = [b"" if i in hidden else piece for i, piece in zip(ids, tokenizer.token_bytes(list(ids)))]
+    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+
+
+@dataclass
+class TokenMask:
+    """The allowed tokens of a batch's constrained rows: bit t of `bitmask[j]` says whether logits row `rows[j]`
+    may take token t."""
+
+    bitmask: torch.Tensor  # [len(rows), ceil(V / 32)] int32 on the host (pinned for a CUDA engine)
+    rows: list[int]  # [M] ascending rows of the batch's logits
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """`logits` [N, V] fp32, contiguous, in place: every token a row's constraint does not allow -> -inf.
+        One host-to-device copy of the bitmask (and of the row index when not every row is constrained)."""
+        xgr = import_xgrammar()
+        device = logits.device
+        bitmask = self.bitmask.to(device, non_blocking=True)
+        every_row = len(self.rows) == logits.shape[0]
+        index = None if every_row else to_device_async(self.rows, device)
+        rows = logits if every_row else logits.index_select(0, index)
+        # xgrammar's CUDA kernel (Triton) launches on the current device, which need not be the engine's
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            xgr.apply_token_bitmask_inplace(rows, bitmask, vocab_size=logits.shape[1])
+        if not every_row:
+            logits.index_copy_(0, index, rows)
+
+
+@dataclass
+class Verdict:
+    """What the constrained rows' sampled tokens did to their requests."""
+
+    terminated: set[str]  # request ids whose constraint is complete (stop token accepted): finish "stop"
+    failed: dict[str, str]  # request id -> why its token was rejected: the request fails
+
+
+class StructuredOutputs:
+    """The constrained requests of one engine: a compiled grammar and one xgrammar GrammarMatcher a request,
+    from `add` to `release`."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, pin_memory: bool = False,
+                 cache_size: int = COMPILED_GRAMMAR_CACHE_SIZE) -> None:
+        self.compiler = GrammarCompiler(tokenizer, vocab_size, cache_size)
+        self.eos_token_id = tokenizer.eos_token_id
+        self.pin_memory = pin_memory  # a CUDA engine: the bitmask is copied from pinned memory, non_blocking
+        self._matchers: dict[str, Any] = {}  # request id -> its GrammarMatcher
+        self._batch_matcher: Any = None  # xgrammar's multi-threaded bitmask filler
+
+    @property
+    def num_matchers(self) -> int:
+        """Live matchers: one a constrained request between `add` and `release`."""
+        return len(self._matchers)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._matchers
+
+    def check(self, constraint: StructuredOutputsParams | None) -> None:
+        """ValueError if `constraint` cannot be served here (no xgrammar, or it does not compile); compiles and
+        caches it otherwise (a decode engine checks at admission, before the prompt runs elsewhere)."""
+        if constraint is not None:
+            self.compiler.compile(constraint)
+
+    def add(self, request_id: str, params: SamplingParams) -> None:
+        """Give a constrained request its matcher (nothing for an unconstrained one); ValueError as `check`."""
+        if params.structured_outputs is None:
+            return
+        if request_id in self._matchers:
+            raise ValueError(f"duplicate request_id {request_id!r}")
+        compiled = self.compiler.compile(params.structured_outputs)
+        stop_token_ids = {self.eos_token_id, *params.stop_token_ids} - {None}
+        stop_token_ids = sorted(t for t in stop_token_ids if t < self.compiler.vocab_size)
+        if not stop_token_ids:
+            raise ValueError("structured outputs need an end token: the tokenizer has no EOS and the request no "
+                             "stop_token_ids")
+        self._matchers[request_id] = import_xgrammar().GrammarMatcher(compiled, override_stop_tokens=stop_token_ids)
+
+    def release(self, request_id: str) -> None:
+        """The request finished, was aborted or failed: its matcher goes."""
+        self._matchers.pop(request_id, None)
+
+    def token_mask(self, request_ids: list[str]) -> TokenMask | None:
+        """The bitmask of the constrained rows of a batch (`request_ids` [N], one a logits row); None without
+        any."""
+        if not self._matchers:
+            return None
+        rows = [i for i, rid in enumerate(request_ids) if rid in self._matchers]
+        if not rows:
+            return None
+        xgr = import_xgrammar()
+        bitmask = torch.empty(xgr.get_bitmask_shape(len(rows), self.compiler.vocab_size), dtype=xgr.bitmask_dtype,
+                              pin_memory=self.pin_memory)  # a fresh buffer: the last step's copy may be in flight
+        matchers = [self._matchers[request_ids[i]] for i in rows]
+        if len(matchers) == 1:
+            matchers[0].fill_next_token_bitmask(bitmask, 0)
+        else:
+            if self._batch_matcher is None:
+                self._batch_matcher = xgr.BatchGrammarMatcher()
+            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
+        return TokenMask(bitmask, rows)
+
+    def accept(self, request_id: str, token_id: int) -> bool:
+        """Advance the request's matcher by its new token; True when that completed the constraint (its stop
+        token). ConstraintViolationError when the constraint does not allow the token."""
+        matcher = self._matchers[request_id]
+        if not matcher.accept_token(token_id):
+            raise ConstraintViolationError(
+                f"request {request_id!r}: token {token_id} is not allowed by its structured output constraint "
+                f"(no allowed token was left to sample, or the token was sampled without the constraint)")
+        return matcher.is_terminated()
+
+    def accept_sampled(self, sampled: dict[str, int]) -> Verdict:
+        """`accept` for every constrained request of a step's sampled tokens (request id -> token id)."""
+        verdict = Verdict(set(), {})
+        if not self._matchers:
+            return verdict
+        for request_id, token_id in sampled.items():
+            if request_id not in self._matchers:
+                continue
+            try:
+                if self.accept(request_id, token_id):
+                    verdict.terminated.add(request_id)
+            except ConstraintViolationError as e:
+                verdict.failed[request_id] = str(e)
+        return verdict
