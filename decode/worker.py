@@ -151,8 +151,14 @@ class DecodeWorker:
     ) -> Reservation:
         """Reserve room for a request the ingress routes here; raises NoCapacityError if full.
         Its deltas go to the open feed `feed`, else to `stream(request_id)`; either is set up
-        now, so nothing the handoff produces can be missed."""
-        reservation = await self.engine.call(lambda e: self._reserve(e, request_id, len(prompt_token_ids)))
+        now, so nothing the handoff produces can be missed. A structured output constraint this
+        engine cannot serve (it does not compile, or no xgrammar here) is a ValueError now, before
+        the prompt runs anywhere."""
+        def reserve(e: LLMEngine) -> Reservation:
+            e.structured_outputs.check(params.structured_outputs)  # compiled now, cached for the adoption
+            return self._reserve(e, request_id, len(prompt_token_ids))
+
+        reservation = await self.engine.call(reserve)
         with self._lock:
             pending = self._pending.get(request_id)
             if pending is not None:
@@ -285,9 +291,13 @@ class DecodeWorker:
                 error = ChecksumMismatchError(f"request {request_id!r}: state corrupted in transfer, regions {bad}")
                 self.engine.fail(request_id, HandoffFailedError(str(error)))
                 raise error
-        e.add_prefilled_request(
-            request_id, pending.prompt_token_ids, pending.first_token_id, pending.params, list(res.block_ids), res.slot_id
-        )
+        try:
+            e.add_prefilled_request(request_id, pending.prompt_token_ids, pending.first_token_id, pending.params,
+                                    list(res.block_ids), res.slot_id)
+        except ValueError as error:  # refused before it took the reservation: free it, end the stream
+            e.cancel_reservation(list(res.block_ids), res.slot_id)
+            self.engine.fail(request_id, error)
+            raise
 
     def _verify(self, res: Reservation, num_tokens: int, shares: dict[int, dict[int, dict[str, str]]]) -> list[str]:
         """Engine thread: every decode rank checksums its landed shard (one gather through the TP

@@ -1,0 +1,144 @@
+"""Structured outputs across the disaggregated handoff: a real router over an in-process prefill worker and decode
+worker (1P1D, transfer "local", the tiny model with random weights).
+
+The prefill engine samples the first token under the constraint; the decode engine makes the request's matcher,
+feeds it that token before its first decode step, and constrains the rest. A regex of fixed length ("[ab]{5}")
+checks the join: a decode matcher that missed the first token would allow five more characters, six in all.
+
+- regex (greedy and sampled) and JSON schema outputs are of their language and finish "stop";
+- a constraint that does not compile is a ValueError at admission, before any prompt runs, and leaves nothing;
+- on the decode engine, a first token the constraint rejects fails the request (RequestFailedError on its stream)
+  and frees its reservation; an allowed one is continued under the constraint.
+Afterwards the decode engine holds no request, reservation or matcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from k3serve.cluster.router import DisaggregatedRouter
+from k3serve.decode.worker import DecodeWorker
+from k3serve.engine.async_engine import GenerateRequest
+from k3serve.engine.config import EngineArgs
+from k3serve.engine.llm import LLM
+from k3serve.engine.outputs import RequestFailedError
+from k3serve.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from k3serve.model.config import ModelConfig
+from k3serve.model.tokenizer import Tokenizer
+from k3serve.prefill.worker import PrefillWorker
+
+pytestmark = pytest.mark.timeout(120)
+
+ENGINE_ARGS = dict(block_size=16, max_model_len=512, cache_memory_bytes=64 << 20)
+REGEX = "[ab]{5}"
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["S", "M", "L"]}},
+          "required": ["ok", "size"], "additionalProperties": False}
+PROMPT = [(j * 7) % 450 + 20 for j in range(30)]
+
+
+def constrained(temperature: float = 0.0, seed: int | None = None, max_tokens: int = 300, **constraint) -> SamplingParams:
+    return SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
+                          structured_outputs=StructuredOutputsParams(**constraint))
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_checkpoint: Path):
+    args = EngineArgs(model=str(tiny_checkpoint), **ENGINE_ARGS)
+    prefill = PrefillWorker(args, transfer="local", name="prefill-0")
+    decode = DecodeWorker(args, transfer="local", name="decode-0")
+    yield prefill, decode
+    decode.shutdown()
+    prefill.shutdown()
+
+
+def serve(workers, tiny_checkpoint: Path, requests: list[tuple[str, SamplingParams]]) -> list:
+    """Each request through a fresh router: its deltas, or the error that ended it. Then the decode engine must be
+    idle and hold no matcher."""
+    prefill, decode = workers
+
+    async def run():
+        router = DisaggregatedRouter([prefill], [decode], Tokenizer.from_dir(tiny_checkpoint), "k3-tiny",
+                                     ENGINE_ARGS["max_model_len"], ModelConfig.from_dir(tiny_checkpoint).vocab_size)
+
+        async def one(request_id: str, params: SamplingParams):
+            return [d async for d in router.generate(GenerateRequest(request_id, PROMPT, params))]
+
+        try:
+            return await asyncio.gather(*(one(rid, p) for rid, p in requests), return_exceptions=True)
+        finally:
+            await router.close()
+
+    results = asyncio.run(asyncio.wait_for(run(), 60))
+    assert_decode_idle(decode)
+    return results
+
+
+def assert_decode_idle(decode: DecodeWorker) -> None:
+    def held(e):
+        return (e.scheduler.num_running, e.scheduler.num_waiting, len(decode._pending),
+                e.scheduler.block_pool.num_used, e.scheduler.state_pool.num_used, e.structured_outputs.num_matchers)
+
+    assert decode.engine.submit(held).result(timeout=10) == (0, 0, 0, 0, 0, 0)
+
+
+def text_of(deltas) -> str:
+    return "".join(d.new_text for d in deltas)
+
+
+def test_constrained_outputs_hold_across_the_handoff(workers, tiny_checkpoint):
+    requests = [("greedy", constrained(regex=REGEX)), ("json", constrained(json=SCHEMA))]
+    requests += [(f"sampled-{seed}", constrained(1.0, seed, regex=REGEX)) for seed in range(3)]
+    results = dict(zip((rid for rid, _ in requests), serve(workers, tiny_checkpoint, requests)))
+    for request_id, deltas in results.items():
+        assert not isinstance(deltas, BaseException), (request_id, deltas)
+        assert deltas[-1].finish_reason == "stop", (request_id, deltas[-1])
+        assert len(deltas) > 2, f"{request_id}: the decode engine generated under the constraint"
+        if request_id == "json":
+            jsonschema.validate(json.loads(text_of(deltas)), SCHEMA)
+        else:
+            assert re.fullmatch(REGEX, text_of(deltas)), (request_id, text_of(deltas))
+    alone = LLM(str(tiny_checkpoint), **ENGINE_ARGS).generate(PROMPT, constrained(regex=REGEX))[0].outputs[0]
+    assert [t for d in results["greedy"] for t in d.new_token_ids] == alone.token_ids  # greedy: the same tokens
+
+
+def test_a_constraint_that_does_not_compile_is_refused_at_admission(workers, tiny_checkpoint):
+    _, decode = workers
+    [error] = serve(workers, tiny_checkpoint, [("bad", constrained(regex="[ab"))])
+    assert isinstance(error, ValueError) and "regex does not compile" in str(error)
+    with pytest.raises(ValueError, match="regex does not compile"):  # the decode worker's admit: no reservation
+        asyncio.run(decode.admit("bad-admit", PROMPT, constrained(regex="[ab")))
+    assert_decode_idle(decode)
+
+
+def test_the_decode_engine_checks_the_handed_off_token_against_the_constraint(workers, tiny_checkpoint):
+    """Adoption straight into the decode engine (what `DecodeWorker._adopt` does once the state landed): an
+    allowed first token is continued under the constraint, a rejected one fails its request and frees its
+    reservation."""
+    _, decode = workers
+    tokenizer = Tokenizer.from_dir(tiny_checkpoint)
+    allowed, rejected = tokenizer.encode("a")[0], tokenizer.encode("c")[0]
+
+    async def adopt(request_id: str, first_token_id: int):
+        stream = decode.engine.stream(request_id)
+
+        def add(e):
+            block_ids, slot_id = e.reserve(len(PROMPT))
+            e.add_prefilled_request(request_id, PROMPT, first_token_id, constrained(regex=REGEX), block_ids, slot_id)
+
+        await decode.engine.call(add)
+        try:
+            return [d async for d in stream]
+        except RequestFailedError as e:
+            return e
+
+    continued = asyncio.run(asyncio.wait_for(adopt("continued", allowed), 30))
+    failed = asyncio.run(asyncio.wait_for(adopt("failed", rejected), 30))
+    assert continued[0].new_token_ids == [allowed] and re.fullmatch(REGEX, text_of(continued))
+    assert isinstance(failed, RequestFailedError) and f"token {rejected} is not allowed" in str(failed)
+    assert_decode_idle(decode)
