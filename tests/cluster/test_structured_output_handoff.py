@@ -1,5 +1,5 @@
 """Structured outputs across the disaggregated handoff: a real router over an in-process prefill worker and decode
-worker (1P1D, transfer "local", the tiny model with random weights).
+worker (1P1D, transfer "local", the tiny model with random weights; test_decode_feed's workers).
 
 The prefill engine samples the first token under the constraint; the decode engine makes the request's matcher,
 feeds it that token before its first decode step, and constrains the rest. A regex of fixed length ("[ab]{5}")
@@ -25,17 +25,16 @@ import pytest
 from k3serve.cluster.router import DisaggregatedRouter
 from k3serve.decode.worker import DecodeWorker
 from k3serve.engine.async_engine import GenerateRequest
-from k3serve.engine.config import EngineArgs
 from k3serve.engine.llm import LLM
 from k3serve.engine.outputs import RequestFailedError
 from k3serve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from k3serve.model.config import ModelConfig
 from k3serve.model.tokenizer import Tokenizer
-from k3serve.prefill.worker import PrefillWorker
+
+from test_decode_feed import ENGINE_ARGS, workers  # noqa: F401  (workers: the in-process 1P1D fixture)
 
 pytestmark = pytest.mark.timeout(120)
 
-ENGINE_ARGS = dict(block_size=16, max_model_len=512, cache_memory_bytes=64 << 20)
 REGEX = "[ab]{5}"
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["S", "M", "L"]}},
           "required": ["ok", "size"], "additionalProperties": False}
@@ -45,16 +44,6 @@ PROMPT = [(j * 7) % 450 + 20 for j in range(30)]
 def constrained(temperature: float = 0.0, seed: int | None = None, max_tokens: int = 300, **constraint) -> SamplingParams:
     return SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
                           structured_outputs=StructuredOutputsParams(**constraint))
-
-
-@pytest.fixture(scope="module")
-def workers(tiny_checkpoint: Path):
-    args = EngineArgs(model=str(tiny_checkpoint), **ENGINE_ARGS)
-    prefill = PrefillWorker(args, transfer="local", name="prefill-0")
-    decode = DecodeWorker(args, transfer="local", name="decode-0")
-    yield prefill, decode
-    decode.shutdown()
-    prefill.shutdown()
 
 
 def serve(workers, tiny_checkpoint: Path, requests: list[tuple[str, SamplingParams]]) -> list:
