@@ -2,8 +2,9 @@
 # Create .venv with the CPU build of torch and k3serve (editable) with its serving and test extras.
 # Safe to re-run. CPU torch goes first: a looser torch spec would pull a multi-GB CUDA build.
 #   --system-deps  Debian packages (root): libibverbs1, which Mooncake links even without RDMA
-#   --test-tools   what the deploy tests run: promtool, helm, kubectl, kubernetes-validate, ...; and
-#                  Triton, whose interpreter runs our GPU kernels on the CPU in the tests
+#   --test-tools   what the deploy tests run: promtool, helm, kubectl, kubernetes-validate, ...
+# Triton comes with the package (xgrammar, for structured outputs, needs it), pinned to the GPU machine's
+# version in the same install: its interpreter runs our GPU kernels on the CPU in the tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SYSTEM_DEPS=0; TEST_TOOLS=0
@@ -21,10 +22,9 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip "setuptools>=77"
 .venv/bin/python -m pip install -q "torch==${K3SERVE_TORCH_VERSION:-2.13.0}"
-.venv/bin/python -m pip install -q -e ".[serve,test]"
+.venv/bin/python -m pip install -q -e ".[serve,test]" "triton==3.6.0"  # the GPU machine's version
 .venv/bin/python -m pip install -q --no-deps "nixl-cu13==1.5.1"
 if [ "$TEST_TOOLS" = 1 ]; then
   bash scripts/install_deploy_tools.sh .venv
-  .venv/bin/python -m pip install -q "triton==3.6.0"  # the GPU machine's version
 fi
 echo "k3serve installed in $(pwd)/.venv"
