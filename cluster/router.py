@@ -2,7 +2,8 @@
 
 One request:
     1. tokenize, check the prompt as the engines do (`engine/prompt_check.py`: its ids and
-       logit_bias's in the vocabulary, the context), so a bad one is refused at once, not after a
+       logit_bias's in the vocabulary, the context) and parse its structured output constraint
+       (`cluster/constraint_check.py`), so a bad one is refused at once, not after a
        wait in the queue;  pick the decode replica with the fewest requests in flight from here
        (then the most free blocks), `admit` there (reservation; its deltas will come
        through this router's feed from that replica, `cluster/decode_feed.py`, whose addresses
@@ -30,6 +31,7 @@ from typing import AsyncIterator, Sequence
 
 from k3serve.cluster.admission import AdmissionQueue
 from k3serve.cluster.api.errors import EngineOverloadedError
+from k3serve.cluster.constraint_check import check_constraint
 from k3serve.cluster.decode_feed import DecodeFeed, RequestDeltas
 from k3serve.cluster.metrics import IngressMetrics
 from k3serve.cluster.replica_metrics import ReplicaMetricsCollector
@@ -104,6 +106,7 @@ class DisaggregatedRouter:
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         rid, params = request.request_id, request.sampling_params
         check_prompt(prompt_ids, params, self.vocab_size, self.max_model_len)
+        check_constraint(params.structured_outputs)
         decode, target, deltas = await self.admission.admit(  # observes the queue time
             lambda: self._admit(rid, prompt_ids, params), f"request {rid} ({len(prompt_ids)} prompt tokens)")
         decode_done = False  # decode ended the request itself; otherwise its reservation is ours to free

@@ -1,6 +1,7 @@
 """Structured output at the ingress: every request field that asks for a constraint maps onto the engine's one
 `StructuredOutputsParams` as vLLM maps it, on both routes; a wrong shape is a 400 naming the field, two constraints
-a 400 naming both fields. (What the constrained output looks like: tests/serving/test_structured_outputs_e2e.py.)"""
+a 400 naming both fields. The constraint covers the whole output, so a constrained chat is never split into
+reasoning. (What the constrained output looks like: tests/serving/test_structured_outputs_e2e.py.)"""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ from k3serve.cluster.api.errors import APIError
 from k3serve.cluster.api.protocol import ChatCompletionRequest, CompletionRequest
 from k3serve.cluster.api.structured_outputs import structured_outputs_of
 from k3serve.engine.sampling_params import StructuredOutputsParams
+from k3serve.model.tokenizer import Tokenizer
 
 from test_api import CHAT, HI, PROMPT, assert_error
+from test_reasoning_api import ANSWER, THINKING, THOUGHT
+from test_tool_calls_api import ASK, ScriptedEngine, ingress
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 ROUTES = {"chat": lambda **fields: ChatCompletionRequest(messages=HI, **fields),
@@ -142,3 +146,18 @@ def test_a_wrong_shape_is_refused_naming_the_field(request_of, fields, param, wo
 ], ids=["chat-conflict", "completions-missing-schema"])
 async def test_the_app_answers_a_400_naming_the_field(http, route, body, param):
     assert_error(await http.post(route, json=body), 400, param=param)
+
+
+@pytest.mark.anyio
+async def test_a_constrained_chat_is_not_split_into_reasoning(tiny_checkpoint):
+    """A model's think block (scripted: the tiny model never thinks) comes back whole as content under a constraint,
+    its markers skipped as any special token, where without one it is split: the constraint covers it all."""
+    engine = ScriptedEngine(Tokenizer.from_dir(tiny_checkpoint))
+    engine.reply = engine.tokenizer.encode(THINKING)
+    async with ingress(engine) as http:
+        split = (await http.post(CHAT, json={"messages": ASK})).json()["choices"][0]["message"]
+        whole = (await http.post(CHAT, json={"messages": ASK, "guided_regex": "(.|\n)*"})).json()["choices"][0]
+    assert split == {"role": "assistant", "reasoning_content": THOUGHT, "content": ANSWER}
+    assert whole["message"] == {"role": "assistant", "content": THOUGHT + ANSWER}
+    params = engine.requests[1].sampling_params
+    assert params.structured_outputs == StructuredOutputsParams(regex="(.|\n)*") and not params.keep_special_token_ids
