@@ -34,7 +34,7 @@ class StructuredOutputsParams:
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):
-            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+            object.__setattr__(self, "json", json.dumps(self.json))  # the schema's key order is the output's
         if self.choice is not None:
             if isinstance(self.choice, str) or not all(isinstance(c, str) and c for c in self.choice) \
                     or not self.choice:
