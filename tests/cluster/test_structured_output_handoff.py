@@ -19,7 +19,6 @@ import json
 import re
 from pathlib import Path
 
-import jsonschema
 import pytest
 
 from k3serve.cluster.router import DisaggregatedRouter
@@ -89,7 +88,8 @@ def test_constrained_outputs_hold_across_the_handoff(workers, tiny_checkpoint):
         assert deltas[-1].finish_reason == "stop", (request_id, deltas[-1])
         assert len(deltas) > 2, f"{request_id}: the decode engine generated under the constraint"
         if request_id == "json":
-            jsonschema.validate(json.loads(text_of(deltas)), SCHEMA)
+            value = json.loads(text_of(deltas))
+            assert set(value) == {"ok", "size"} and type(value["ok"]) is bool and value["size"] in ("S", "M", "L"), value
         else:
             assert re.fullmatch(REGEX, text_of(deltas)), (request_id, text_of(deltas))
     alone = LLM(str(tiny_checkpoint), **ENGINE_ARGS).generate(PROMPT, constrained(regex=REGEX))[0].outputs[0]
