@@ -205,7 +205,8 @@ class LLMEngine:
         if verdict.failed:
             self._pending.append(self._end(request_id, error=verdict.failed[request_id]))
             return
-        status = RequestStatus.FINISHED_STOPPED if verdict.terminated else self.scheduler.check_stop(request, first_token_id)
+        status = (RequestStatus.FINISHED_STOPPED if verdict.terminated
+                  else self.scheduler.check_stop(request, first_token_id))
         if status is not None:  # the first token already ends it (prefill normally catches this)
             self.scheduler.finish_request(request_id, status.finish_reason)
         self._pending.append(self._delta(request_id, first_token_id, None, request if status is not None else None))

@@ -17,9 +17,10 @@ same ones, so a constraint complete before min_tokens leaves no token to sample 
 
 A matcher's state is the tokens its request generated. Preemption keeps them (only the KV and KDA state are
 computed again), so it keeps the matcher too, as vLLM v1 does; a decode engine makes the matcher of a handed-off
-request from the token the prefill engine sampled (`accept` before its first decode step). A batch without a
-constrained row costs one empty-dict check. xgrammar is imported with the first constrained request: an engine
-without it serves everything else, and refuses a constrained request with a ValueError that says so.
+request from the token the prefill engine sampled (`accept` before its first decode step). While no request is
+constrained a step pays one empty-dict check (then a scan of the batch's ids). xgrammar is imported with the
+first constrained request: an engine without it serves everything else, and refuses a constrained request with a
+ValueError that says so.
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ class GrammarCompiler:
                 return compiler.compile_json_schema('{"type": "object"}', max_whitespace_cnt=JSON_MAX_WHITESPACE)
             if kind == "regex":
                 return compiler.compile_regex(constraint.regex)
-            return compiler.compile_grammar(choice_grammar(constraint.choice) if kind == "choice" else constraint.grammar)
+            grammar = choice_grammar(constraint.choice) if kind == "choice" else constraint.grammar
+            return compiler.compile_grammar(grammar)
         except (RuntimeError, ValueError) as e:  # xgrammar raises RuntimeError for a constraint it cannot read
             raise ValueError(f"structured output {kind} does not compile: {_xgrammar_message(e)}") from None
 

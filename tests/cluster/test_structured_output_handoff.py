@@ -40,7 +40,8 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "size": {"
 PROMPT = [(j * 7) % 450 + 20 for j in range(30)]
 
 
-def constrained(temperature: float = 0.0, seed: int | None = None, max_tokens: int = 300, **constraint) -> SamplingParams:
+def constrained(temperature: float = 0.0, seed: int | None = None, max_tokens: int = 300,
+                **constraint) -> SamplingParams:
     return SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
                           structured_outputs=StructuredOutputsParams(**constraint))
 
@@ -89,7 +90,8 @@ def test_constrained_outputs_hold_across_the_handoff(workers, tiny_checkpoint):
         assert len(deltas) > 2, f"{request_id}: the decode engine generated under the constraint"
         if request_id == "json":
             value = json.loads(text_of(deltas))
-            assert set(value) == {"ok", "size"} and type(value["ok"]) is bool and value["size"] in ("S", "M", "L"), value
+            assert set(value) == {"ok", "size"}, value
+            assert type(value["ok"]) is bool and value["size"] in ("S", "M", "L"), value
         else:
             assert re.fullmatch(REGEX, text_of(deltas)), (request_id, text_of(deltas))
     alone = LLM(str(tiny_checkpoint), **ENGINE_ARGS).generate(PROMPT, constrained(regex=REGEX))[0].outputs[0]

@@ -67,7 +67,8 @@ SCHEMA_MAX_TOKENS = 8 * JSON_MAX_WHITESPACE + 30 + 1
 ASYNC_TIMEOUT_S = 60.0
 
 
-def constrained(temperature: float = 0.0, max_tokens: int = 16, seed: int | None = None, **constraint) -> SamplingParams:
+def constrained(temperature: float = 0.0, max_tokens: int = 16, seed: int | None = None,
+                **constraint) -> SamplingParams:
     return SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed,
                           structured_outputs=StructuredOutputsParams(**constraint))
 
@@ -153,7 +154,8 @@ def tokenizer(request, tiny_checkpoint, tmp_path) -> Tokenizer:
     lines = [f"{base64.b64encode(b).decode()} {i}" for i, b in enumerate(tiny.token_bytes(list(range(num_base))))]
     (tmp_path / "tiktoken.model").write_text("\n".join(lines) + "\n")
     names = ["[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>"]
-    config = {"added_tokens_decoder": {str(num_base + 3 * k): {"content": t, "special": True} for k, t in enumerate(names)},
+    added = {str(num_base + 3 * k): {"content": t, "special": True} for k, t in enumerate(names)}
+    config = {"added_tokens_decoder": added,
               "bos_token": "[BOS]", "eos_token": "[EOS]"}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     return Tokenizer.from_dir(tmp_path)
@@ -163,7 +165,8 @@ def test_the_mask_allows_exactly_the_tokens_that_continue_the_constraint(tokeniz
     vocab_size = tokenizer.vocab_size + 7  # a model vocabulary padded past the tokenizer's
     outputs = StructuredOutputs(tokenizer, vocab_size)
     end_of_turn = tokenizer.special_token_id("<|im_end|>")
-    outputs.add("r", SamplingParams(stop_token_ids=[end_of_turn], structured_outputs=StructuredOutputsParams(regex="[ab]{3}")))
+    outputs.add("r", SamplingParams(stop_token_ids=[end_of_turn],
+                                    structured_outputs=StructuredOutputsParams(regex="[ab]{3}")))
     pieces = tokenizer.token_bytes(list(range(tokenizer.vocab_size)))
 
     def of_ab(max_len: int) -> set[int]:
@@ -217,7 +220,8 @@ def run_mixed_batch(engine: LLMEngine, with_constrained: bool) -> dict[str, tupl
     finish reason, raw-logprob ranks of its greedy tokens)."""
     free = dict(max_tokens=14, ignore_eos=True, logprobs=0)
     joins = {
-        0: [("greedy", SamplingParams(temperature=0.0, **free)), ("seeded", SamplingParams(temperature=0.9, seed=4, **free))],
+        0: [("greedy", SamplingParams(temperature=0.0, **free)),
+            ("seeded", SamplingParams(temperature=0.9, seed=4, **free))],
         4: [("late", SamplingParams(temperature=0.0, **{**free, "max_tokens": 6}))],
     }
     if with_constrained:
@@ -339,7 +343,8 @@ def test_a_preempted_request_keeps_its_matcher_and_its_output(make_llm, tiny_che
     alone = make_llm().generate(prompt, params)[0].outputs[0]
     assert re.fullmatch("[ab ]{30}", alone.text) and alone.finish_reason == "stop"
 
-    engine = make_llm(max_num_seqs=8, max_model_len=1100, cache_memory_bytes=cache_bytes_for(tiny_checkpoint, 22, 16)).engine
+    small_cache = cache_bytes_for(tiny_checkpoint, num_blocks=22, num_slots=16)
+    engine = make_llm(max_num_seqs=8, max_model_len=1100, cache_memory_bytes=small_cache).engine
     for n in (1, 40, 126, 250, 700, 1020, 62):
         engine.add_request(random_prompt(gen, n), SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True))
     victim = engine.scheduler.requests[engine.add_request(prompt, params)]
@@ -363,11 +368,12 @@ def test_a_rejected_token_fails_its_request_and_the_engine_serves_the_rest(make_
         async def collect(request_id, prompt, params):
             return [d async for d in engine.generate(GenerateRequest(request_id, prompt, params))]
 
-        return await asyncio.gather(collect("stuck", [1, 2, 3], stuck), collect("fine", [4, 5, 6], constrained(regex=REGEX)),
-                                    return_exceptions=True)
+        return await asyncio.gather(collect("stuck", [1, 2, 3], stuck),
+                                    collect("fine", [4, 5, 6], constrained(regex=REGEX)), return_exceptions=True)
 
     failed, served = asyncio.run(asyncio.wait_for(both(), ASYNC_TIMEOUT_S))
-    assert isinstance(failed, RequestFailedError) and "is not allowed by its structured output constraint" in str(failed)
+    assert isinstance(failed, RequestFailedError), failed
+    assert "is not allowed by its structured output constraint" in str(failed)
     assert re.fullmatch(REGEX, "".join(d.new_text for d in served)) and served[-1].finish_reason == "stop"
 
 
