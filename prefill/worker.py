@@ -126,7 +126,7 @@ class PrefillWorker:
         """Compute the prompt, sample the first token, hand the state to `target`."""
         start = time.perf_counter()
         last: RequestDelta | None = None
-        first_only = dataclasses.replace(params, max_tokens=1)
+        first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         async for delta in self.engine.generate(GenerateRequest(request_id, prompt_token_ids, first_only)):
             last = delta
         prefill_seconds = time.perf_counter() - start
