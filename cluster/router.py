@@ -3,7 +3,7 @@
 One request:
     1. tokenize, check the prompt as the engines do (`engine/prompt_check.py`: its ids and
        logit_bias's in the vocabulary, the context) and parse its structured output constraint
-       (`cluster/constraint_check.py`), so a bad one is refused at once, not after a
+       (`engine/structured_output.parse_constraint`), so a bad one is refused at once, not after a
        wait in the queue;  pick the decode replica with the fewest requests in flight from here
        (then the most free blocks), `admit` there (reservation; its deltas will come
        through this router's feed from that replica, `cluster/decode_feed.py`, whose addresses
@@ -31,7 +31,6 @@ from typing import AsyncIterator, Sequence
 
 from k3serve.cluster.admission import AdmissionQueue
 from k3serve.cluster.api.errors import EngineOverloadedError
-from k3serve.cluster.constraint_check import check_constraint
 from k3serve.cluster.decode_feed import DecodeFeed, RequestDeltas
 from k3serve.cluster.metrics import IngressMetrics
 from k3serve.cluster.replica_metrics import ReplicaMetricsCollector
@@ -40,6 +39,7 @@ from k3serve.decode.worker import UnknownFeedError
 from k3serve.engine.async_engine import GenerateRequest
 from k3serve.engine.outputs import RequestDelta
 from k3serve.engine.prompt_check import check_prompt
+from k3serve.engine.structured_output import parse_constraint
 from k3serve.model.tokenizer import Tokenizer
 from k3serve.prefill.worker import HandoffTarget
 from k3serve.transfer.control import NoCapacityError
@@ -106,7 +106,8 @@ class DisaggregatedRouter:
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         rid, params = request.request_id, request.sampling_params
         check_prompt(prompt_ids, params, self.vocab_size, self.max_model_len)
-        check_constraint(params.structured_outputs)
+        if params.structured_outputs is not None:
+            parse_constraint(params.structured_outputs)
         decode, target, deltas = await self.admission.admit(  # observes the queue time
             lambda: self._admit(rid, prompt_ids, params), f"request {rid} ({len(prompt_ids)} prompt tokens)")
         decode_done = False  # decode ended the request itself; otherwise its reservation is ours to free

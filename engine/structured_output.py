@@ -79,6 +79,24 @@ def choice_grammar(choice: tuple[str, ...]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choice)
 
 
+def parse_constraint(constraint: StructuredOutputsParams) -> Any:
+    """The xgrammar Grammar of `constraint`: its schema, regex or grammar parsed, which needs no vocabulary (the
+    disaggregated ingress checks a request with this before queueing it, as vLLM's frontend does; the engines
+    compile the result against theirs). ValueError naming what does not parse, in the engine's words."""
+    xgr = import_xgrammar()
+    kind = constraint.kind
+    try:
+        if kind in ("json", "json_object"):
+            schema = constraint.json if kind == "json" else '{"type": "object"}'
+            json.loads(schema)  # a clean message for text that is not JSON at all
+            return xgr.Grammar.from_json_schema(schema, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(constraint.regex)
+        return xgr.Grammar.from_ebnf(choice_grammar(constraint.choice) if kind == "choice" else constraint.grammar)
+    except (RuntimeError, ValueError) as e:  # xgrammar raises RuntimeError for a constraint it cannot read
+        raise ValueError(f"structured output {kind} does not compile: {_xgrammar_message(e)}") from None
+
+
 class GrammarCompiler:
     """Compiles constraints against one engine's vocabulary. The vocabulary (xgrammar's TokenizerInfo: every
     token id's bytes, the special tokens emptied so no grammar can match their text, the tokenizer's stop ids)
@@ -109,20 +127,11 @@ class GrammarCompiler:
         return compiled
 
     def _compile(self, constraint: StructuredOutputsParams) -> Any:
-        compiler = self._xgrammar_compiler()
-        kind = constraint.kind
+        grammar = parse_constraint(constraint)
         try:
-            if kind == "json":
-                json.loads(constraint.json)  # a clean message for text that is not JSON at all
-                return compiler.compile_json_schema(constraint.json, max_whitespace_cnt=JSON_MAX_WHITESPACE)
-            if kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', max_whitespace_cnt=JSON_MAX_WHITESPACE)
-            if kind == "regex":
-                return compiler.compile_regex(constraint.regex)
-            grammar = choice_grammar(constraint.choice) if kind == "choice" else constraint.grammar
-            return compiler.compile_grammar(grammar)
-        except (RuntimeError, ValueError) as e:  # xgrammar raises RuntimeError for a constraint it cannot read
-            raise ValueError(f"structured output {kind} does not compile: {_xgrammar_message(e)}") from None
+            return self._xgrammar_compiler().compile_grammar(grammar)
+        except (RuntimeError, ValueError) as e:
+            raise ValueError(f"structured output {constraint.kind} does not compile: {_xgrammar_message(e)}") from None
 
     def _xgrammar_compiler(self) -> Any:
         if self._compiler is None:

@@ -5,7 +5,7 @@ transfer "local", the tiny model; the harness of test_admission_queue.py, whose 
   constraint and the decode engine goes on from there, so the text matches the regex whole, on every choice of n.
 - A constraint the engine cannot compile is refused by the ingress itself with the engine's 400, at once, while the
   only decode slot is taken and the admission queue is full: not a 503 for the queue, not after a wait, and no
-  engine sees it. The ingress parses (cluster/constraint_check.py) where the engine compiles: for every kind, what
+  engine sees it. The ingress parses (engine/structured_output.parse_constraint) where the engine compiles: for every kind, what
   one refuses the other refuses in the same words.
 """
 
@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from k3serve.cluster.api import build_app
-from k3serve.cluster.constraint_check import check_constraint
+from k3serve.engine.structured_output import parse_constraint
 from k3serve.engine.sampling_params import StructuredOutputsParams
 from k3serve.engine.structured_output import GrammarCompiler
 from k3serve.model.config import ModelConfig
@@ -62,7 +62,7 @@ def test_the_ingress_refuses_what_the_engine_refuses_in_its_words(tiny_checkpoin
     engine = GrammarCompiler(Tokenizer.from_dir(tiny_checkpoint), ModelConfig.from_dir(tiny_checkpoint).vocab_size)
     refused = outcome(engine.compile, constraint)
     assert (refused == "ok") == compiles, refused
-    assert outcome(check_constraint, constraint) == refused
+    assert outcome(parse_constraint, constraint) == refused
 
 
 async def test_a_regex_holds_across_the_handoff_on_every_choice(workers, tiny_checkpoint) -> None:  # noqa: F811
