@@ -34,7 +34,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from k3serve.decode.handoff import make_receiver
 from k3serve.engine.async_engine import AsyncEngine, DeltaFeed, Item
@@ -77,6 +77,7 @@ class _Pending:
     params: SamplingParams | None = None
     shares: dict[int, dict[int, dict[str, str]]] = field(default_factory=dict)  # prefill rank -> decode rank -> sums
     first_token_id: int | None = None
+    grammar: Any = None  # the structured output constraint's compiled grammar, for the adoption
 
 
 class DecodeWorker:
@@ -105,6 +106,7 @@ class DecodeWorker:
         self._lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}
         self._streams: dict[str, AsyncIterator[RequestDelta]] = {}  # admitted, not yet followed
+        self._admitting: dict[str, bool] = {}  # request id -> aborted while `admit` awaited; the event loop's
         self._feeds: dict[str, DeltaFeed] = {}  # open feeds by id
         self.receiver = self.server = None
         try:
@@ -151,18 +153,25 @@ class DecodeWorker:
     ) -> Reservation:
         """Reserve room for a request the ingress routes here; raises NoCapacityError if full.
         Its deltas go to the open feed `feed`, else to `stream(request_id)`; either is set up
-        now, so nothing the handoff produces can be missed. A structured output constraint this
-        engine cannot serve (it does not compile, or no xgrammar here) is a ValueError now, before
-        the prompt runs anywhere."""
-        def reserve(e: LLMEngine) -> Reservation:
-            e.structured_outputs.check(params.structured_outputs)  # compiled now, cached for the adoption
-            return self._reserve(e, request_id, len(prompt_token_ids))
-
-        reservation = await self.engine.call(reserve)
+        now, so nothing the handoff produces can be missed. A structured output constraint is
+        compiled first, off the engine thread (its steps go on), and kept for the adoption: one this
+        engine cannot serve (it does not compile, or no xgrammar here) is a ValueError, before
+        anything is reserved or the prompt runs anywhere. An abort while this awaits leaves nothing."""
+        if request_id in self._admitting:
+            raise InvalidArgumentError(f"request {request_id!r} is already being admitted here")
+        self._admitting[request_id] = False
+        try:
+            grammar = await self.engine.grammar(params.structured_outputs)
+            reservation = await self.engine.call(lambda e: self._reserve(e, request_id, len(prompt_token_ids)))
+        finally:
+            aborted = self._admitting.pop(request_id)
+        if aborted:  # `abort_request` found nothing to free yet: the reservation goes now
+            await self.engine.abort(request_id)
+            raise UnknownRequestError(f"request {request_id!r} was aborted during its admission")
         with self._lock:
             pending = self._pending.get(request_id)
             if pending is not None:
-                pending.prompt_token_ids, pending.params = list(prompt_token_ids), params
+                pending.prompt_token_ids, pending.params, pending.grammar = list(prompt_token_ids), params, grammar
         if feed is None:
             self._streams[request_id] = self.engine.stream(request_id)
         elif feed in self._feeds:  # checked after the await: the feed may have ended meanwhile
@@ -197,6 +206,8 @@ class DecodeWorker:
                 await self.engine.abort(request_id)
 
     async def abort_request(self, request_id: str) -> None:
+        if request_id in self._admitting:
+            self._admitting[request_id] = True
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             await stream.aclose()
@@ -293,7 +304,7 @@ class DecodeWorker:
                 raise error
         try:
             e.add_prefilled_request(request_id, pending.prompt_token_ids, pending.first_token_id, pending.params,
-                                    list(res.block_ids), res.slot_id)
+                                    list(res.block_ids), res.slot_id, pending.grammar)
         except ValueError as error:  # refused before it took the reservation: free it, end the stream
             e.cancel_reservation(list(res.block_ids), res.slot_id)
             self.engine.fail(request_id, error)

@@ -2,10 +2,15 @@
 ends the stream with a last delta (finish_reason "abort"). Either that or a consumer that stops
 iterating frees everything the request held.
 
-One background thread owns the `LLMEngine` and is the only one that touches it; asyncio callers
-talk to it through a command queue, and it hands deltas back with `call_soon_threadsafe`, once per
-event loop per step (one wake-up of the loop however many requests the step advanced). The
-thread sleeps on the queue when there is no work, so an idle engine costs no CPU.
+One background thread owns the `LLMEngine` and is the only one that touches it (but for its thread-safe
+grammar compiler); asyncio callers talk to it through a command queue, and it hands deltas back with
+`call_soon_threadsafe`, once per event loop per step (one wake-up of the loop however many requests the
+step advanced). The thread sleeps on the queue when there is no work, so an idle engine costs no CPU.
+
+A constrained request (structured outputs) whose grammar is not compiled yet does not stall the others while it
+compiles: the engine thread hands the compile to the grammar compiler's threads, keeps the request aside, and adds
+it when the compile's result comes back through the command queue (as vLLM keeps such a request waiting). A
+constraint that does not compile ends the stream with its ValueError; an abort meanwhile leaves nothing behind.
 
 A request's deltas go to its own queue (`generate`, `stream`) or into a `DeltaFeed` shared by many
 requests (`follow`), which hands its consumer everything a step produced as one batch: what a
@@ -26,7 +31,7 @@ from k3serve.engine.config import EngineArgs
 from k3serve.engine.llm_engine import LLMEngine
 from k3serve.engine.outputs import RequestDelta, RequestFailedError
 from k3serve.engine.tp_group import TPGroup
-from k3serve.engine.sampling_params import SamplingParams
+from k3serve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 T = TypeVar("T")
@@ -109,6 +114,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self.on_abort: Callable[[str], None] | None = None  # engine thread, after every abort
+        self._awaiting_grammar: dict[str, GenerateRequest] = {}  # engine thread: added once their grammar is ready
         self._thread = threading.Thread(target=self._run, name="k3serve-engine", daemon=True)
         self._thread.start()
 
@@ -161,6 +167,14 @@ class AsyncEngine:
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         self._commands.put(("call", (fn, future)))
         return future
+
+    async def grammar(self, constraint: StructuredOutputsParams | None) -> Any:
+        """`constraint` compiled against this engine's vocabulary off the engine thread (the compiler is
+        thread-safe), for a request that enters the engine by other means (`LLMEngine.add_prefilled_request`'s
+        `grammar`); None for None. ValueError for a constraint that does not compile."""
+        if constraint is None:
+            return None
+        return await asyncio.wrap_future(self.engine.structured_outputs.compiler.compile_async(constraint))
 
     def fail(self, request_id: str, error: BaseException) -> None:
         """End the stream of `request_id` (if anyone follows it) by raising `error` there."""
@@ -232,12 +246,15 @@ class AsyncEngine:
             if kind == "stop":
                 return False
             if kind == "add":
-                try:
-                    self.engine.add_request(arg.prompt, arg.sampling_params, arg.request_id)
-                except ValueError as e:
-                    self._emit(arg.request_id, e)
+                self._add(arg)
+            elif kind == "grammar":  # a compile that `_add` started has ended
+                request, grammar = arg
+                if self._awaiting_grammar.get(request.request_id) is request:  # not aborted meanwhile
+                    del self._awaiting_grammar[request.request_id]
+                    self._add(request, grammar)
             elif kind == "abort":
-                delta = self.engine.abort_request(arg)
+                awaiting = self._awaiting_grammar.pop(arg, None)
+                delta = self.engine.abort_request(arg) if awaiting is None else self._abort_unadmitted(awaiting)
                 if delta is not None:  # ends a consumer still iterating (abort() from elsewhere)
                     self._emit(arg, delta)
                 if self.on_abort is not None:
@@ -255,6 +272,31 @@ class AsyncEngine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return True
+
+    def _add(self, request: GenerateRequest, grammar: concurrent.futures.Future | None = None) -> None:
+        """Engine thread: `request` into the engine, with its compiled grammar (`grammar`, done) if constrained. A
+        constraint not compiled yet starts compiling on the compiler's threads; the request waits aside until
+        that compile's "grammar" command comes back here. A bad request ends its stream with the ValueError."""
+        constraint = request.sampling_params.structured_outputs
+        if grammar is None and constraint is not None:
+            grammar = self.engine.structured_outputs.compiler.compile_async(constraint)
+            if not grammar.done():
+                self._awaiting_grammar[request.request_id] = request
+                grammar.add_done_callback(lambda done: self._commands.put(("grammar", (request, done))))
+                return
+        try:
+            self.engine.add_request(request.prompt, request.sampling_params, request.request_id,
+                                    None if grammar is None else grammar.result())
+        except ValueError as e:
+            self._emit(request.request_id, e)
+
+    def _abort_unadmitted(self, request: GenerateRequest) -> RequestDelta:
+        """The last delta of a request aborted while its grammar compiled: the engine never held it."""
+        prompt = request.prompt
+        num_prompt_tokens = len(self.engine.tokenizer.encode(prompt)) if isinstance(prompt, str) else len(prompt)
+        return RequestDelta(request_id=request.request_id, new_token_ids=[], new_text="", finished=True,
+                            finish_reason="abort", logprobs=None, num_prompt_tokens=num_prompt_tokens,
+                            num_output_tokens=0)
 
     def _emit(self, request_id: str, item: Item) -> None:
         self._emit_all([(request_id, item)])

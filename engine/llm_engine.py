@@ -5,7 +5,8 @@
 
 A constrained request (`SamplingParams.structured_outputs`) gets its matcher at submission and its row masked
 before sampling; its token then advances the matcher, which may end it ("stop") or fail it (a delta with `error`;
-`engine/structured_output.py`).
+`engine/structured_output.py`). Its grammar is compiled off the step loop by whoever submits it (`AsyncEngine`, the
+decode worker), who hands it in; without one, submission compiles it and waits (the offline `LLM`).
 
 `LLM` (offline) and `AsyncEngine` (streaming) drive it; prefill and decode workers reuse it.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -137,10 +139,12 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, grammar: Any = None
     ) -> str:
         """Queue a request; returns its id. Raises ValueError for a prompt the engine cannot serve, or a
-        structured output constraint it cannot compile."""
+        structured output constraint it cannot compile. `grammar`: the constraint's compiled grammar, from
+        `structured_outputs.compiler.compile_async`; without it a constrained request is compiled now, which
+        holds up the step loop (tens of ms at K3's vocabulary, ~1 s for the first)."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._tracked:
             raise ValueError(f"duplicate request_id {request_id!r}")
@@ -149,7 +153,7 @@ class LLMEngine:
         check_prompt(token_ids, params, self.config.vocab_size, self.args.max_model_len)
         if params.max_tokens is None:  # until the context is full
             params = _with_max_tokens(params, self.args.max_model_len - len(token_ids))
-        self.structured_outputs.add(request_id, params)
+        self.structured_outputs.add(request_id, params, grammar)
         self.scheduler.add_request(Request(request_id, token_ids, params))
         self._tracked[request_id] = _Tracked(
             params=params,
@@ -180,17 +184,19 @@ class LLMEngine:
         params: SamplingParams,
         block_ids: list[int],
         slot_id: int,
+        grammar: Any = None,
     ) -> None:
         """Continue a request whose prompt was computed by a prefill engine and whose KV and KDA
         state now sit in the reserved `block_ids` / `slot_id`. Decode starts at the first sampled
         token: no prompt token is ever applied to the state again. Takes ownership of the
         reservation (freed when the request finishes) unless it raises (ValueError: a prompt or
-        constraint this engine cannot serve). A constrained request's matcher takes the first
-        token now: a token its constraint rejects fails the request, one that completes it ends it."""
+        constraint this engine cannot serve; `grammar` as in `add_request`). A constrained request's
+        matcher takes the first token now: a token its constraint rejects fails the request, one that
+        completes it ends it."""
         check_prompt(prompt_token_ids, params, self.config.vocab_size, self.args.max_model_len)
         if params.max_tokens is None:
             params = _with_max_tokens(params, self.args.max_model_len - len(prompt_token_ids))
-        self.structured_outputs.add(request_id, params)
+        self.structured_outputs.add(request_id, params, grammar)
         request = Request(
             request_id, prompt_token_ids, params, output_token_ids=[first_token_id],
             num_computed_tokens=len(prompt_token_ids), block_ids=list(block_ids), slot_id=slot_id,
@@ -259,7 +265,8 @@ class LLMEngine:
         )
 
     def close(self) -> None:
-        """Release the TP followers (they exit their loop) and the process group."""
+        """Release the TP followers (they exit their loop), the process group and the compile threads."""
+        self.structured_outputs.close()
         group = self.runner.group
         if group is not None:
             group.lead(("stop",))

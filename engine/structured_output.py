@@ -1,9 +1,12 @@
 """Structured outputs: a request's output held to a JSON schema, any JSON object, a regex, a choice or an EBNF
 grammar (`SamplingParams.structured_outputs`), with xgrammar, as vLLM v1 does it.
 
-    submission   the constraint compiled against the engine's vocabulary (an LRU of compiled grammars, keyed by
-                 the constraint): a bad schema, regex or grammar is a ValueError there (the API's 400); the
-                 request gets its own matcher
+    submission   the constraint compiled against the engine's vocabulary on a thread pool, never on the engine's
+                 thread (an LRU of compiled grammars, keyed by the constraint; a compile at K3's vocabulary takes
+                 tens to hundreds of ms, the first one also imports xgrammar and builds the vocabulary, ~1 s): the
+                 request enters the engine once its grammar is ready (`AsyncEngine`, the decode worker's admit),
+                 and gets its own matcher there; a bad schema, regex or grammar is a ValueError before it enters
+                 (the API's 400)
     every step   the batch's constrained rows only: each matcher fills its row of a host bitmask (1 bit a token,
                  [rows, ceil(V / 32)] int32), one copy to the logits' device, every token a row's constraint
                  does not allow -> -inf (`engine/sampler.py`, before anything else; logprobs stay raw)
@@ -19,8 +22,9 @@ A matcher's state is the tokens its request generated. Preemption keeps them (on
 computed again), so it keeps the matcher too, as vLLM v1 does; a decode engine makes the matcher of a handed-off
 request from the token the prefill engine sampled (`accept` before its first decode step). While no request is
 constrained a step pays one empty-dict check (then a scan of the batch's ids). xgrammar is imported with the
-first constrained request: an engine without it serves everything else, and refuses a constrained request with a
-ValueError that says so.
+first constrained request, on the compile pool: an engine without it serves everything else, and refuses a
+constrained request with a ValueError that says so. xgrammar's compile releases the GIL, so the engine's steps go
+on while it runs.
 """
 
 from __future__ import annotations
@@ -28,7 +32,10 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import threading
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +57,10 @@ move on, and a schema of bounded values gives a bounded output (finishes within 
 COMPILED_GRAMMAR_CACHE_SIZE = 64
 """Compiled grammars kept for reuse. A request holds its own grammar while it runs, so eviction never recompiles
 a running request's; it only makes a later request with that constraint compile it again."""
+
+COMPILE_THREADS = 2
+"""Constraints compiled at once, on their own threads: more than one, so a slow schema does not hold up every
+request behind it; few, since xgrammar spreads each compilation over its own threads (`max_threads`, 8)."""
 
 
 class ConstraintViolationError(RuntimeError):
@@ -98,10 +109,12 @@ def parse_constraint(constraint: StructuredOutputsParams) -> Any:
 
 
 class GrammarCompiler:
-    """Compiles constraints against one engine's vocabulary. The vocabulary (xgrammar's TokenizerInfo: every
-    token id's bytes, the special tokens emptied so no grammar can match their text, the tokenizer's stop ids)
-    is built with the first compilation; each constraint is compiled once while it stays among the
-    `cache_size` last used."""
+    """Compiles constraints against one engine's vocabulary, on `COMPILE_THREADS` threads of its own (started with
+    the first compilation), so a compilation never stalls the thread that asks for it; thread-safe. The
+    vocabulary (xgrammar's TokenizerInfo: every token id's bytes, the special tokens emptied so no grammar can match
+    their text, the tokenizer's stop ids) is built with the first compilation, on those threads: an engine without
+    constrained requests never pays it. Each constraint is compiled once while it stays among the `cache_size`
+    last used; requests that ask for one being compiled share that compilation."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = COMPILED_GRAMMAR_CACHE_SIZE) -> None:
         if cache_size < 1:
@@ -110,20 +123,59 @@ class GrammarCompiler:
         self.vocab_size = vocab_size  # the logits' width (the model's vocabulary): the bitmask covers it
         self.cache_size = cache_size
         self.num_compiled = 0  # compilations so far (cache misses that compiled)
+        self.on_compile: Callable[[StructuredOutputsParams], None] | None = None
+        """Called on the compiling thread as each compilation starts: where a test holds one."""
+        self._lock = threading.Lock()  # the cache, the compilations under way, num_compiled, the pool
         self._cache: OrderedDict[StructuredOutputsParams, Any] = OrderedDict()
+        self._compiling: dict[StructuredOutputsParams, Future] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._vocabulary_lock = threading.Lock()  # one vocabulary, built by the first compilation
         self._compiler: Any = None
 
     def compile(self, constraint: StructuredOutputsParams) -> Any:
-        """The xgrammar CompiledGrammar of `constraint`; ValueError naming what does not compile."""
-        compiled = self._cache.get(constraint)
-        if compiled is not None:
-            self._cache.move_to_end(constraint)
-            return compiled
-        compiled = self._compile(constraint)
-        self.num_compiled += 1
-        self._cache[constraint] = compiled
-        if len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+        """The xgrammar CompiledGrammar of `constraint`, waiting for it; ValueError naming what does not compile."""
+        return self.compile_async(constraint).result()
+
+    def compile_async(self, constraint: StructuredOutputsParams) -> Future:
+        """A future of `compile(constraint)`, done at once when the grammar is cached. Each caller gets its own
+        future: cancelling it (a request that went away) cancels nobody else's wait, nor the compilation."""
+        result: Future = Future()
+        with self._lock:
+            compiled = self._cache.get(constraint)
+            if compiled is not None:
+                self._cache.move_to_end(constraint)
+                result.set_result(compiled)
+                return result
+            compiling = self._compiling.get(constraint)
+            if compiling is None:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="k3serve-grammar")
+                compiling = self._compiling[constraint] = self._pool.submit(self._compile_and_cache, constraint)
+        compiling.add_done_callback(lambda done: _pass_on(done, result))
+        return result
+
+    def close(self) -> None:
+        """Let the compile threads end once the compilations queued finish (the engine stops)."""
+        with self._lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+
+    def _compile_and_cache(self, constraint: StructuredOutputsParams) -> Any:
+        """A compile thread: compile, then cache the grammar (nothing for a failure: a ValueError each time)."""
+        try:
+            if self.on_compile is not None:
+                self.on_compile(constraint)
+            compiled = self._compile(constraint)
+        except BaseException:
+            with self._lock:
+                del self._compiling[constraint]
+            raise
+        with self._lock:
+            del self._compiling[constraint]
+            self.num_compiled += 1
+            self._cache[constraint] = compiled
+            if len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
         return compiled
 
     def _compile(self, constraint: StructuredOutputsParams) -> Any:
@@ -134,11 +186,24 @@ class GrammarCompiler:
             raise ValueError(f"structured output {constraint.kind} does not compile: {_xgrammar_message(e)}") from None
 
     def _xgrammar_compiler(self) -> Any:
-        if self._compiler is None:
-            xgr = import_xgrammar()
-            self._compiler = xgr.GrammarCompiler(tokenizer_info(xgr, self.tokenizer, self.vocab_size),
-                                                 cache_enabled=False)  # this class is the cache
-        return self._compiler
+        with self._vocabulary_lock:
+            if self._compiler is None:
+                xgr = import_xgrammar()
+                self._compiler = xgr.GrammarCompiler(tokenizer_info(xgr, self.tokenizer, self.vocab_size),
+                                                     cache_enabled=False)  # this class is the cache
+            return self._compiler
+
+
+def _pass_on(source: Future, target: Future) -> None:
+    """`source`'s outcome into `target`, unless `target`'s caller cancelled it."""
+    if source.cancelled():
+        target.cancel()
+    elif target.set_running_or_notify_cancel():
+        error = source.exception()
+        if error is None:
+            target.set_result(source.result())
+        else:
+            target.set_exception(error)
 
 
 def tokenizer_info(xgr: Any, tokenizer: Tokenizer, vocab_size: int) -> Any:
@@ -207,25 +272,25 @@ class StructuredOutputs:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
 
-    def check(self, constraint: StructuredOutputsParams | None) -> None:
-        """ValueError if `constraint` cannot be served here (no xgrammar, or it does not compile); compiles and
-        caches it otherwise (a decode engine checks at admission, before the prompt runs elsewhere)."""
-        if constraint is not None:
-            self.compiler.compile(constraint)
-
-    def add(self, request_id: str, params: SamplingParams) -> None:
-        """Give a constrained request its matcher (nothing for an unconstrained one); ValueError as `check`."""
+    def add(self, request_id: str, params: SamplingParams, grammar: Any = None) -> None:
+        """Give a constrained request its matcher (nothing for an unconstrained one). `grammar`: its constraint's
+        CompiledGrammar where the caller compiled it off this thread (`GrammarCompiler.compile_async`); compiled
+        here otherwise, waiting for it (the offline `LLM`). ValueError for a constraint that does not compile."""
         if params.structured_outputs is None:
             return
         if request_id in self._matchers:
             raise ValueError(f"duplicate request_id {request_id!r}")
-        compiled = self.compiler.compile(params.structured_outputs)
+        compiled = grammar if grammar is not None else self.compiler.compile(params.structured_outputs)
         stop_token_ids = {self.eos_token_id, *params.stop_token_ids} - {None}
         stop_token_ids = sorted(t for t in stop_token_ids if t < self.compiler.vocab_size)
         if not stop_token_ids:
             raise ValueError("structured outputs need an end token: the tokenizer has no EOS and the request no "
                              "stop_token_ids")
         self._matchers[request_id] = import_xgrammar().GrammarMatcher(compiled, override_stop_tokens=stop_token_ids)
+
+    def close(self) -> None:
+        """The engine stops: so do the compile threads."""
+        self.compiler.close()
 
     def release(self, request_id: str) -> None:
         """The request finished, was aborted or failed: its matcher goes."""

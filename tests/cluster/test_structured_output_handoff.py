@@ -7,6 +7,8 @@ checks the join: a decode matcher that missed the first token would allow five m
 
 - regex (greedy and sampled) and JSON schema outputs are of their language and finish "stop";
 - a constraint that does not compile is a ValueError at admission, before any prompt runs, and leaves nothing;
+- admission compiles the constraint off the decode engine's thread (the engine answers while the compile is held),
+  and a request aborted meanwhile gets no reservation;
 - on the decode engine, a first token the constraint rejects fails the request (RequestFailedError on its stream)
   and frees its reservation; an allowed one is continued under the constraint.
 Afterwards the decode engine holds no request, reservation or matcher.
@@ -23,6 +25,7 @@ import pytest
 
 from k3serve.cluster.router import DisaggregatedRouter
 from k3serve.decode.worker import DecodeWorker
+from k3serve.transfer.control import UnknownRequestError
 from k3serve.engine.async_engine import GenerateRequest
 from k3serve.engine.llm import LLM
 from k3serve.engine.outputs import RequestFailedError
@@ -30,6 +33,7 @@ from k3serve.engine.sampling_params import SamplingParams, StructuredOutputsPara
 from k3serve.model.config import ModelConfig
 from k3serve.model.tokenizer import Tokenizer
 
+from _held_compile import HeldCompile
 from test_decode_feed import ENGINE_ARGS, workers  # noqa: F401  (workers: the in-process 1P1D fixture)
 
 pytestmark = pytest.mark.timeout(120)
@@ -104,6 +108,30 @@ def test_a_constraint_that_does_not_compile_is_refused_at_admission(workers, tin
     assert isinstance(error, ValueError) and "regex does not compile" in str(error)
     with pytest.raises(ValueError, match="regex does not compile"):  # the decode worker's admit: no reservation
         asyncio.run(decode.admit("bad-admit", PROMPT, constrained(regex="[ab")))
+    assert_decode_idle(decode)
+
+
+def test_admission_compiles_off_the_engine_thread_and_an_abort_meanwhile_leaves_no_reservation(workers):
+    """The ingress aborts a request whose admission is compiling its constraint (a router in another process: its
+    abort comes as a call of its own, not as the admission's cancellation)."""
+    _, decode = workers
+    held = HeldCompile()
+    decode.engine.engine.structured_outputs.compiler.on_compile = held
+
+    async def admit_then_abort():
+        admission = asyncio.create_task(decode.admit("aborted", PROMPT, constrained(regex="[cd]{4}")))
+        await held.wait_started()
+        answered = await asyncio.wait_for(decode.engine.call(lambda e: len(decode._pending)), 10)
+        await decode.abort_request("aborted")
+        held.release()
+        with pytest.raises(UnknownRequestError, match="aborted during its admission"):
+            await admission
+        return answered
+
+    try:
+        assert asyncio.run(asyncio.wait_for(admit_then_abort(), 30)) == 0, "reserved before its grammar was ready"
+    finally:
+        decode.engine.engine.structured_outputs.compiler.on_compile = None
     assert_decode_idle(decode)
 
 
