@@ -285,8 +285,15 @@ class AsyncEngine:
                 grammar.add_done_callback(lambda done: self._commands.put(("grammar", (request, done))))
                 return
         try:
-            self.engine.add_request(request.prompt, request.sampling_params, request.request_id,
-                                    None if grammar is None else grammar.result())
+            compiled = None if grammar is None else grammar.result()
+        except ValueError as e:
+            self._emit(request.request_id, e)
+            return
+        except Exception as e:  # a compile that failed otherwise fails its request, not the engine thread
+            self._emit(request.request_id, RequestFailedError(f"structured output compile failed: {e!r}"))
+            return
+        try:
+            self.engine.add_request(request.prompt, request.sampling_params, request.request_id, compiled)
         except ValueError as e:
             self._emit(request.request_id, e)
 

@@ -119,3 +119,25 @@ def test_requests_for_a_constraint_being_compiled_share_the_compilation(tiny_che
 
 async def collect(stream) -> list:
     return [d async for d in stream]
+
+
+def test_a_compile_that_fails_unexpectedly_fails_its_request_not_the_engine(make_async_engine):  # noqa: F811
+    """A compile error other than the constraint's own (ValueError: a 400) ends that request with
+    RequestFailedError; the engine thread lives on and serves the next request."""
+    from k3serve.engine.outputs import RequestFailedError
+
+    engine = make_async_engine()
+
+    def broken(constraint: StructuredOutputsParams) -> None:
+        raise MemoryError("the compiler ran out")
+
+    engine.engine.structured_outputs.compiler.on_compile = broken
+
+    async def run():
+        with pytest.raises(RequestFailedError, match="compile failed"):
+            await collect(engine.generate(GenerateRequest("broken", [1, 2, 3], constrained())))
+        engine.engine.structured_outputs.compiler.on_compile = None
+        return await collect(engine.generate(GenerateRequest("next", [1, 2, 3], constrained())))
+
+    deltas = asyncio.run(asyncio.wait_for(run(), TIMEOUT_S))
+    assert re.fullmatch(REGEX, "".join(d.new_text for d in deltas)) and deltas[-1].finish_reason == "stop"
