@@ -8,7 +8,8 @@ formatters of one request in index order and builds what spans them: the respons
 A chat choice of a request with tools holds its own `ToolCallStream` (tool_calls.py): its text,
 detokenized with the special tokens kept, is split into content and tool calls, streamed as
 `delta.tool_calls` pieces or folded into `message.tool_calls`; a choice that made calls and stopped
-finishes with "tool_calls" (the engine's reason stays in `finish_reason` for the metrics).
+finishes with "tool_calls" (the engine's reason stays in `finish_reason` for the metrics). A chat choice of a forced
+tool choice holds a `ForcedCallStream` instead (forced_tool_choice.py): its whole text is JSON, read back as calls.
 
 A chat choice served with a reasoning parser holds a `ReasoningStream` (reasoning.py) that reads its text first:
 the reasoning goes to `reasoning_content` (message or delta), the rest on as content, through the tool-call parser
@@ -47,6 +48,7 @@ from .protocol import (
     TopLogprob,
     UsageInfo,
 )
+from .forced_tool_choice import ForcedCallStream
 from .reasoning import ReasoningStream
 from .special_tokens import SpecialTokenReader
 from .tool_calls import ParsedDelta, ToolCallStream
@@ -178,16 +180,18 @@ class CompletionFormatter(_Formatter):
 
 class ChatFormatter(_Formatter):
     """One choice of a chat completion; with `reasoning`, its text is split into reasoning and content; with
-    `tool_calls`, the content is parsed for Kimi's tool calls."""
+    `tool_calls`, the content is parsed for Kimi's tool calls; with `forced_calls`, the text is the calls."""
 
     response_type, chunk_type = ChatCompletionResponse, ChatCompletionStreamResponse
 
     def __init__(self, *args, top_logprobs: int = 0, tool_calls: bool = False,
-                 reasoning: ReasoningStream | None = None, **kwargs) -> None:
+                 reasoning: ReasoningStream | None = None, forced_calls: ForcedCallStream | None = None,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.top_logprobs = top_logprobs
         self.logprobs: list[ChatLogprob] | None = None
         self.tool_parser = ToolCallStream() if tool_calls else None
+        self.forced_calls = forced_calls
         self.reasoning_parser = reasoning
         # without a reasoning parser to lex the text for it, the tool-call parser's own reader
         self._reader = SpecialTokenReader(self.tokenizer.special_tokens) if tool_calls and reasoning is None else None
@@ -223,6 +227,10 @@ class ChatFormatter(_Formatter):
 
     def _parse(self, text: str, finished: bool) -> tuple[str, ParsedDelta]:
         """A delta's text through the parsers: its reasoning, and its content and tool-call pieces."""
+        if self.forced_calls is not None:
+            parsed = self.forced_calls.read(text)
+            parsed.content += self.forced_calls.finish() if finished else ""
+            return "", parsed
         if self.reasoning_parser is not None:
             split = self.reasoning_parser.feed(text)
             if finished:
@@ -250,6 +258,8 @@ class ChatFormatter(_Formatter):
         finish_reason = delta.finish_reason
         if self.tool_parser is not None:
             finish_reason = self._shown_reason(finish_reason, self.tool_parser.num_complete > 0)
+        elif self.forced_calls is not None:
+            finish_reason = self._shown_reason(finish_reason, self.forced_calls.shows_tool_calls)
         return [self._chunk(ChatStreamChoice(index=self.index, delta=message, logprobs=logprobs,
                                              finish_reason=finish_reason, stop_reason=delta.stop_reason))]
 
@@ -261,15 +271,16 @@ class ChatFormatter(_Formatter):
     def choice(self) -> ChatChoice:
         """The whole choice, after its last delta."""
         reasoning, text, calls = "".join(self.reasoning_parts), "".join(self.content_parts), []
-        if self.tool_parser is not None:
-            text, parsed = self.tool_parser.result()
+        parser = self.tool_parser or self.forced_calls
+        if parser is not None:
+            text, parsed = parser.result()
             calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in parsed]
         content = text if text or not (reasoning or calls) else None  # "" only for a turn that wrote nothing at all
         message = AssistantMessage(reasoning_content=reasoning or None, content=content, tool_calls=calls or None)
+        called = bool(calls) if self.forced_calls is None else self.forced_calls.shows_tool_calls
         return ChatChoice(index=self.index, message=message,
                           logprobs=None if self.logprobs is None else ChatLogprobs(content=self.logprobs),
-                          finish_reason=self._shown_reason(self.finish_reason, bool(calls)),
-                          stop_reason=self.stop_reason)
+                          finish_reason=self._shown_reason(self.finish_reason, called), stop_reason=self.stop_reason)
 
 
 def _delta_tool_calls(parsed: ParsedDelta) -> list[DeltaToolCall]:

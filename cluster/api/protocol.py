@@ -3,16 +3,16 @@
 Requests accept fields they do not know (OpenAI clients send extras such as `user`, `metadata`,
 `store` or `parallel_tool_calls`): those change nothing in the answer, so they are ignored and
 logged at debug level. The extras that would change it, features k3serve does not implement
-(a forced tool choice, the deprecated `functions`, tools on /v1/completions, suffix, best_of, chat
-echo), are refused with a 400 naming the field unless their value asks for
+(the deprecated `functions`, tools on /v1/completions, suffix, best_of, chat echo), are refused with a 400 naming the field unless their value asks for
 nothing (`NOT_IMPLEMENTED`, the one table of them): answering 200 with something other than what
 was asked would be silently wrong. Range checks that the OpenAI API states live here; everything
 `SamplingParams` validates is left to it (its ValueError becomes a 400).
 
 Chat takes OpenAI's `tools` (functions only; a wrong shape is a 400 naming `tools`) with
-`tool_choice` "auto" (the default) or "none", and the turns that follow a call: assistant messages
-with `tool_calls`, `tool` messages answering one by its `tool_call_id`. The calls the model makes
-come back as `message.tool_calls` (tool_calls.py parses them from Kimi's format).
+`tool_choice` "auto" (the default), "none", "required" or a named function (the last two force calls:
+forced_tool_choice.py), and the turns that follow a call: assistant messages with `tool_calls`, `tool`
+messages answering one by its `tool_call_id`. The calls the model makes come back as `message.tool_calls`
+(tool_calls.py parses them from Kimi's format).
 
 Both routes take structured output: OpenAI's `response_format` and vLLM's `guided_json`, `guided_regex`,
 `guided_choice`, `guided_grammar` and `structured_outputs`; structured_outputs.py maps them onto the engine's one
@@ -57,8 +57,7 @@ NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     # field (where the route does not implement it): (the values that ask for nothing, why the others are refused)
     "tools": (_asks_nothing, _NO_TOOLS),
     "functions": (_asks_nothing, _NO_TOOLS),
-    "tool_choice": (_one_of("none", "auto"), 'only "none" or "auto" is accepted: k3serve does not implement a forced '
-                                             '("required" or named) tool choice'),
+    "tool_choice": (_one_of("none", "auto"), f'{_NO_TOOLS}; only "none" or "auto" is accepted'),
     "function_call": (_one_of("none", "auto"), f'{_NO_TOOLS}; only "none" or "auto" is accepted'),
     "guided_whitespace_pattern": (_asks_nothing, "k3serve does not implement a custom whitespace pattern in "
                                                  "structured output"),
@@ -207,6 +206,19 @@ class ChatTool(BaseModel):
     function: FunctionDefinition
 
 
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice` naming the function the model must call: {"type": "function", "function": {"name": ...}}."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class FunctionCall(BaseModel):
     name: str
     arguments: str
@@ -249,20 +261,36 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     tools: list[ChatTool] | None = None
-    """Functions the model may call; `tool_choice` (an extra: see NOT_IMPLEMENTED) "auto" lets it, "none" hides
-    them from it."""
+    """Functions the model may call, as `tool_choice` says."""
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """"auto" (None too) lets the model call `tools`, "none" hides them from it; "required" (at least one call of
+    any of them) and a named function (one call of it) force calls, as a constraint on the output."""
 
     @model_validator(mode="after")
     def _check_chat(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
             raise _field_error(type(self), "top_logprobs", "needs logprobs set to true", self.top_logprobs)
+        if self.forces_tool_calls:
+            choice = self.tool_choice
+            names = [tool.function.name for tool in self.tools or []]
+            if not names:
+                raise _field_error(type(self), "tool_choice", "forces a tool call, which needs `tools`: the functions "
+                                   "the model may call", choice)
+            if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+                raise _field_error(type(self), "tool_choice", f"names the function {choice.function.name!r}, which "
+                                   f"is not among `tools` ({', '.join(names)})", choice.model_dump())
         return self
+
+    @property
+    def forces_tool_calls(self) -> bool:
+        """tool_choice "required" or a named function: the output is the calls."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
     @property
     def active_tools(self) -> list[dict[str, Any]] | None:
         """The tools to render into the prompt and to parse calls of, as the client sent them; None without tools
         or with tool_choice "none"."""
-        if not self.tools or (self.model_extra or {}).get("tool_choice") == "none":
+        if not self.tools or self.tool_choice == "none":
             return None
         return [tool.model_dump(exclude_none=True) for tool in self.tools]
 

@@ -34,6 +34,7 @@ from k3serve.cluster.metrics import RequestTimer
 from .engine_client import EngineClient
 from .errors import APIError, EngineOverloadedError, bad_request, error_body
 from .fanout import FanOut
+from .forced_tool_choice import forced_call_stream
 from .formatting import ChatFormatter, Choices, CompletionFormatter, Formatter
 from .protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, _SamplingFields
 from .reasoning import THINK_BEGIN, THINK_END, ReasoningStream, prompt_opens_reasoning
@@ -74,7 +75,9 @@ def prepare_completion(body: CompletionRequest, client: EngineClient) -> Prepare
 def prepare_chat(body: ChatCompletionRequest, client: EngineClient, reasoning_parser: str = "kimi") -> Prepared:
     """`reasoning_parser` "kimi" splits a thinking model's <think> block into `reasoning_content` (reasoning.py);
     "none" returns the text as generated. A structured output constraint covers the whole output, so a constrained
-    request is never split: its content is the constrained text (structured_outputs.py)."""
+    request is never split: its content is the constrained text (structured_outputs.py). A forced tool choice is such
+    a constraint: its output is all JSON, no <think> block and no Kimi markers, read back as tool calls
+    (forced_tool_choice.py) rather than through the Kimi tool-call parser."""
     _check_model(body.model, client)
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     tools = body.active_tools
@@ -87,10 +90,11 @@ def prepare_chat(body: ChatCompletionRequest, client: EngineClient, reasoning_pa
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling_params(body, max_tokens, logprobs, client)
     reasoning = reasoning_parser == "kimi" and params.structured_outputs is None
+    kimi_calls = tools is not None and not body.forces_tool_calls
     specials = client.tokenizer.special_tokens
-    if tools or reasoning:  # the parsers read their markers in the text (as vLLM's kimi_k2 parsers ask)
+    if kimi_calls or reasoning:  # the parsers read their markers in the text (as vLLM's kimi_k2 parsers ask)
         markers = (THINK_BEGIN, THINK_END, SECTION_BEGIN) if reasoning else ()
-        markers += TOOL_MARKERS if tools else ()
+        markers += TOOL_MARKERS if kimi_calls else ()
         # Only the markers: every other special token is still skipped token by token, so the text is what it
         # would be without the parsers (dropping them from the text instead differs where one splits a character).
         params = dataclasses.replace(params, keep_special_token_ids=sorted({specials[m] for m in markers
@@ -100,9 +104,10 @@ def prepare_chat(body: ChatCompletionRequest, client: EngineClient, reasoning_pa
     def formatter(index: int, prompt_ids: list[int]) -> Formatter:
         split = None if not reasoning else ReasoningStream(
             specials, in_reasoning=prompt_opens_reasoning(prompt_ids, specials),
-            keep_special=tools is not None or not body.skip_special_tokens)
+            keep_special=kimi_calls or not body.skip_special_tokens)
         return ChatFormatter(request_id, client.model_name, client.tokenizer, _continuous(body), index=index,
-                             top_logprobs=body.top_logprobs or 0, tool_calls=tools is not None, reasoning=split)
+                             top_logprobs=body.top_logprobs or 0, tool_calls=kimi_calls, reasoning=split,
+                             forced_calls=forced_call_stream(body))
 
     return _prepared(request_id, [(prompt_ids, params)], body, formatter, is_chat=True)
 

@@ -6,14 +6,16 @@ server maps them:
     response_format {"type": "text"}                               -> no constraint
     guided_json | guided_regex | guided_choice | guided_grammar     -> json | regex | choice | grammar (vLLM's extras)
     structured_outputs {"json" | "json_object" | ...: value}        -> the same keys (vLLM's newer extra)
+    tool_choice "required" | {"type": "function", ...} (chat)      -> json: the calls' schema (forced_tool_choice.py)
 
-A request has at most one constraint: two fields asking for one is a 400 naming both (never one silently winning).
+A request has at most one constraint: two fields asking for one is a 400 naming both (never one silently winning),
+a forced tool choice with response_format json or a guided_* field too.
 Only the shape is checked here; whether a schema, regex or grammar compiles is the engine's question, and its
 ValueError becomes a 400 with its message like any other (serving.to_api_error).
 
 The constraint covers the whole output, from its first token, as vLLM applies it without a reasoning parser: a
 constrained chat request is served without the reasoning split (serving.prepare_chat), so `content` is all the
-constrained text. A thinking model could then not think first; the served models do not reason under a constraint
+constrained text (a forced tool choice's text comes back as its calls instead). A thinking model could then not think first; the served models do not reason under a constraint
 (the tiny test model never reasons at all), so this stays the simple rule until one needs reasoning before its answer.
 """
 
@@ -24,7 +26,8 @@ from typing import Any
 from k3serve.engine.sampling_params import StructuredOutputsParams
 
 from .errors import bad_request
-from .protocol import _SamplingFields
+from .forced_tool_choice import forced_tool_schema
+from .protocol import ChatCompletionRequest, _SamplingFields
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")  # StructuredOutputsParams' fields
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -49,6 +52,9 @@ def structured_outputs_of(body: _SamplingFields) -> StructuredOutputsParams | No
 def _asked_constraints(body: _SamplingFields) -> dict[str, dict[str, Any]]:
     """Request field -> StructuredOutputsParams' arguments, for every field that asks for a constraint."""
     asked: dict[str, dict[str, Any]] = {}
+    tool_schema = forced_tool_schema(body) if isinstance(body, ChatCompletionRequest) else None
+    if tool_schema is not None:
+        asked["tool_choice"] = {"json": tool_schema}
     response_format = body.response_format
     if response_format is not None and response_format.type == "json_object":
         asked["response_format"] = {"json_object": True}
