@@ -28,6 +28,7 @@ from typing import Iterator, Union
 from k3serve.engine.outputs import RequestDelta, TokenLogprobs
 from k3serve.model.tokenizer import Tokenizer
 
+from .forced_tool_choice import ForcedCallStream
 from .protocol import (
     AssistantMessage,
     ChatChoice,
@@ -48,7 +49,6 @@ from .protocol import (
     TopLogprob,
     UsageInfo,
 )
-from .forced_tool_choice import ForcedCallStream
 from .reasoning import ReasoningStream
 from .special_tokens import SpecialTokenReader
 from .tool_calls import ParsedDelta, ToolCallStream
