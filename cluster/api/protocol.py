@@ -3,9 +3,9 @@
 Requests accept fields they do not know (OpenAI clients send extras such as `user`, `metadata`,
 `store` or `parallel_tool_calls`): those change nothing in the answer, so they are ignored and
 logged at debug level. The extras that would change it, features k3serve does not implement
-(the deprecated `functions`, tools on /v1/completions, suffix, best_of, chat echo), are refused with a 400 naming the field unless their value asks for
-nothing (`NOT_IMPLEMENTED`, the one table of them): answering 200 with something other than what
-was asked would be silently wrong. Range checks that the OpenAI API states live here; everything
+(the deprecated `functions`, tools on /v1/completions, suffix, best_of, chat echo), are refused
+with a 400 naming the field unless their value asks for nothing (`NOT_IMPLEMENTED`, the one table
+of them): answering 200 with something other than what was asked would be silently wrong. Range checks that the OpenAI API states live here; everything
 `SamplingParams` validates is left to it (its ValueError becomes a 400).
 
 Chat takes OpenAI's `tools` (functions only; a wrong shape is a 400 naming `tools`) with

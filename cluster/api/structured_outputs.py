@@ -15,8 +15,9 @@ ValueError becomes a 400 with its message like any other (serving.to_api_error).
 
 The constraint covers the whole output, from its first token, as vLLM applies it without a reasoning parser: a
 constrained chat request is served without the reasoning split (serving.prepare_chat), so `content` is all the
-constrained text (a forced tool choice's text comes back as its calls instead). A thinking model could then not think first; the served models do not reason under a constraint
-(the tiny test model never reasons at all), so this stays the simple rule until one needs reasoning before its answer.
+constrained text (a forced tool choice's text comes back as its calls instead). A thinking model could then not
+think first; the served models do not reason under a constraint (the tiny test model never reasons at all), so this
+stays the simple rule until one needs reasoning before its answer.
 """
 
 from __future__ import annotations
