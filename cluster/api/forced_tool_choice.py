@@ -9,7 +9,8 @@ output, and that output read back as tool calls.
         the output is a JSON array of at least one {"name": <a tool's name>, "parameters": <its arguments>},
         anyOf over the tools (vLLM's schema; the tools' `$defs` hoisted to its root, where their `$ref`s point);
         each element comes back as a call, its arguments the element's `parameters` as JSON text.
-        finish_reason "tool_calls" once it stopped.
+        finish_reason "tool_calls" once it stopped. With parallel_tool_calls false the array has at most one
+        element (`maxItems` 1, as vLLM's schema).
 
 A function without `parameters` takes an empty object. The schema is the request's one structured output
 constraint (structured_outputs.py: a response_format or a guided_* field beside it is a 400 naming both), and it
@@ -46,7 +47,7 @@ def forced_tool_schema(body: ChatCompletionRequest) -> dict[str, Any] | None:
     if isinstance(body.tool_choice, NamedToolChoice):
         return _parameters(next(t for t in body.tools if t.function.name == body.tool_choice.function.name))
     if body.tool_choice == "required":
-        return _calls_schema(body.tools)
+        return _calls_schema(body.tools, body.max_tool_calls)
     return None
 
 
@@ -54,9 +55,10 @@ def _parameters(tool: ChatTool) -> dict[str, Any]:
     return tool.function.parameters or EMPTY_PARAMETERS
 
 
-def _calls_schema(tools: list[ChatTool]) -> dict[str, Any]:
-    """An array of at least one call of any of `tools` (vLLM's schema); their `$defs` go to the root, where a `$ref`
-    "#/$defs/..." points from anywhere in the schema. Two tools defining one name differently are a 400."""
+def _calls_schema(tools: list[ChatTool], max_calls: int | None) -> dict[str, Any]:
+    """An array of at least one and at most `max_calls` (None: any number) calls of any of `tools` (vLLM's schema);
+    their `$defs` go to the root, where a `$ref` "#/$defs/..." points from anywhere in the schema. Two tools defining
+    one name differently are a 400."""
     defs: dict[str, Any] = {}
     alternatives = []
     for tool in tools:
@@ -69,6 +71,8 @@ def _calls_schema(tools: list[ChatTool]) -> dict[str, Any]:
                                             "parameters": parameters},
                              "required": ["name", "parameters"]})
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": alternatives}}
+    if max_calls is not None:
+        schema["maxItems"] = max_calls
     if defs:
         schema["$defs"] = defs
     return schema

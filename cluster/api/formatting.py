@@ -180,21 +180,23 @@ class CompletionFormatter(_Formatter):
 
 class ChatFormatter(_Formatter):
     """One choice of a chat completion; with `reasoning`, its text is split into reasoning and content; with
-    `tool_calls`, the content is parsed for Kimi's tool calls; with `forced_calls`, the text is the calls."""
+    `tool_calls` (a new parser for the choice), the content is parsed for Kimi's tool calls; with `forced_calls`, the
+    text is the calls."""
 
     response_type, chunk_type = ChatCompletionResponse, ChatCompletionStreamResponse
 
-    def __init__(self, *args, top_logprobs: int = 0, tool_calls: bool = False,
+    def __init__(self, *args, top_logprobs: int = 0, tool_calls: ToolCallStream | None = None,
                  reasoning: ReasoningStream | None = None, forced_calls: ForcedCallStream | None = None,
                  **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.top_logprobs = top_logprobs
         self.logprobs: list[ChatLogprob] | None = None
-        self.tool_parser = ToolCallStream() if tool_calls else None
+        self.tool_parser = tool_calls
         self.forced_calls = forced_calls
         self.reasoning_parser = reasoning
         # without a reasoning parser to lex the text for it, the tool-call parser's own reader
-        self._reader = SpecialTokenReader(self.tokenizer.special_tokens) if tool_calls and reasoning is None else None
+        lexed_for_it = tool_calls is None or reasoning is not None
+        self._reader = None if lexed_for_it else SpecialTokenReader(self.tokenizer.special_tokens)
         self.reasoning_parts: list[str] = []
         self.content_parts: list[str] = []  # the text less the reasoning (and the tool calls)
 
@@ -255,17 +257,18 @@ class ChatFormatter(_Formatter):
                                tool_calls=_delta_tool_calls(parsed) or None)
         if message == DeltaMessage() and not delta.finished and logprobs is None:
             return []  # nothing to show yet (partial UTF-8, held-back stop prefix or marker)
-        finish_reason = delta.finish_reason
-        if self.tool_parser is not None:
-            finish_reason = self._shown_reason(finish_reason, self.tool_parser.num_complete > 0)
-        elif self.forced_calls is not None:
-            finish_reason = self._shown_reason(finish_reason, self.forced_calls.shows_tool_calls)
         return [self._chunk(ChatStreamChoice(index=self.index, delta=message, logprobs=logprobs,
-                                             finish_reason=finish_reason, stop_reason=delta.stop_reason))]
+                                             finish_reason=self._shown_reason(delta.finish_reason),
+                                             stop_reason=delta.stop_reason))]
 
-    @staticmethod
-    def _shown_reason(finish_reason: str | None, called: bool) -> str | None:
-        """OpenAI's "tool_calls" for a turn that made calls and stopped (not one cut by max_tokens)."""
+    def _shown_reason(self, finish_reason: str | None) -> str | None:
+        """OpenAI's "tool_calls" for a turn that made calls and stopped (not one cut by max_tokens); the same in both
+        modes, as it is read from the parser after the last delta. A Kimi turn made calls once one was completed (a
+        call it broke off inside is not one); a forced one, as its stream says."""
+        if self.tool_parser is not None:
+            called = self.tool_parser.num_complete > 0
+        else:
+            called = self.forced_calls is not None and self.forced_calls.shows_tool_calls
         return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
     def choice(self) -> ChatChoice:
@@ -277,10 +280,9 @@ class ChatFormatter(_Formatter):
             calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in parsed]
         content = text if text or not (reasoning or calls) else None  # "" only for a turn that wrote nothing at all
         message = AssistantMessage(reasoning_content=reasoning or None, content=content, tool_calls=calls or None)
-        called = bool(calls) if self.forced_calls is None else self.forced_calls.shows_tool_calls
         return ChatChoice(index=self.index, message=message,
                           logprobs=None if self.logprobs is None else ChatLogprobs(content=self.logprobs),
-                          finish_reason=self._shown_reason(self.finish_reason, called), stop_reason=self.stop_reason)
+                          finish_reason=self._shown_reason(self.finish_reason), stop_reason=self.stop_reason)
 
 
 def _delta_tool_calls(parsed: ParsedDelta) -> list[DeltaToolCall]:

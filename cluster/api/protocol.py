@@ -1,7 +1,7 @@
 """Wire types of the OpenAI routes, as pydantic v2 models.
 
-Requests accept fields they do not know (OpenAI clients send extras such as `user`, `metadata`,
-`store` or `parallel_tool_calls`): those change nothing in the answer, so they are ignored and
+Requests accept fields they do not know (OpenAI clients send extras such as `user`, `metadata`
+or `store`): those change nothing in the answer, so they are ignored and
 logged at debug level. The extras that would change it, features k3serve does not implement
 (the deprecated `functions`, tools on /v1/completions, suffix, best_of, chat echo), are refused
 with a 400 naming the field unless their value asks for nothing (`NOT_IMPLEMENTED`, the one table
@@ -12,7 +12,9 @@ Chat takes OpenAI's `tools` (functions only; a wrong shape is a 400 naming `tool
 `tool_choice` "auto" (the default), "none", "required" or a named function (the last two force calls:
 forced_tool_choice.py), and the turns that follow a call: assistant messages with `tool_calls`, `tool`
 messages answering one by its `tool_call_id`. The calls the model makes come back as `message.tool_calls`
-(tool_calls.py parses them from Kimi's format).
+(tool_calls.py parses them from Kimi's format). A tool_choice other than "none" without tools is a 400 naming
+`tool_choice`, as vLLM answers it. `parallel_tool_calls: false` allows one call a turn, as vLLM serves it: "required"
+constrains the output to one, "auto" returns the first call the model makes and drops the others.
 
 Both routes take structured output: OpenAI's `response_format` and vLLM's `guided_json`, `guided_regex`,
 `guided_choice`, `guided_grammar` and `structured_outputs`; structured_outputs.py maps them onto the engine's one
@@ -265,21 +267,28 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     """"auto" (None too) lets the model call `tools`, "none" hides them from it; "required" (at least one call of
     any of them) and a named function (one call of it) force calls, as a constraint on the output."""
+    parallel_tool_calls: bool | None = None
+    """False: at most one call a turn. True or None (OpenAI's default): as many as the model makes."""
 
     @model_validator(mode="after")
     def _check_chat(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
             raise _field_error(type(self), "top_logprobs", "needs logprobs set to true", self.top_logprobs)
-        if self.forces_tool_calls:
-            choice = self.tool_choice
-            names = [tool.function.name for tool in self.tools or []]
-            if not names:
-                raise _field_error(type(self), "tool_choice", "forces a tool call, which needs `tools`: the functions "
-                                   "the model may call", choice)
-            if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-                raise _field_error(type(self), "tool_choice", f"names the function {choice.function.name!r}, which "
-                                   f"is not among `tools` ({', '.join(names)})", choice.model_dump())
+        choice = self.tool_choice
+        names = [tool.function.name for tool in self.tools or []]
+        if choice not in (None, "none") and not names:  # vLLM's 400 too
+            shown = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
+            raise _field_error(type(self), "tool_choice", f"{shown!r} needs `tools`: the functions the model may call "
+                               '(without them, leave tool_choice out or send "none")', shown)
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise _field_error(type(self), "tool_choice", f"names the function {choice.function.name!r}, which is "
+                               f"not among `tools` ({', '.join(names)})", choice.model_dump())
         return self
+
+    @property
+    def max_tool_calls(self) -> int | None:
+        """1 with parallel_tool_calls false, else None: no limit."""
+        return 1 if self.parallel_tool_calls is False else None
 
     @property
     def forces_tool_calls(self) -> bool:

@@ -39,7 +39,7 @@ from .formatting import ChatFormatter, Choices, CompletionFormatter, Formatter
 from .protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, _SamplingFields
 from .reasoning import THINK_BEGIN, THINK_END, ReasoningStream, prompt_opens_reasoning
 from .structured_outputs import structured_outputs_of
-from .tool_calls import MARKERS as TOOL_MARKERS, SECTION_BEGIN
+from .tool_calls import MARKERS as TOOL_MARKERS, SECTION_BEGIN, ToolCallStream
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,8 @@ def prepare_chat(body: ChatCompletionRequest, client: EngineClient, reasoning_pa
             specials, in_reasoning=prompt_opens_reasoning(prompt_ids, specials),
             keep_special=kimi_calls or not body.skip_special_tokens)
         return ChatFormatter(request_id, client.model_name, client.tokenizer, _continuous(body), index=index,
-                             top_logprobs=body.top_logprobs or 0, tool_calls=kimi_calls, reasoning=split,
+                             top_logprobs=body.top_logprobs or 0, reasoning=split,
+                             tool_calls=ToolCallStream(body.max_tool_calls) if kimi_calls else None,
                              forced_calls=forced_call_stream(body))
 
     return _prepared(request_id, [(prompt_ids, params)], body, formatter, is_chat=True)

@@ -14,10 +14,19 @@ reaches the content.
 `ToolCallStream` reads the text in pieces as it is generated, already lexed (special_tokens.py: by the reasoning
 parser when there is one, else by the chat formatter's reader): content as soon as it cannot be the start of a
 marker, a call's id and name once its header is complete, then its arguments piece by piece; once finished, its
-`result` is the whole text's content and calls, what a response that does not stream returns. `parse_tool_calls`
-reads a whole text. Malformed output (a stray or misplaced marker, a header that is not `name:index`, a call still
-open at the end) never raises: the whole text is the content of the result (as vLLM's `extract_tool_calls`); a
-stream, which cannot take back what it sent, sends the text from the broken call on as content.
+`result` is what it sent, put together: what a response that does not stream returns, so the two modes always agree.
+`parse_tool_calls` reads a whole text.
+
+Malformed output (a stray or misplaced marker, a header that is not `name:index`, a call still open at the end)
+never raises: from where it breaks on, the text is content, markers and all, and nothing is lost. A stream cannot
+take back what it sent before, so what was sent as calls stays calls, in both modes: the calls completed before a
+malformed one (vLLM's kimi_k2 parser keeps them too, whole or streamed, but drops the malformed text), and a call
+whose header was sent when the turn broke off inside it (its arguments so far, as OpenAI returns a call cut by
+max_tokens). Broken before any call was sent, a text is all content. Only a call completed with
+<|tool_call_end|> makes the turn's finish_reason "tool_calls" (formatting.py).
+
+With `max_calls` (parallel_tool_calls false: 1) the calls past it are read but neither sent nor returned, as vLLM
+filters them.
 """
 
 from __future__ import annotations
@@ -74,7 +83,8 @@ class ToolCallStream:
     pieces; then `result`. A special token that is not a marker is dropped (the stop token, or any other a client
     asked for with `skip_special_tokens: false`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_calls: int | None = None) -> None:
+        self.max_calls = max_calls  # calls past it are dropped (None: no limit)
         self._state = "content"  # content | section | header | arguments | broken
         self._unsent = ""  # read but not sent: markers and header of the call being read (content if it breaks)
         self._header = ""
@@ -83,7 +93,6 @@ class ToolCallStream:
         self.num_calls = 0  # calls whose header was sent
         self.num_complete = 0  # calls whose <|tool_call_end|> was read
         self.malformed = False
-        self._text: list[str] = []  # all read but the dropped special tokens: a malformed text's content
         self._content: list[str] = []  # all sent as content
         self._calls: list[tuple[str, str, list[str]]] = []  # all sent as calls: (id, name, argument pieces)
 
@@ -95,7 +104,6 @@ class ToolCallStream:
             if is_token and piece not in MARKERS:
                 self._read_dropped(out)
                 continue
-            self._text.append(piece)
             (self._read_token if is_token else self._read_text)(piece, out)
         return self._kept(out)
 
@@ -103,7 +111,6 @@ class ToolCallStream:
         """The end of the text: what the lexer held back (which never became a special token) and what was not sent
         go out as content; a call or a section left open with nothing in it is malformed."""
         out = ParsedDelta()
-        self._text.append(held_back)
         rest = self._unsent + self._blank + held_back
         if self._state in ("header", "arguments") or (self._state == "section" and self.num_complete == 0):
             self.malformed = True
@@ -113,13 +120,13 @@ class ToolCallStream:
         return self._kept(out)
 
     def result(self) -> tuple[str, list[ParsedCall]]:
-        """The whole text, once finished: (its content, its tool calls); malformed, (the whole text, no call)."""
-        if self.malformed:
-            return "".join(self._text), []
+        """The whole text, once finished: (its content, its tool calls), as they were sent."""
         return "".join(self._content), [ParsedCall(i, name, "".join(parts)) for i, name, parts in self._calls]
 
     def _kept(self, out: ParsedDelta) -> ParsedDelta:
-        """`out`, kept for `result` too."""
+        """`out` less the calls past `max_calls`, kept for `result` too."""
+        if self.max_calls is not None:
+            out.calls = [piece for piece in out.calls if piece.index < self.max_calls]
         self._content.append(out.content)
         for piece in out.calls:
             if piece.id is not None:
@@ -185,7 +192,7 @@ class ToolCallStream:
 
 
 def parse_tool_calls(text: str, special_tokens: Collection[str]) -> tuple[str, list[ParsedCall]]:
-    """A whole text -> (its content, its tool calls). Malformed: (the whole text, no call)."""
+    """A whole text -> (its content, its tool calls), as a stream of it sends them."""
     pieces, held_back = lexer_for(special_tokens).split(text)
     stream = ToolCallStream()
     stream.read(pieces)

@@ -32,8 +32,8 @@ TWO_CALLS = "I will look both up." + section(call("functions.get_weather:0", WEA
 class Parser:
     """A ToolCallStream fed text, as the chat formatter feeds it: through a reader of the vocabulary."""
 
-    def __init__(self) -> None:
-        self.reader, self.stream = SpecialTokenReader(SPECIALS), ToolCallStream()
+    def __init__(self, max_calls: int | None = None) -> None:
+        self.reader, self.stream = SpecialTokenReader(SPECIALS), ToolCallStream(max_calls)
 
     def feed(self, text: str) -> ParsedDelta:
         return self.stream.read(self.reader.feed(text))
@@ -42,10 +42,11 @@ class Parser:
         return self.stream.finish(self.reader.finish())
 
 
-def streamed(text: str, cuts: list[int]) -> tuple[str, list[ParsedCall], list[ParsedDelta], ToolCallStream]:
+def streamed(text: str, cuts: list[int], max_calls: int | None = None
+             ) -> tuple[str, list[ParsedCall], list[ParsedDelta], ToolCallStream]:
     """`text` fed in the pieces between `cuts`, then finished: the content, the calls the pieces assemble, the
     pieces themselves and the stream."""
-    parser = Parser()
+    parser = Parser(max_calls)
     bounds = [0, *sorted(cuts), len(text)]
     deltas = [parser.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])] + [parser.finish()]
     content, calls = "", []
@@ -147,24 +148,42 @@ def test_malformed_output_is_returned_as_content(text):
         assert stream.result() == (text, [])
 
 
-def test_a_call_cut_inside_its_arguments_was_sent_as_a_call_then_breaks():
+def test_a_call_cut_inside_its_arguments_stays_the_call_so_far():
     """The call's id, name and arguments were streamed before the turn ended inside it: the stream cannot take them
-    back (content "Hi" and the call so far); the whole response falls back to the whole text."""
+    back, so the call so far is a call in the whole text's result too (as OpenAI returns a call cut by max_tokens),
+    not a complete one."""
     text = "Hi<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{\"a\": 1"
-    assert parse_tool_calls(text + "<|im_end|>", SPECIALS) == (text, [])
+    expected = ("Hi", [ParsedCall("functions.f:0", "f", '{"a": 1')])
+    assert parse_tool_calls(text + "<|im_end|>", SPECIALS) == expected
     for cuts in every_split(text + "<|im_end|>"):
         content, calls, _, stream = streamed(text + "<|im_end|>", cuts)
-        assert (content, calls) == ("Hi", [ParsedCall("functions.f:0", "f", '{"a": 1')]) and stream.malformed, cuts
-        assert stream.result() == (text, [])
+        assert (content, calls) == stream.result() == expected and stream.malformed, cuts
+        assert stream.num_complete == 0
 
 
-def test_a_stream_breaking_after_a_good_call_keeps_it_and_sends_the_rest_as_content():
-    bad = "<|tool_call_begin|>bad header<|tool_call_argument_begin|>{}<|tool_call_end|>"
-    text = "<|tool_calls_section_begin|>" + call("functions.f:0", "{}") + bad + "<|tool_calls_section_end|>"
-    content, calls, _, stream = streamed(text, [40, 100])
-    assert calls == [ParsedCall("functions.f:0", "f", "{}")] and stream.malformed
-    assert content == bad + "<|tool_calls_section_end|>"
-    assert parse_tool_calls(text, SPECIALS) == stream.result() == (text, [])  # a whole text falls back whole
+@pytest.mark.parametrize("bad", [
+    "<|tool_call_begin|>bad header<|tool_call_argument_begin|>{}<|tool_call_end|>",  # not `name:index`
+    "<|tool_call_begin|>functions.g:1<|tool_call_end|>",  # no arguments marker
+    "stray text",
+])
+def test_a_text_breaking_after_a_good_call_keeps_it_and_the_rest_is_content(bad):
+    """The good call was sent whole before the break: it stays a call in both modes (as vLLM keeps it); from the
+    break on, the text is content (vLLM drops it)."""
+    text = "Hi" + "<|tool_calls_section_begin|>" + call("functions.f:0", "{}") + bad + "<|tool_calls_section_end|>"
+    expected = ("Hi" + bad + "<|tool_calls_section_end|>", [ParsedCall("functions.f:0", "f", "{}")])
+    assert parse_tool_calls(text + "<|im_end|>", SPECIALS) == expected
+    for cuts in every_split(text + "<|im_end|>"):
+        content, calls, _, stream = streamed(text + "<|im_end|>", cuts)
+        assert (content, calls) == stream.result() == expected and stream.malformed, cuts
+        assert stream.num_complete == 1
+
+
+def test_at_most_max_calls_are_sent_and_returned():
+    """parallel_tool_calls false: the first call only; the second is read, and neither sent nor returned."""
+    expected = ("I will look both up.", [ParsedCall("functions.get_weather:0", "get_weather", WEATHER)])
+    for cuts in every_split(TWO_CALLS):
+        content, calls, _, stream = streamed(TWO_CALLS, cuts, max_calls=1)
+        assert (content, calls) == stream.result() == expected and stream.num_complete == 2, cuts
 
 
 def test_an_empty_section_is_no_call():

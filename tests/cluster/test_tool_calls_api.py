@@ -8,6 +8,7 @@ dropped the special tokens would lose the markers), one token a delta, ending wi
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 from pathlib import Path
 from typing import AsyncIterator
@@ -196,13 +197,98 @@ async def test_a_reply_without_calls_is_plain_content(http, engine, tokenizer):
             assert choice["finish_reason"] == "stop"
 
 
-async def test_a_call_cut_by_max_tokens_is_returned_as_text(http, engine, tokenizer):
-    """Malformed output falls back to content; the reason stays "length"."""
-    cut = engine.reply.index(tokenizer.special_token_id("<|tool_call_argument_begin|>")) + 3
-    r = await http.post(CHAT, json={"messages": ASK, "tools": TOOLS, "max_tokens": cut})
-    (choice,) = r.json()["choices"]
-    assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]
-    assert choice["message"]["content"] == tokenizer.decode(engine.reply[:cut])
+def condensed(chunks: list[dict]) -> list[tuple[dict, str | None]]:
+    """Choice 0's (delta, finish_reason) a chunk, a delta that continues the one before merged into it (with its
+    finish reason): content after content, a call's argument text after its own. The order and the text of
+    everything sent, whatever the pieces the tokens cut it into."""
+    out: list[tuple[dict, str | None]] = []
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        delta, last = copy.deepcopy(choice["delta"]), out[-1][0] if out else {}
+        if set(delta) == set(last) == {"content"}:
+            last["content"] += delta["content"]
+        elif set(delta) == set(last) == {"tool_calls"} and _arguments(delta) and _arguments(last) and \
+                delta["tool_calls"][0]["index"] == last["tool_calls"][0]["index"]:
+            last["tool_calls"][0]["function"]["arguments"] += delta["tool_calls"][0]["function"]["arguments"]
+        else:
+            out.append((delta, choice["finish_reason"]))
+            continue
+        out[-1] = (last, choice["finish_reason"])
+    return out
+
+
+def _arguments(delta: dict) -> bool:
+    """A delta of one piece of argument text (no id: not a call's first piece)."""
+    return len(delta["tool_calls"]) == 1 and "id" not in delta["tool_calls"][0]
+
+
+def header(call: dict) -> dict:
+    """The first call's first piece on the wire."""
+    return {"tool_calls": [{"index": 0, "id": call["id"], "type": "function",
+                            "function": {"name": call["function"]["name"], "arguments": ""}}]}
+
+
+def arguments(text: str) -> dict:
+    """Argument text of the first call on the wire."""
+    return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+
+
+ROLE = {"role": "assistant", "content": ""}
+
+
+async def test_a_call_cut_by_max_tokens_is_the_call_so_far_in_both_modes(http, engine, tokenizer):
+    """The stream sent the call's header and arguments before max_tokens cut it: it stays a call in the whole
+    response too (arguments so far, as OpenAI returns them), and the reason stays "length"."""
+    begin = engine.reply.index(tokenizer.special_token_id("<|tool_call_argument_begin|>")) + 1
+    so_far = tokenizer.decode(engine.reply[begin : begin + 2])
+    assert so_far == '{"'
+    body = {"messages": ASK, "tools": TOOLS, "max_tokens": begin + 2}
+    whole = (await http.post(CHAT, json=body)).json()["choices"][0]
+    cut = {**EXPECTED_CALLS[0], "function": {"name": "get_weather", "arguments": so_far}}
+    assert whole["message"] == {"role": "assistant", "content": "Let me check.", "tool_calls": [cut]}
+    assert whole["finish_reason"] == "length"
+    chunks = parse_sse((await http.post(CHAT, json={**body, "stream": True})).text)
+    assert condensed(chunks) == [(ROLE, None), ({"content": "Let me check."}, None), (header(cut), None),
+                                 (arguments(so_far), "length")]
+
+
+async def test_a_malformed_call_after_a_good_one_keeps_the_good_one_in_both_modes(http, engine, tokenizer):
+    """The stream sent the good call whole before the second call's header turned out not to be `name:index`: it
+    cannot take it back, and the whole response keeps it too (as vLLM's kimi_k2 parser, whole and streamed); from the
+    break on, the text is content in both modes (vLLM drops it). A call was made: "tool_calls"."""
+    good = f"<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{WEATHER_ARGS}<|tool_call_end|>"
+    bad = "<|tool_call_begin|>get time<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>"
+    engine.reply = tokenizer.encode(f"Let me check.<|tool_calls_section_begin|>{good}{bad}<|im_end|>")
+    whole = (await http.post(CHAT, json={"messages": ASK, "tools": TOOLS})).json()["choices"][0]
+    assert whole == {"index": 0, "logprobs": None, "finish_reason": "tool_calls",
+                     "stop_reason": tokenizer.special_token_id("<|im_end|>"),
+                     "message": {"role": "assistant", "content": "Let me check." + bad,
+                                 "tool_calls": EXPECTED_CALLS[:1]}}
+    chunks = parse_sse((await http.post(CHAT, json={"messages": ASK, "tools": TOOLS, "stream": True})).text)
+    assert condensed(chunks) == [(ROLE, None), ({"content": "Let me check."}, None),
+                                 (header(EXPECTED_CALLS[0]), None), (arguments(WEATHER_ARGS), None),
+                                 ({"content": bad}, None), ({}, "tool_calls")]
+    assert chunks[-1]["choices"][0]["stop_reason"] == whole["stop_reason"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_parallel_tool_calls_false_returns_the_first_call_only(http, stream):
+    """As vLLM: the calls the model makes past the first are dropped, whole or streamed (never sent)."""
+    r = await http.post(CHAT, json={"messages": ASK, "tools": TOOLS, "parallel_tool_calls": False, "stream": stream})
+    if stream:
+        chunks = parse_sse(r.text)
+        assert condensed(chunks) == [(ROLE, None), ({"content": "Let me check."}, None),
+                                     (header(EXPECTED_CALLS[0]), None), (arguments(WEATHER_ARGS), None),
+                                     ({}, "tool_calls")]
+    else:
+        (choice,) = r.json()["choices"]
+        assert choice["message"] == {"role": "assistant", "content": "Let me check.", "tool_calls": EXPECTED_CALLS[:1]}
+        assert choice["finish_reason"] == "tool_calls"
+
+
+async def test_parallel_tool_calls_true_is_every_call(http):
+    r = await http.post(CHAT, json={"messages": ASK, "tools": TOOLS, "parallel_tool_calls": True})
+    assert r.json()["choices"][0]["message"]["tool_calls"] == EXPECTED_CALLS
 
 
 async def test_a_malformed_reply_streams_as_content_what_the_whole_response_returns(http, engine, tokenizer):
@@ -227,6 +313,22 @@ async def test_tool_choice_none_hides_the_tools(http, engine, tokenizer):
     assert request.prompt == tokenizer.encode_chat(ASK)
 
 
+@pytest.mark.parametrize("tools", [{}, {"tools": None}, {"tools": []}], ids=["no-tools", "tools-null", "tools-empty"])
+async def test_tool_choice_auto_without_tools_is_a_400(http, engine, tools):
+    """As vLLM ("When using `tool_choice`, `tools` must be set."); the forced choices: test_tool_calls_forced.py."""
+    r = await http.post(CHAT, json={"messages": ASK, "tool_choice": "auto", **tools})
+    assert_error(r, 400, param="tool_choice", message="tool_choice: 'auto' needs `tools`")
+    assert engine.requests == []
+
+
+@pytest.mark.parametrize("tools", [{}, {"tools": None}], ids=["no-tools", "tools-null"])
+async def test_tool_choice_none_without_tools_is_a_plain_chat(http, engine, tokenizer, tools):
+    engine.reply = tokenizer.encode("Sunny.<|im_end|>")
+    r = await http.post(CHAT, json={"messages": ASK, "tool_choice": "none", **tools})
+    assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": "Sunny."}
+    assert engine.requests[0].prompt == tokenizer.encode_chat(ASK)
+
+
 async def test_the_turn_after_a_call_renders_the_call_and_its_result(http, engine, tokenizer):
     messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": EXPECTED_CALLS[:1]},
                 {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": '{"sky": "clear"}'}]
@@ -249,6 +351,7 @@ BAD_REQUESTS = {
     "tools-parameters-not-an-object": ({"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]},
                                        "tools"),
     "functions": ({"functions": [FUNCTION]}, "functions"),
+    "parallel_tool_calls-not-a-bool": ({"tools": TOOLS, "parallel_tool_calls": "sometimes"}, "parallel_tool_calls"),
     "tool-message-without-its-call": ({"messages": [*ASK, {"role": "tool", "content": "42"}]}, "messages"),
     "tool_calls-on-a-user-message": ({"messages": [{"role": "user", "content": "x", "tool_calls": EXPECTED_CALLS}]},
                                      "messages"),

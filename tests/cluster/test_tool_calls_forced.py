@@ -84,6 +84,21 @@ def test_required_constrains_the_output_to_an_array_of_calls_of_any_tool():
             jsonschema.validate(wrong, schema)
 
 
+@pytest.mark.parametrize("parallel", [None, True])
+def test_required_with_parallel_calls_has_no_upper_bound(parallel):
+    assert "maxItems" not in schema_of(tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel)
+
+
+def test_required_without_parallel_calls_is_an_array_of_one_call():
+    """parallel_tool_calls false: vLLM's schema gets maxItems 1; a named choice is one call anyway."""
+    schema = schema_of(tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    assert schema == {**schema_of(tools=TOOLS, tool_choice="required"), "maxItems": 1}
+    jsonschema.validate(json.loads(CALLS)[:1], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads(CALLS), schema)
+    assert schema_of(tools=TOOLS, tool_choice=NAMED, parallel_tool_calls=False) == WEATHER
+
+
 def test_required_puts_the_tools_defs_at_the_root_where_their_refs_point():
     city = {"type": "string", "enum": ["Paris", "Oslo"]}
     tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {

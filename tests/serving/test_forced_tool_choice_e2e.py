@@ -7,7 +7,7 @@ enums, booleans and bounded integers, so every call is short and ends):
 - tool_choice naming a function: exactly one call, of that function, whose arguments parse and validate against
   its parameters; no content; finish_reason "stop" (OpenAI's and vLLM's for a named choice).
 - tool_choice "required" with two tools: at least one call, each of one of the tools with arguments that validate
-  against its parameters; no content; finish_reason "tool_calls".
+  against its parameters; no content; finish_reason "tool_calls". With parallel_tool_calls false, exactly one.
 - Streamed, the calls the client puts together from the deltas are the whole response's (ids, names, arguments),
   with the same finish reason.
 - A named function that is not among the tools is a 400 naming tool_choice.
@@ -36,12 +36,13 @@ TOOLS = [{"type": "function", "function": {"name": name, "parameters": schema}} 
 SAMPLED = {"temperature": 1.0, "seed": 3}  # seeded: the stream and the whole response sample the same output
 
 
-def chat(server: Server, stream: bool, tool_choice: str | dict) -> tuple[str | None, list[tuple[str, str, str]], str]:
+def chat(server: Server, stream: bool, tool_choice: str | dict,
+         **fields) -> tuple[str | None, list[tuple[str, str, str]], str]:
     """(content, calls as (id, name, arguments), finish_reason) of one chat choice, as the openai client reads it,
-    streamed or not."""
+    streamed or not; `fields`: more of the request's."""
     with client_of(server) as client:
         out = client.chat.completions.create(model=server.model, messages=MESSAGES, tools=TOOLS,
-                                             tool_choice=tool_choice, stream=stream, **SAMPLED)
+                                             tool_choice=tool_choice, stream=stream, **SAMPLED, **fields)
         if not stream:
             (choice,) = out.choices
             calls = [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
@@ -80,6 +81,14 @@ def test_required_calls_are_calls_of_the_tools_with_valid_arguments(any_server: 
     assert content is None and calls and finish == "tool_calls", whole
     assert_valid(calls)
     assert chat(any_server, True, "required") == whole
+
+
+@pytest.mark.timeout(300)
+def test_required_without_parallel_calls_is_one_call(any_server: Server) -> None:
+    content, calls, finish = whole = chat(any_server, False, "required", parallel_tool_calls=False)
+    assert content is None and len(calls) == 1 and finish == "tool_calls", whole
+    assert_valid(calls)
+    assert chat(any_server, True, "required", parallel_tool_calls=False) == whole
 
 
 @pytest.mark.timeout(120)
