@@ -16,7 +16,12 @@ reservation, which its prefill waits for, or to leaving its admission queue with
 cancelled); it also sets the per-(pool, replica) gauges with
 `set_pool_stats`, and with `set_ingress_queue` the requests its admission queue holds, as
 `k3serve:num_requests_waiting{pool="ingress", replica="router"}` (on the pools dashboard and in
-`k3serve status` beside the replicas' queues). Every series carries `model_name`.
+`k3serve status` beside the replicas' queues). Structured outputs: the app counts each request with a constraint
+by its kind (`count_structured_output`: json, json_object, regex, choice, grammar, or tool_choice for a forced tool
+choice) and, among them, those refused with a 400 because the constraint does not compile
+(`count_structured_output_refusal`; request_errors counts them too, by status only); how long the engines take to
+compile is measured on the engines (engine/structured_output_metrics.py), which a colocated deployment adds here
+with `include`. Every series carries `model_name`.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.registry import Collector
 
 # vLLM v1's layouts (vllm/v1/metrics/loggers.py; Ray Serve LLM copies them)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -78,6 +84,12 @@ class IngressMetrics:
                                     POOL_LABELS, registry=reg)
         self.kda_slot_usage = Gauge("k3serve:kda_slot_usage_ratio", "Fraction of KDA state slots in use.",
                                     POOL_LABELS, registry=reg)
+        self.structured_outputs = Counter("k3serve:structured_output_requests", "Requests with a structured output "
+                                          "constraint, by kind (tool_choice: a forced tool choice).",
+                                          ("model_name", "kind"), registry=reg)
+        self.structured_output_refusals = Counter("k3serve:structured_output_refusals", "Requests refused (400) "
+                                                  "because their structured output constraint does not compile, by "
+                                                  "kind.", ("model_name", "kind"), registry=reg)
         self.replicas_healthy = Gauge("k3serve:replicas_healthy", "Replicas of a pool answering health checks.",
                                       ("model_name", "pool"), registry=reg)
         for series in (self.ttft, self.itl, self.tpot, self.e2e, self.queue_time, self.prefill_time,
@@ -92,6 +104,12 @@ class IngressMetrics:
 
     def count_error(self, status: int) -> None:
         self.errors.labels(self.model_name, str(int(status))).inc()
+
+    def count_structured_output(self, kind: str) -> None:
+        self.structured_outputs.labels(self.model_name, kind).inc()
+
+    def count_structured_output_refusal(self, kind: str) -> None:
+        self.structured_output_refusals.labels(self.model_name, kind).inc()
 
     # ---- reported by the serving layer ------------------------------------------------------
     def observe_queue_time(self, seconds: float) -> None:
@@ -124,6 +142,11 @@ class IngressMetrics:
                 gauge.remove(*labels)
             except KeyError:
                 pass
+
+    def include(self, collectors: Sequence[Collector]) -> None:
+        """Export collectors measured elsewhere in this process too (a colocated engine's)."""
+        for collector in collectors:
+            self.registry.register(collector)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every series."""

@@ -58,9 +58,11 @@ def start_deployment(config: ServeConfig) -> Deployment:
     engine_kwargs["served_model_name"] = config.served_model_name or os.path.basename(os.path.normpath(config.model))
     if config.mode == "colocated":
         from k3serve.engine.async_engine import AsyncEngine
+        from k3serve.engine.structured_output_metrics import grammar_compile_metrics
 
         engine = AsyncEngine(EngineArgs(**engine_kwargs))
         metrics = IngressMetrics(model_name=engine.model_name)
+        metrics.include(grammar_compile_metrics().collectors)  # the engine compiles in this process
         return Deployment(engine, metrics, config, [engine.shutdown])
     _check_tp(config, engine_kwargs["model"])
     if config.launcher == "ray":

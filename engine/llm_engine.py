@@ -35,6 +35,7 @@ from k3serve.engine.sampling_params import SamplingParams
 from k3serve.engine.scheduler import Scheduler, SchedulerConfig
 from k3serve.engine.state_pool import StatePool
 from k3serve.engine.structured_output import StructuredOutputs
+from k3serve.engine.structured_output_metrics import grammar_compile_metrics
 from k3serve.model.config import ModelConfig
 from k3serve.model.parallel import TensorParallel
 from k3serve.model.presets import PRESETS
@@ -124,7 +125,8 @@ class LLMEngine:
         )
         self.sampler = Sampler(eos_token_id=self.tokenizer.eos_token_id)
         self.structured_outputs = StructuredOutputs(self.tokenizer, self.config.vocab_size,
-                                                    pin_memory=args.device.startswith("cuda"))
+                                                    pin_memory=args.device.startswith("cuda"),
+                                                    metrics=grammar_compile_metrics().bind(self.model_name))
         self._tracked: dict[str, _Tracked] = {}
         self._pending: list[RequestDelta] = []  # deltas produced between steps (handoff first tokens)
         self._ids = itertools.count()

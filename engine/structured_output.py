@@ -33,6 +33,7 @@ import contextlib
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from k3serve.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from k3serve.engine.structured_output_metrics import BoundGrammarCompileMetrics
 from k3serve.kernels._backend import to_device_async
 
 if TYPE_CHECKING:
@@ -61,6 +63,11 @@ a running request's; it only makes a later request with that constraint compile 
 COMPILE_THREADS = 2
 """Constraints compiled at once, on their own threads: more than one, so a slow schema does not hold up every
 request behind it; few, since xgrammar spreads each compilation over its own threads (`max_threads`, 8)."""
+
+
+class ConstraintCompileError(ValueError):
+    """A request's schema, regex, choice or grammar does not compile: the API's 400, which the ingress counts as a
+    refusal of that constraint's kind."""
 
 
 class ConstraintViolationError(RuntimeError):
@@ -105,7 +112,7 @@ def parse_constraint(constraint: StructuredOutputsParams) -> Any:
             return xgr.Grammar.from_regex(constraint.regex)
         return xgr.Grammar.from_ebnf(choice_grammar(constraint.choice) if kind == "choice" else constraint.grammar)
     except (RuntimeError, ValueError) as e:  # xgrammar raises RuntimeError for a constraint it cannot read
-        raise ValueError(f"structured output {kind} does not compile: {_xgrammar_message(e)}") from None
+        raise ConstraintCompileError(f"structured output {kind} does not compile: {_xgrammar_message(e)}") from None
 
 
 class GrammarCompiler:
@@ -114,15 +121,18 @@ class GrammarCompiler:
     vocabulary (xgrammar's TokenizerInfo: every token id's bytes, the special tokens emptied so no grammar can match
     their text, the tokenizer's stop ids) is built with the first compilation, on those threads: an engine without
     constrained requests never pays it. Each constraint is compiled once while it stays among the `cache_size`
-    last used; requests that ask for one being compiled share that compilation."""
+    last used; requests that ask for one being compiled share that compilation. `metrics`: where each compilation's
+    seconds and each request served without one (a cache hit) are recorded."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = COMPILED_GRAMMAR_CACHE_SIZE) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = COMPILED_GRAMMAR_CACHE_SIZE,
+                 metrics: BoundGrammarCompileMetrics | None = None) -> None:
         if cache_size < 1:
             raise ValueError(f"cache_size must be >= 1, got {cache_size}")
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width (the model's vocabulary): the bitmask covers it
         self.cache_size = cache_size
         self.num_compiled = 0  # compilations so far (cache misses that compiled)
+        self.metrics = metrics
         self.on_compile: Callable[[StructuredOutputsParams], None] | None = None
         """Called on the compiling thread as each compilation starts: where a test holds one."""
         self._lock = threading.Lock()  # the cache, the compilations under way, num_compiled, the pool
@@ -145,9 +155,12 @@ class GrammarCompiler:
             if compiled is not None:
                 self._cache.move_to_end(constraint)
                 result.set_result(compiled)
+                self._count_cache_hit()
                 return result
             compiling = self._compiling.get(constraint)
-            if compiling is None:
+            if compiling is not None:
+                self._count_cache_hit()
+            else:
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="k3serve-grammar")
                 compiling = self._compiling[constraint] = self._pool.submit(self._compile_and_cache, constraint)
@@ -165,7 +178,10 @@ class GrammarCompiler:
         try:
             if self.on_compile is not None:
                 self.on_compile(constraint)
+            started = time.perf_counter()
             compiled = self._compile(constraint)
+            if self.metrics is not None:
+                self.metrics.observe_compile(started)
         except BaseException:
             with self._lock:
                 del self._compiling[constraint]
@@ -178,12 +194,17 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return compiled
 
+    def _count_cache_hit(self) -> None:
+        if self.metrics is not None:
+            self.metrics.cache_hit()
+
     def _compile(self, constraint: StructuredOutputsParams) -> Any:
         grammar = parse_constraint(constraint)
         try:
             return self._xgrammar_compiler().compile_grammar(grammar)
         except (RuntimeError, ValueError) as e:
-            raise ValueError(f"structured output {constraint.kind} does not compile: {_xgrammar_message(e)}") from None
+            raise ConstraintCompileError(
+                f"structured output {constraint.kind} does not compile: {_xgrammar_message(e)}") from None
 
     def _xgrammar_compiler(self) -> Any:
         with self._vocabulary_lock:
@@ -257,8 +278,9 @@ class StructuredOutputs:
     from `add` to `release`."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, pin_memory: bool = False,
-                 cache_size: int = COMPILED_GRAMMAR_CACHE_SIZE) -> None:
-        self.compiler = GrammarCompiler(tokenizer, vocab_size, cache_size)
+                 cache_size: int = COMPILED_GRAMMAR_CACHE_SIZE,
+                 metrics: BoundGrammarCompileMetrics | None = None) -> None:
+        self.compiler = GrammarCompiler(tokenizer, vocab_size, cache_size, metrics)
         self.eos_token_id = tokenizer.eos_token_id
         self.pin_memory = pin_memory  # a CUDA engine: the bitmask is copied from pinned memory, non_blocking
         self._matchers: dict[str, Any] = {}  # request id -> its GrammarMatcher

@@ -36,13 +36,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k3serve.cluster.metrics import IngressMetrics, RequestTimer
+from k3serve.engine.structured_output import ConstraintCompileError
 
 from .auth import BearerKeyAuth
 from .drain import Drain, DrainGate, count_cut_with
 from .engine_client import EngineClient
 from .errors import APIError, error_response
 from .fanout import FanOut
-from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, _SamplingFields
 from .serving import (
     STATUS_CLIENT_GONE,
     Prepared,
@@ -53,6 +54,7 @@ from .serving import (
     stream_sse,
     to_api_error,
 )
+from .structured_outputs import constraint_kind
 
 logger = logging.getLogger(__name__)
 
@@ -108,21 +110,25 @@ def build_app(client: EngineClient, metrics: IngressMetrics | None = None, reaso
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return await _serve(raw, client, metrics, lambda: prepare_completion(body, client))
+        return await _serve(raw, client, metrics, lambda: prepare_completion(body, client), body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await _serve(raw, client, metrics, lambda: prepare_chat(body, client, reasoning_parser))
+        return await _serve(raw, client, metrics, lambda: prepare_chat(body, client, reasoning_parser), body)
 
     return app
 
 
 async def _serve(raw: Request, client: EngineClient, metrics: IngressMetrics,
-                 prepare: Callable[[], Prepared]) -> Response:
+                 prepare: Callable[[], Prepared], body: _SamplingFields) -> Response:
     timer = metrics.start_request()
     count_cut_with(raw.scope, timer.fail)  # a drain cut counts once, as its 503, stream or not
+    kind = None  # of the request's structured output constraint, once its shape passed
     try:
         prep = prepare()
+        kind = constraint_kind(body)
+        if kind is not None:
+            metrics.count_structured_output(kind)
         fan = await _unless_disconnected(raw, start(client, prep, timer))
         if prep.stream:
             return _SSEResponse(stream_sse(prep, fan, timer), fan, timer)
@@ -134,6 +140,8 @@ async def _serve(raw: Request, client: EngineClient, metrics: IngressMetrics,
     except Exception as e:
         err = to_api_error(e)
         timer.fail(err.status)
+        if kind is not None and isinstance(e, ConstraintCompileError):  # so is a Ray actor's error with that cause
+            metrics.count_structured_output_refusal(kind)
         return error_response(err)
 
 

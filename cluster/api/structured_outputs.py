@@ -50,6 +50,17 @@ def structured_outputs_of(body: _SamplingFields) -> StructuredOutputsParams | No
         raise bad_request(f"{field}: {e}", field) from None
 
 
+def constraint_kind(body: _SamplingFields) -> str | None:
+    """The kind of the request's constraint, as the ingress's metrics label it: the engine's kind, but "tool_choice"
+    for a forced tool choice (a json one to the engine); None without any. For a body `structured_outputs_of`
+    accepted."""
+    asked = _asked_constraints(body)
+    if not asked:
+        return None
+    (field, kwargs), = asked.items()
+    return field if field == "tool_choice" else next(iter(kwargs))
+
+
 def _asked_constraints(body: _SamplingFields) -> dict[str, dict[str, Any]]:
     """Request field -> StructuredOutputsParams' arguments, for every field that asks for a constraint."""
     asked: dict[str, dict[str, Any]] = {}

@@ -10,7 +10,7 @@ they work against any Prometheus that scrapes `k3serve serve`'s GET /metrics.
 
 Two dashboards:
     k3serve-overview   what clients see: TTFT / TPOT / ITL / E2E quantiles, TTFT breakdown,
-                       request and token rates, errors
+                       request and token rates, errors, structured outputs
     k3serve-pools      what the pools do: running / waiting requests and KV-block / KDA-slot usage
                        per pool and replica, healthy replicas, the ingress's queue time, P->D
                        handoff and transfer
@@ -198,6 +198,24 @@ def overview() -> dashboard.Dashboard:
         .with_panel(series(ids, "Error ratio", "Errors over all finished requests.", "percentunit", [
             query(f"{err} / ({ok} + {err})", "{{model_name}}", "A"),
         ], max_val=1))
+        .with_row(dashboard.Row("Structured outputs").id(ids.id()))
+        .with_panel(series(ids, "Structured outputs", "Constrained requests per second by kind (tool_choice: a "
+                           "forced tool choice), those refused (400) because their constraint does not compile, "
+                           "and the engines' grammar compilations and cache hits (a request is compiled on each "
+                           "engine that serves it: prefill and decode in P/D).", "reqps", [
+                               query(f"sum by (model_name, kind) (rate(k3serve:structured_output_requests_total{{{MODEL}}}[{RATE}]))",
+                                     "{{kind}}", "A"),
+                               query(f"sum by (model_name, kind) (rate(k3serve:structured_output_refusals_total{{{MODEL}}}[{RATE}]))",
+                                     "refused: {{kind}}", "B"),
+                               query(f"sum by (model_name) (rate(k3serve:structured_output_compile_seconds_count{{{MODEL}}}[{RATE}]))",
+                                     "engine compiles", "C"),
+                               query(f"sum by (model_name) (rate(k3serve:structured_output_grammar_cache_hits_total{{{MODEL}}}[{RATE}]))",
+                                     "engine cache hits", "D"),
+                           ]))
+        .with_panel(series(ids, "Grammar compile time", "Seconds an engine takes to compile a constraint it has "
+                           "not cached (its first compile also builds the vocabulary). The request waits for it "
+                           "before it enters the engine.", "s",
+                           quantile_queries("k3serve:structured_output_compile_seconds")))
     )
     return board
 
