@@ -43,7 +43,6 @@ NUM_WARPS = 4
 # The accumulator [64 rows, 8 tokens] and the MMA operands laid on it.
 _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8]))
 _A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA, k_width=2))  # [64, 32] bf16 codes
-_PACKED = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA, k_width=1))  # [64, 16] their bytes
 _B = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=_MMA, k_width=2))  # [32, 8] bf16 activations
 # A group's packed words as loaded: [warp 4, row bit 2, lane row 8, lane col 4], one 32-bit word (8 codes) a row.
 _LOAD_A = gl.constexpr(gl.BlockedLayout([1, 2, 1, 1], [1, 1, 8, 4], [4, 1, 1, 1], [3, 2, 1, 0]))
