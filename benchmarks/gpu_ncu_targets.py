@@ -3,13 +3,14 @@ of its goal, a few times (the first calls compile and warm up; the script profil
 
     python benchmarks/gpu_ncu_targets.py TARGET
 
-    mla       MLA decode N16 ctx8K, 12 heads (the rule's 16 splits + the merge)       goal >= 75% of bandwidth
+    mla       MLA decode N16 ctx8K, 12 heads (the rule's splits + the merge)          goal >= 75% of bandwidth
     kda       KDA decode step N16 H12 (K3 rank)                                        goal <= 1.3x the state floor
     moe_gemv1, moe_gemv16   MXFP4 experts T1 / T16, GEMV pair (the batch 1-8 path)  goal >= 60% of bandwidth
     moe_mma64 MXFP4 experts T64, Gluon MMA pair (the batch 9-192 path)
     linear    skinny GEMM at batch 1 on the KDA stacked projection 6284x7168           the batch-1 step's GEMMs
 
-Every target first checks its op against the torch reference (an error stops it before ncu profiles anything)."""
+Every target first checks its op against the torch reference and that it ran the kernel ncu is told to profile, not
+a fallback (either stops it before ncu profiles anything)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ import torch
 from _gpu_common import check, rel_err
 
 CALLS = 6  # the script profiles launch 5 of each kernel name (launch-skip 4): compiled, warm, not the last
+
+
+def check_ran(name: str, ran: str, wanted: str) -> None:
+    """A fallback would leave ncu nothing to match (or another kernel): stop before it profiles."""
+    if ran != wanted:
+        raise SystemExit(f"{name}: ran {ran!r}, not {wanted!r}; nothing of the target to profile")
 
 
 def mla() -> None:
@@ -37,6 +44,7 @@ def mla() -> None:
 def kda() -> None:
     from gpu_kda import K, V, kda_inputs
 
+    from k3serve.kernels import kda
     from k3serve.kernels.kda import kda_decode, naive
 
     N, H = 16, 12
@@ -48,6 +56,7 @@ def kda() -> None:
     q, k, v = (t.reshape(N, H, -1) for t in proj.split([H * K, H * K, H * V], dim=-1))
     ref_pool = pool.clone()
     o = kda_decode(q, k, v, g, beta, pool, slots, use_qk_l2norm_in_kernel=True)
+    check_ran("kda decode", kda.last_backend["kda_decode"], "triton")
     ref = naive.kda_decode(q, k, v, g, beta, ref_pool, slots, None, True)
     check("kda decode N16 H12", max(rel_err(ref, o), rel_err(ref_pool[slots], pool[slots])), 1e-2)
     for _ in range(CALLS):
@@ -68,6 +77,7 @@ def _moe(T: int, path: str) -> None:
     tw = torch.rand(T, TOP_K, device=dev)
     run = functools.partial(triton_moe.fused_experts, x, w, tw, ids, SITU, 0, path=path)
     check(f"moe {path} T{T}", rel_err(naive.fused_experts(x, w, tw, ids, SITU, 0), run()), 1e-2)
+    check_ran(f"moe {path} T{T}", triton_moe.last_path, path)  # "mma" falls back to "dot" where it cannot run
     for _ in range(CALLS):
         run()
     hit = ids[ids < E]
@@ -75,12 +85,14 @@ def _moe(T: int, path: str) -> None:
 
 
 def linear() -> None:
+    from k3serve.kernels import linear as linear_op
     from k3serve.kernels.linear import linear as skinny
 
     dev = torch.device("cuda")
     x = torch.randn(1, 7168, device=dev, dtype=torch.bfloat16)
     w = (torch.randn(6284, 7168, device=dev) / 7168**0.5).to(torch.bfloat16)
     check("linear T1 6284x7168", rel_err(x.float() @ w.float().T, skinny(x, w)), 1e-2)
+    check_ran("linear", linear_op.last_backend["linear"], "triton")
     for _ in range(CALLS):
         skinny(x, w)
 
