@@ -47,8 +47,7 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured output {name} must be a non-empty string, got {value!r}")
         if not isinstance(self.json_object, bool):
             raise ValueError(f"structured output json_object must be a bool, got {self.json_object!r}")
-        kinds = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
-        kinds += ["json_object"] if self.json_object else []
+        kinds = self._kinds()
         if len(kinds) != 1:
             raise ValueError(f"structured outputs need exactly one of json, json_object, regex, choice, grammar; "
                              f"got {kinds or 'none'}")
@@ -56,8 +55,12 @@ class StructuredOutputsParams:
     @property
     def kind(self) -> str:
         """Which constraint: "json", "json_object", "regex", "choice" or "grammar"."""
-        return next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None) \
-            if not self.json_object else "json_object"
+        return self._kinds()[0]
+
+    def _kinds(self) -> list[str]:
+        """The constraints set (exactly one once constructed)."""
+        kinds = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        return kinds + ["json_object"] if self.json_object else kinds
 
 
 @dataclass
