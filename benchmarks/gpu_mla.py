@@ -12,9 +12,9 @@ eager only. Floor = KV + q + o bytes / copy bandwidth; bw = floor / in_graph (th
 `splits` = the split count kernels/mla/split_rule.py picks.
 
 --sweep: a second table at N16 ctx8K, N64 ctx8K, N16 ctx32K, N4 ctx32K, N1 ctx32K (12 heads): the rule's pick
-(also with each of SWEEP_KNOBS' warps and stages), each `waves` of the rule, and each explicit split count of --splits, all timed in graph, each first checked
-against the fp32 reference. --smoke: tiny shapes on the CPU, the kernels through the Triton interpreter (fp16:
-it cannot multiply bf16)."""
+(also with each of SWEEP_KNOBS' warps and stages), each `waves` of the rule, and each explicit split count of
+--splits (also with SWEEP_KNOBS' stages), all timed in graph, each first checked against the fp32 reference.
+--smoke: tiny shapes on the CPU, the kernels through the Triton interpreter (fp16: it cannot multiply bf16)."""
 
 from __future__ import annotations
 
@@ -147,7 +147,7 @@ def sweep_rows(N: int, ctx: int, dev, ceil, dtype, split_counts: list[int]) -> l
                 **{f"waves {w}": {"waves": w} for w in SWEEP_WAVES},
                 **{f"splits {s}": {"num_splits": s} for s in split_counts},
                 **{f"splits {s}, {name}": {"num_splits": s, **knobs} for s in split_counts
-                   for name, knobs in SWEEP_KNOBS.items() if "page" in name}}
+                   for name, knobs in SWEEP_KNOBS.items() if "num_stages" in knobs}}
     rows = []
     for name, knobs in variants.items():
         check(f"mla N{N} ctx{ctx} {name}", _err(ref, case.kernel(**knobs)), TOL)
