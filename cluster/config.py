@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, create_model, fiel
 from k3serve.engine.config import EngineArgs, engine_arg_docs
 from k3serve.engine.host_ip import check_host_ip
 
-# The admission queue's default length, in rounds of the decode pool (decode_replicas x max_num_seqs):
+# The admission queue's default length, in rounds of the decode pool (decode_replicas x its max_num_seqs):
 # a request queued k rounds deep waits about k request lifetimes, so at 8 rounds of few-second requests
 # it already nears queue_timeout_seconds; a longer queue would turn immediate 503s into timed-out ones.
 # 8 rounds still absorb a benchmark's burst of 9x the slots (guidellm at concurrency 576 on one 64-slot
@@ -50,8 +50,26 @@ POOL_ENGINE_ARGS = ("max_num_seqs", "max_num_batched_tokens", "max_adaptive_batc
 DECODE_ENGINE_ARGS = ("enforce_eager", "cuda_graph_batch_sizes")
 
 
-class _ServeOptions(BaseModel):
-    """ServeConfig's fields other than the engine arguments (which `ServeConfig` adds), its checks and views."""
+def _engine_fields() -> dict[str, Any]:
+    """Pydantic fields of the engine arguments: each shared one as EngineArgs declares it (type, default, its
+    docstring as the description), then the per-pool forms, None meaning the shared value."""
+    hints, docs = get_type_hints(EngineArgs), engine_arg_docs()
+    defaults = {f.name: f.default for f in fields(EngineArgs) if f.default is not MISSING}
+    notes = dict.fromkeys(DECODE_ENGINE_ARGS, " Serving: the decode pool's (prefill engines are always eager).")
+    shared = {name: (hints[name], Field(defaults[name], description=docs[name] + notes.get(name, "")))
+              for name in DEPLOYMENT_ENGINE_ARGS + POOL_ENGINE_ARGS + DECODE_ENGINE_ARGS}
+    per_pool = {f"{pool}_{name}": (hints[name] | None, Field(None, description=f"the {pool} pool's {name}; "
+                                                                f"unset: {name}'s value"))
+                for pool in POOLS for name in POOL_ENGINE_ARGS}
+    return shared | per_pool
+
+
+EngineOptions = create_model("EngineOptions", __module__=__name__, **_engine_fields())
+EngineOptions.__doc__ = "ServeConfig's engine arguments, generated from EngineArgs' fields (`_engine_fields`)."
+
+
+class ServeConfig(EngineOptions):
+    """What `k3serve serve` runs: the engine arguments (`EngineOptions`), then the deployment's own fields."""
 
     # hide_input_in_errors: pydantic would echo the input (the api_key included) in any field's or
     # cross-check's error, which `k3serve serve` prints; the messages name the field and the rule.
@@ -116,7 +134,7 @@ class _ServeOptions(BaseModel):
         return key
 
     @model_validator(mode="after")
-    def _cross_check(self) -> "_ServeOptions":
+    def _cross_check(self) -> "ServeConfig":
         if self.mode == "disaggregated" and self.transfer == "local" and self.launcher == "ray":
             raise ValueError("transfer 'local' moves bytes inside one process: use --launcher local, or mooncake / nixl")
         if self.mode == "colocated" and self.prefill_tp != 1:
@@ -188,21 +206,3 @@ class _ServeOptions(BaseModel):
             values.update({name: getattr(self, name) for name in DECODE_ENGINE_ARGS})
         tp = {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(pool, 1)
         return EngineArgs(**values, tensor_parallel_size=tp)
-
-
-def _engine_fields() -> dict[str, Any]:
-    """Pydantic fields of the engine arguments: each shared one as EngineArgs declares it (type, default, its
-    docstring as the description), then the per-pool forms, None meaning the shared value."""
-    hints, docs = get_type_hints(EngineArgs), engine_arg_docs()
-    defaults = {f.name: f.default for f in fields(EngineArgs) if f.default is not MISSING}
-    notes = dict.fromkeys(DECODE_ENGINE_ARGS, " Serving: the decode pool's (prefill engines are always eager).")
-    shared = {name: (hints[name], Field(defaults[name], description=docs[name] + notes.get(name, "")))
-              for name in DEPLOYMENT_ENGINE_ARGS + POOL_ENGINE_ARGS + DECODE_ENGINE_ARGS}
-    per_pool = {f"{pool}_{name}": (hints[name] | None, Field(None, description=f"the {pool} pool's {name}; "
-                                                                f"unset: {name}'s value"))
-                for pool in POOLS for name in POOL_ENGINE_ARGS}
-    return shared | per_pool
-
-
-ServeConfig = create_model("ServeConfig", __base__=_ServeOptions, __module__=__name__, **_engine_fields())
-ServeConfig.__doc__ = """What `k3serve serve` runs: `_ServeOptions`' fields, then the engine arguments (`_engine_fields`)."""

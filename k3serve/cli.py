@@ -86,12 +86,12 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _add_serve_options(p: argparse.ArgumentParser) -> None:
-    """`serve`'s options: one a ServeConfig field, by the same name, in its order, the engine arguments in a group of
-    their own. A flag's help (the field's description), type, choices (a Literal's) and the default the help shows
+    """`serve`'s options: one a ServeConfig field, by the same name, in its order, the engine arguments (EngineOptions)
+    in a group of their own. A flag's help (the field's description), type, choices (a Literal's) and the default the help shows
     come from the field: the help cannot drift from what serving does. A boolean is a pair, `--NAME/--no-NAME` (as
     vLLM's `--enable-prefix-caching/--no-enable-prefix-caching`); a tuple of ints is comma-separated. Each flag itself
     defaults to None: only a flag given overrides --config's value (`serve_config`)."""
-    from k3serve.cluster.config import API_KEY_ENV, ServeConfig, _ServeOptions
+    from k3serve.cluster.config import API_KEY_ENV, EngineOptions, ServeConfig
 
     cli_notes = {"api_key": f"; a flag shows in `ps`: prefer ${API_KEY_ENV}, read when neither this flag nor "
                             "--config gives a key"}
@@ -101,7 +101,7 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
         text = (field.description or "") + cli_notes.get(name, "")
         if field.default is not None:  # a None default is for the description to explain
             text += f" (default: {_shown(field.default)})"
-        group = p if name in _ServeOptions.model_fields else engine
+        group = engine if name in EngineOptions.model_fields else p
         flag, kind = "--" + name.replace("_", "-"), _value_kind(field.annotation)
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, help=text.replace("%", "%%"))
