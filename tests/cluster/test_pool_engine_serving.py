@@ -6,7 +6,8 @@ the local launcher and transfer: the decode pool runs at most 2 requests with pr
 are its 2 running requests' alone), the prefill pool 4 with prefix caching on, out of exactly 32 MLA blocks.
 
 Spec:
-- `k3serve status` prints each replica's engine settings (`k3serve:engine_config_info`), per pool;
+- `k3serve status` prints each replica's engine settings (`k3serve:engine_config_info`), per pool; a replica's
+  settings are one series, replaced when they change;
 - the decode engine never runs more than 2 requests: 5 at once all complete, 2 decoding at a time, the others
   waiting in the ingress's admission queue; every decode slot a running request's;
 - the prefill engine keeps caching prefixes: a prompt sent twice hits its cache the second time.
@@ -24,9 +25,11 @@ from typing import Iterator
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 
 from k3serve.cli import build_parser, main, serve_config
 from k3serve.cluster.api import build_app
+from k3serve.cluster.metrics import ENGINE_SETTINGS, POOL_LABELS, IngressMetrics
 from k3serve.cluster.serve import Deployment, _ingress_server, start_deployment
 
 pytestmark = pytest.mark.timeout(120)
@@ -77,6 +80,24 @@ def test_status_reports_each_pools_engine_settings(served, capsys: pytest.Captur
     assert int(decode["num_gpu_blocks"]) > 32  # all that its 16 MiB hold
     assert prefill["block_size"] == decode["block_size"] == "16"
     assert prefill["cuda_graphs"] == decode["cuda_graphs"] == "false"  # CPU
+    assert (prefill["max_num_batched_tokens"], prefill["kda_checkpoint_mode"]) == ("8192", "in_pass")  # defaults
+    for labels in settings.values():  # every setting the engine reports, none missing
+        assert set(labels) == {*POOL_LABELS, *ENGINE_SETTINGS} and all(labels.values()), labels
+
+
+def test_a_replicas_settings_are_one_series_replaced_when_they_change() -> None:
+    """A restarted replica's engine may have other pools: its old settings must not linger beside the new."""
+    metrics = IngressMetrics(CollectorRegistry(), model_name="m")
+    settings = dict.fromkeys(ENGINE_SETTINGS, "1")
+    metrics.set_engine_settings("decode", "decode-0", settings)
+    metrics.set_engine_settings("decode", "decode-0", {**settings, "num_gpu_blocks": "2"})
+    metrics.set_engine_settings("prefill", "prefill-0", settings)
+    printed = metrics.render().decode()
+    assert {pool: labels["num_gpu_blocks"] for pool, labels in _engine_settings(printed).items()} == {
+        "decode": "2", "prefill": "1"}
+    assert printed.count("k3serve:engine_config_info{") == 2
+    metrics.remove_replica("decode", "decode-0")
+    assert set(_engine_settings(metrics.render().decode())) == {"prefill"}
 
 
 def test_the_decode_engine_runs_at_most_its_max_num_seqs(served) -> None:
