@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal, get_type_hints
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, create_model, field_validator, model_validator
+from pydantic import ConfigDict, Field, SecretStr, create_model, field_validator, model_validator
 
 from k3serve.engine.config import EngineArgs, engine_arg_docs
 from k3serve.engine.host_ip import check_host_ip
