@@ -1,24 +1,29 @@
 """`k3serve serve` configuration: flags and/or a YAML file, validated once, here.
 
 YAML keys are the long flag names with dashes as underscores (`prefill_replicas: 2`); flags given
-on the command line win over the file. Cross-checks that would otherwise fail deep inside a
-worker (a transfer backend without its package, 'local' transfer across processes) fail here
+on the command line win over the file. The engine arguments are EngineArgs' own fields, generated
+from them (names, types, defaults, descriptions): one value for the deployment, and for the
+`POOL_ENGINE_ARGS` a `prefill_*` / `decode_*` form over it (`ServeConfig.engine_args(pool)`).
+Cross-checks that would otherwise fail deep inside a worker (a transfer backend without its
+package, 'local' transfer across processes, a pool's contradictory engine arguments) fail here
 with the field's name; a TP size that does not divide the model's KDA heads fails at startup
-(`cluster.serve._check_tp`), once the checkpoint's config is known.
+(`cluster.serve._check_tp`), once the checkpoint's config is known. Design: docs/design/serve_config.md.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_type_hints
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import ConfigDict, Field, SecretStr, create_model, field_validator, model_validator
 
+from k3serve.engine.config import EngineArgs, engine_arg_docs
 from k3serve.engine.host_ip import check_host_ip
 
-# The admission queue's default length, in rounds of the decode pool (decode_replicas x max_num_seqs):
+# The admission queue's default length, in rounds of the decode pool (decode_replicas x its max_num_seqs):
 # a request queued k rounds deep waits about k request lifetimes, so at 8 rounds of few-second requests
 # it already nears queue_timeout_seconds; a longer queue would turn immediate 503s into timed-out ones.
 # 8 rounds still absorb a benchmark's burst of 9x the slots (guidellm at concurrency 576 on one 64-slot
@@ -29,13 +34,47 @@ QUEUE_ROUNDS = 8
 # sit in a YAML file or on a command line (which `ps` shows); a Kubernetes Secret arrives this way.
 API_KEY_ENV = "K3SERVE_API_KEY"
 
+Pool = Literal["prefill", "decode", "colocated"]
+POOLS = ("prefill", "decode")
+# EngineArgs' fields by reach (tensor_parallel_size aside: prefill_tp / decode_tp). One value for every engine of
+# the deployment: the model, and what the handoff needs alike on both sides (cache layout: dtype, device,
+# block_size) and the router checks once (max_model_len).
+DEPLOYMENT_ENGINE_ARGS = ("model", "served_model_name", "model_cache_dir", "seed", "device", "dtype", "block_size",
+                          "max_model_len")
+# A shared value, and a prefill_* / decode_* form over it for one pool.
+POOL_ENGINE_ARGS = ("max_num_seqs", "max_num_batched_tokens", "max_adaptive_batched_tokens",
+                    "long_prefill_token_threshold", "enable_prefix_caching", "kda_checkpoint_mode",
+                    "cache_memory_bytes", "gpu_memory_utilization", "num_kda_slots", "num_gpu_blocks_override")
+# Decode steps' CUDA graphs: the decode pool's and a colocated engine's; a prefill engine runs no decode step, so it
+# is always eager (capturing would cost time and memory for nothing).
+DECODE_ENGINE_ARGS = ("enforce_eager", "cuda_graph_batch_sizes")
 
-class ServeConfig(BaseModel):
+
+def _engine_fields() -> dict[str, Any]:
+    """Pydantic fields of the engine arguments: each shared one as EngineArgs declares it (type, default, its
+    docstring as the description), then the per-pool forms, None meaning the shared value."""
+    hints, docs = get_type_hints(EngineArgs), engine_arg_docs()
+    defaults = {f.name: f.default for f in fields(EngineArgs) if f.default is not MISSING}
+    notes = dict.fromkeys(DECODE_ENGINE_ARGS, " Serving: the decode pool's (prefill engines are always eager).")
+    shared = {name: (hints[name], Field(defaults[name], description=docs[name] + notes.get(name, "")))
+              for name in DEPLOYMENT_ENGINE_ARGS + POOL_ENGINE_ARGS + DECODE_ENGINE_ARGS}
+    per_pool = {f"{pool}_{name}": (hints[name] | None, Field(None, description=f"the {pool} pool's {name}; "
+                                                                f"unset: {name}'s value"))
+                for pool in POOLS for name in POOL_ENGINE_ARGS}
+    return shared | per_pool
+
+
+EngineOptions = create_model("EngineOptions", __module__=__name__, **_engine_fields())
+EngineOptions.__doc__ = "ServeConfig's engine arguments, generated from EngineArgs' fields (`_engine_fields`)."
+
+
+class ServeConfig(EngineOptions):
+    """What `k3serve serve` runs: the engine arguments (`EngineOptions`), then the deployment's own fields."""
+
     # hide_input_in_errors: pydantic would echo the input (the api_key included) in any field's or
     # cross-check's error, which `k3serve serve` prints; the messages name the field and the rule.
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
-    model: str = Field("k3-tiny", description="checkpoint directory, or a small preset written once and served")
     mode: Literal["disaggregated", "colocated"] = Field("disaggregated", description="separate prefill/decode pools, or one engine")
     transfer: Literal["mooncake", "nixl", "local"] = Field(
         "mooncake", description="how prefill state reaches decode; 'local' needs the in-process launcher"
@@ -47,19 +86,11 @@ class ServeConfig(BaseModel):
     decode_tp: int = Field(1, ge=1, description="tensor-parallel ranks per decode engine")
     host: str = Field("127.0.0.1", description="ingress bind address")
     port: int = Field(8000, ge=0, le=65535, description="ingress port (0 = any free port, printed at start)")
-    served_model_name: str | None = Field(None, description="model id clients use; default: preset or directory name")
-    block_size: int = Field(64, ge=1, description="tokens per MLA KV block (and KDA checkpoint granularity)")
-    max_model_len: int = Field(4096, ge=2, description="prompt + output tokens per request")
-    max_num_seqs: int = Field(64, ge=1, description="running requests per engine")
-    max_num_batched_tokens: int | None = Field(None, ge=1, description="base token budget per step (adaptive above it)")
-    cache_memory_bytes: int | None = Field(None, gt=0, description="CPU: bytes for MLA blocks + KDA slots per engine")
-    device: str = Field("cpu", description="'cpu' or 'cuda'")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    seed: int = Field(0, description="weights seed of a preset checkpoint; engine RNG seed")
     lease_seconds: float = Field(30.0, gt=0, description="longest a reservation or pinned state waits for its handoff")
     max_queued_requests: int | None = Field(
         None, ge=0, description="disaggregated: requests the ingress holds while no decode replica has room; "
-        f"more get 503 at once (0: never wait); default {QUEUE_ROUNDS} x decode_replicas x max_num_seqs",
+        f"more get 503 at once (0: never wait); default {QUEUE_ROUNDS} x decode_replicas x the decode pool's "
+        "max_num_seqs",
     )
     queue_timeout_seconds: float = Field(
         60.0, gt=0, description="disaggregated: longest a request waits for decode room, then 503 (a client "
@@ -116,6 +147,17 @@ class ServeConfig(BaseModel):
         if self.mode == "colocated" and queue_fields:
             raise ValueError(f"{', '.join(sorted(queue_fields))}: the disaggregated ingress's admission queue; "
                              "colocated mode queues in its engine's scheduler")
+        overrides = {pool: [f"{pool}_{name}={value!r}" for name in POOL_ENGINE_ARGS
+                            if (value := getattr(self, f"{pool}_{name}")) is not None] for pool in POOLS}
+        if self.mode == "colocated" and (given := overrides["prefill"] + overrides["decode"]):
+            raise ValueError(f"{', '.join(given)}: colocated mode runs one engine: set the shared key (without the "
+                             "pool's prefix)")
+        for pool in self.pools:
+            try:
+                self.engine_args(pool)
+            except ValueError as e:
+                given = ", ".join(overrides.get(pool, ())) or "the shared values"
+                raise ValueError(f"the {pool} pool's engine arguments ({given}): {e}") from None
         if self.advertise_host is not None:
             check_host_ip(self.advertise_host, "advertise_host")
             if self.mode == "colocated" or self.launcher == "local":
@@ -139,14 +181,28 @@ class ServeConfig(BaseModel):
         return cls(**data)
 
     @property
+    def pools(self) -> tuple[Pool, ...]:
+        """The engine pools this deployment runs."""
+        return ("colocated",) if self.mode == "colocated" else POOLS
+
+    @property
     def queue_capacity(self) -> int:
         """max_queued_requests, or its default: QUEUE_ROUNDS rounds of the decode pool's running slots."""
         if self.max_queued_requests is not None:
             return self.max_queued_requests
-        return QUEUE_ROUNDS * self.decode_replicas * self.max_num_seqs
+        return QUEUE_ROUNDS * self.decode_replicas * self.engine_args("decode").max_num_seqs
 
-    def engine_kwargs(self) -> dict[str, Any]:
-        """EngineArgs of every engine in the deployment."""
-        keys = ("model", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                "cache_memory_bytes", "device", "dtype", "seed", "served_model_name")
-        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+    def engine_args(self, pool: Pool) -> EngineArgs:
+        """The EngineArgs of each engine of `pool` (in colocated mode, the one engine): the shared values, the pool's
+        own `{pool}_*` ones over them, the pool's TP size; a prefill engine eager (DECODE_ENGINE_ARGS). Raises
+        ValueError for a contradictory set (validation calls it for every pool the deployment runs)."""
+        values = {name: getattr(self, name) for name in DEPLOYMENT_ENGINE_ARGS + POOL_ENGINE_ARGS}
+        if pool in POOLS:
+            values.update({name: value for name in POOL_ENGINE_ARGS
+                           if (value := getattr(self, f"{pool}_{name}")) is not None})
+        if pool == "prefill":
+            values["enforce_eager"] = True
+        else:
+            values.update({name: getattr(self, name) for name in DECODE_ENGINE_ARGS})
+        tp = {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(pool, 1)
+        return EngineArgs(**values, tensor_parallel_size=tp)

@@ -16,7 +16,8 @@ reservation, which its prefill waits for, or to leaving its admission queue with
 cancelled); it also sets the per-(pool, replica) gauges with
 `set_pool_stats`, and with `set_ingress_queue` the requests its admission queue holds, as
 `k3serve:num_requests_waiting{pool="ingress", replica="router"}` (on the pools dashboard and in
-`k3serve status` beside the replicas' queues). Structured outputs: the app counts each request with a constraint
+`k3serve status` beside the replicas' queues), and with `set_engine_settings` each replica's engine settings as
+`k3serve:engine_config_info` (value 1, the settings in its labels, as vLLM's `cache_config_info`). Structured outputs: the app counts each request with a constraint
 by its kind (`count_structured_output`: json, json_object, regex, choice, grammar, or tool_choice for a forced tool
 choice) and, among them, those refused with a 400 because the constraint does not compile
 (`count_structured_output_refusal`; request_errors counts them too, by status only); how long the engines take to
@@ -42,6 +43,9 @@ REQUEST_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0
                         240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 POOL_LABELS = ("model_name", "pool", "replica")
+ENGINE_SETTINGS = ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "kda_checkpoint_mode",
+                   "num_gpu_blocks", "num_kda_slots", "block_size", "cuda_graphs")
+"""`LLMEngine.settings`' names: the labels `k3serve:engine_config_info` carries beside POOL_LABELS."""
 
 
 class IngressMetrics:
@@ -92,6 +96,10 @@ class IngressMetrics:
                                                   "kind.", ("model_name", "kind"), registry=reg)
         self.replicas_healthy = Gauge("k3serve:replicas_healthy", "Replicas of a pool answering health checks.",
                                       ("model_name", "pool"), registry=reg)
+        self.engine_config = Gauge("k3serve:engine_config_info", "1 for each replica's engine; its labels: the "
+                                   "settings the engine runs with (blocks and slots as its pools were made).",
+                                   POOL_LABELS + ENGINE_SETTINGS, registry=reg)
+        self._engine_settings: dict[tuple[str, str], tuple[str, ...]] = {}  # (pool, replica) -> its labels now
         for series in (self.ttft, self.itl, self.tpot, self.e2e, self.queue_time, self.prefill_time,
                        self.handoff_time, self.prompt_tokens, self.generation_tokens):
             series.labels(model_name)  # exported from the start, at 0
@@ -129,6 +137,17 @@ class IngressMetrics:
         self.kv_block_usage.labels(*labels).set(kv_block_usage)
         self.kda_slot_usage.labels(*labels).set(kda_slot_usage)
 
+    def set_engine_settings(self, pool: str, replica: str, settings: dict[str, str]) -> None:
+        """The replica's one `engine_config_info` series, replacing its previous one (a restarted replica's
+        engine may have been given other pools)."""
+        labels = (self.model_name, pool, str(replica), *(settings.get(name, "") for name in ENGINE_SETTINGS))
+        previous = self._engine_settings.get((pool, str(replica)))
+        if previous != labels:
+            if previous is not None:
+                self.engine_config.remove(*previous)
+            self.engine_config.labels(*labels).set(1)
+            self._engine_settings[(pool, str(replica))] = labels
+
     def set_ingress_queue(self, num_waiting: int) -> None:
         self.waiting.labels(self.model_name, "ingress", "router").set(num_waiting)
 
@@ -142,6 +161,9 @@ class IngressMetrics:
                 gauge.remove(*labels)
             except KeyError:
                 pass
+        settings = self._engine_settings.pop((pool, str(replica)), None)
+        if settings is not None:
+            self.engine_config.remove(*settings)
 
     def include(self, collectors: Sequence[Collector]) -> None:
         """Export collectors measured elsewhere in this process too (a colocated engine's)."""

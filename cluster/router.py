@@ -256,6 +256,7 @@ class DisaggregatedRouter:
                     self.metrics.set_pool_stats(
                         pool, r.name, stats.num_running, stats.num_waiting, stats.block_usage, stats.slot_usage
                     )
+                    self.metrics.set_engine_settings(pool, r.name, stats.settings)
                     self.replica_metrics.update(r.name, await asyncio.wait_for(r.metrics_text(), 5.0))
             except Exception:
                 self._healthy[r.name] = False

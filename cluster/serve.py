@@ -17,7 +17,7 @@ import os
 import signal
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 from k3serve.cluster.config import ServeConfig
@@ -52,22 +52,22 @@ def _run_stops(stops: list[Callable[[], None]]) -> None:
 
 
 def start_deployment(config: ServeConfig) -> Deployment:
-    engine_kwargs = config.engine_kwargs()
     # Write a preset checkpoint once, here, rather than racing in every worker.
-    engine_kwargs["model"] = str(resolve_model_dir(config.model, config.seed, EngineArgs().model_cache_dir))
-    engine_kwargs["served_model_name"] = config.served_model_name or os.path.basename(os.path.normpath(config.model))
+    model_dir = str(resolve_model_dir(config.model, config.seed, config.model_cache_dir))
+    name = config.served_model_name or os.path.basename(os.path.normpath(config.model))
+    args = {pool: replace(config.engine_args(pool), model=model_dir, served_model_name=name) for pool in config.pools}
     if config.mode == "colocated":
         from k3serve.engine.async_engine import AsyncEngine
         from k3serve.engine.structured_output_metrics import grammar_compile_metrics
 
-        engine = AsyncEngine(EngineArgs(**engine_kwargs))
+        engine = AsyncEngine(args["colocated"])
         metrics = IngressMetrics(model_name=engine.model_name)
         metrics.include(grammar_compile_metrics().collectors)  # the engine compiles in this process
         return Deployment(engine, metrics, config, [engine.shutdown])
-    _check_tp(config, engine_kwargs["model"])
+    _check_tp(config, model_dir)
     if config.launcher == "ray":
-        return _start_ray(config, engine_kwargs)
-    return _start_local(config, engine_kwargs)
+        return _start_ray(config, args["prefill"], args["decode"])
+    return _start_local(config, args["prefill"], args["decode"])
 
 
 def _check_tp(config: ServeConfig, model_dir: str) -> None:
@@ -91,22 +91,22 @@ def _worker_kwargs(config: ServeConfig) -> tuple[dict, dict]:
     return prefill, decode
 
 
-def _router(config: ServeConfig, prefill: list, decode: list, engine_kwargs: dict) -> tuple[Any, IngressMetrics]:
+def _router(config: ServeConfig, prefill: list, decode: list, model_dir: str, name: str) -> tuple[Any, IngressMetrics]:
+    """The router over the started replicas, whose engines serve the checkpoint `model_dir` as `name`."""
     from k3serve.cluster.router import DisaggregatedRouter
     from k3serve.model.config import ModelConfig
     from k3serve.model.tokenizer import Tokenizer
 
-    name = engine_kwargs["served_model_name"]
     metrics = IngressMetrics(model_name=name)
-    tokenizer = Tokenizer.from_dir(engine_kwargs["model"])
-    vocab_size = ModelConfig.from_dir(engine_kwargs["model"]).vocab_size
+    tokenizer = Tokenizer.from_dir(model_dir)
+    vocab_size = ModelConfig.from_dir(model_dir).vocab_size
     router = DisaggregatedRouter(prefill, decode, tokenizer, name, config.max_model_len, vocab_size, metrics,
                                  max_queued_requests=config.queue_capacity,
                                  queue_timeout_seconds=config.queue_timeout_seconds)
     return router, metrics
 
 
-def _start_local(config: ServeConfig, engine_kwargs: dict) -> Deployment:
+def _start_local(config: ServeConfig, prefill_args: EngineArgs, decode_args: EngineArgs) -> Deployment:
     """Workers in this process; the ranks > 0 of a TP engine (prefill or decode) in child processes,
     watched while they start (`cluster/local_followers.py`). One machine: every address is 127.0.0.1
     (the workers' defaults). A start that fails part-way stops every worker and process started so far."""
@@ -117,10 +117,6 @@ def _start_local(config: ServeConfig, engine_kwargs: dict) -> Deployment:
     from k3serve.prefill.worker import PrefillWorker
 
     prefill_kw, decode_kw = _worker_kwargs(config)
-    # A prefill engine stops every request at its first token: it never runs a decode step, so it
-    # captures no decode CUDA graphs (their capture time and memory pool would buy nothing).
-    prefill_args = EngineArgs(**{**engine_kwargs, "enforce_eager": True}, tensor_parallel_size=config.prefill_tp)
-    decode_args = EngineArgs(**engine_kwargs, tensor_parallel_size=config.decode_tp)
     stops: list[Callable[[], None]] = []
 
     def start(name: str, tp: int, build: Callable, follower: Callable,
@@ -148,14 +144,14 @@ def _start_local(config: ServeConfig, engine_kwargs: dict) -> Deployment:
                   lambda rank, init: (rank, decode_args, init, config.transfer, LOOPBACK, config.prefill_tp))
             for i in range(config.decode_replicas)
         ]
-        router, metrics = _router(config, prefill, decode, engine_kwargs)
+        router, metrics = _router(config, prefill, decode, decode_args.model, decode_args.served_model_name)
     except BaseException:
         _run_stops(stops)
         raise
     return Deployment(router, metrics, config, stops)
 
 
-def _start_ray(config: ServeConfig, engine_kwargs: dict) -> Deployment:
+def _start_ray(config: ServeConfig, prefill_args: EngineArgs, decode_args: EngineArgs) -> Deployment:
     """Every replica's actors, started together (a replica's name in any error). A start that fails
     part-way kills the actors and removes the placement groups created so far (and Ray, if started
     here): a cluster keeps no GPU or CPU for a deployment that never served."""
@@ -178,20 +174,20 @@ def _start_ray(config: ServeConfig, engine_kwargs: dict) -> Deployment:
             )
         stops.append(ray.shutdown)
     prefill_kw, decode_kw = _worker_kwargs(config)
-    prefill_pool = _RayPool(PrefillActor, PrefillRankActor, config.prefill_tp, {})
-    decode_pool = _RayPool(DecodeActor, DecodeRankActor, config.decode_tp, {"prefill_tp": config.prefill_tp})
+    prefill_pool = _RayPool(PrefillActor, PrefillRankActor, asdict(prefill_args), {})
+    decode_pool = _RayPool(DecodeActor, DecodeRankActor, asdict(decode_args), {"prefill_tp": config.prefill_tp})
     replicas = {
         **{f"prefill-{i}": (prefill_pool, prefill_kw) for i in range(config.prefill_replicas)},
         **{f"decode-{i}": (decode_pool, decode_kw) for i in range(config.decode_replicas)},
     }
     actors: list[Any] = []  # every actor started, killed if the deployment fails to start
     try:
-        leaders = _start_ray_replicas(config, replicas, engine_kwargs, stops, actors)
+        leaders = _start_ray_replicas(config, replicas, stops, actors)
         for leader in leaders.values():
             stops.append(lambda a=leader: _stop_actor(a))
         prefill = [RayPrefillReplica(name, a) for name, a in leaders.items() if name.startswith("prefill-")]
         decode = [RayDecodeReplica(name, a) for name, a in leaders.items() if name.startswith("decode-")]
-        router, metrics = _router(config, prefill, decode, engine_kwargs)
+        router, metrics = _router(config, prefill, decode, decode_args.model, decode_args.served_model_name)
     except BaseException:
         for actor in reversed(actors):
             with contextlib.suppress(Exception):  # already dead
@@ -231,12 +227,17 @@ def _uvicorn_server_class():
 
 @dataclass(frozen=True)
 class _RayPool:
-    """The actor classes of one pool's replicas: rank 0, and ranks > 0 of a TP replica."""
+    """One pool's replicas: the actor classes of rank 0 and of ranks > 0 of a TP replica, the EngineArgs of its
+    engines as keyword arguments (what crosses to the actors)."""
 
     leader: Any
     follower: Any
-    tp: int
+    engine_kwargs: dict[str, Any]
     follower_kwargs: dict[str, Any]
+
+    @property
+    def tp(self) -> int:
+        return self.engine_kwargs["tensor_parallel_size"]
 
 
 _PLACEMENT_TIMEOUT_S = 120.0  # a TP replica's placement group not ready by then: the cluster lacks room
@@ -244,8 +245,7 @@ _RANK0_TIMEOUT_S = 120.0  # a TP replica's rank 0 answering its group's address 
 
 
 def _start_ray_replicas(
-    config: ServeConfig, replicas: dict[str, tuple[_RayPool, dict]], engine_kwargs: dict, stops: list,
-    actors: list,
+    config: ServeConfig, replicas: dict[str, tuple[_RayPool, dict]], stops: list, actors: list,
 ) -> dict[str, Any]:
     """Each replica's rank-0 actor by name, once every one is up; each step is started for all
     replicas, then waited for once. A replica is a single actor when TP is 1; else TP ranks in a
@@ -260,14 +260,13 @@ def _start_ray_replicas(
     up: dict[str, Any] = {}  # name -> ref that resolves once the replica is up
     groups: dict[str, Any] = {}  # TP > 1: name -> placement group
     for name, (pool, worker_kwargs) in replicas.items():
-        kwargs = {**engine_kwargs, "tensor_parallel_size": pool.tp}
         if pool.tp == 1:
             options: dict[str, Any] = {"num_cpus": 1}
         else:
             groups[name] = _placement_group(config, pool.tp, stops)
             options = {"max_restarts": 0, **_in_bundle(config, groups[name], 0)}
         leaders[name] = pool.leader.options(**options).remote(
-            kwargs, {**worker_kwargs, "name": name}, advertise_host=config.advertise_host)
+            pool.engine_kwargs, {**worker_kwargs, "name": name}, advertise_host=config.advertise_host)
         actors.append(leaders[name])
         if pool.tp == 1:
             up[name] = leaders[name].stats.remote()
@@ -279,11 +278,10 @@ def _start_ray_replicas(
     runs: dict[str, Any] = {}  # "<replica> rank <r>" -> its follower's run, which ends only at rank 0's "stop"
     for name, init in inits.items():
         pool = replicas[name][0]
-        kwargs = {**engine_kwargs, "tensor_parallel_size": pool.tp}
         for rank in range(1, pool.tp):
             follower = pool.follower.options(**_in_bundle(config, groups[name], rank)).remote()
             actors.append(follower)
-            runs[f"{name} rank {rank}"] = follower.run.remote(rank, kwargs, init, config.transfer,
+            runs[f"{name} rank {rank}"] = follower.run.remote(rank, pool.engine_kwargs, init, config.transfer,
                                                               config.advertise_host, **pool.follower_kwargs)
         up[name] = leaders[name].start.remote()
     _wait_all(up, "starting", None, runs)  # no limit: loading a large model's weights takes what it takes

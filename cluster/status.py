@@ -1,4 +1,4 @@
-"""`k3serve status`: ask a running server for its health, model and per-pool usage."""
+"""`k3serve status`: ask a running server for its health, model, per-pool usage and engine settings."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import urllib.error
 import urllib.request
 
 _GAUGES = ("k3serve:num_requests_running", "k3serve:num_requests_waiting", "k3serve:kv_block_usage_ratio",
-           "k3serve:kda_slot_usage_ratio")
+           "k3serve:kda_slot_usage_ratio", "k3serve:engine_config_info")  # the last: each engine's settings
 
 
 def _get(url: str, api_key: str | None = None) -> tuple[int, bytes]:

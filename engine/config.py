@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
 from dataclasses import dataclass, fields
+from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,27 +21,39 @@ class EngineArgs:
     model: str = "k3-tiny"
     """Checkpoint directory, or a small preset name (written once under model_cache_dir)."""
     tensor_parallel_size: int = 1
+    """Ranks one engine's weights and KDA heads are sharded over."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """auto: float32 on CPU (exact reference path), bfloat16 on CUDA."""
+    """Weights and caches; auto: float32 on CPU (exact reference path), bfloat16 on CUDA."""
     device: str = "cpu"
+    """'cpu' or 'cuda' (a TP engine's rank r on GPU r)."""
     seed: int = 0
     """Seeds the weights of a preset checkpoint and the engine's global RNG."""
     block_size: int = 64
+    """Tokens per MLA KV block (and KDA checkpoint granularity)."""
     max_model_len: int = 4096
+    """Prompt + output tokens per request."""
     max_num_seqs: int = 64
+    """Running requests per engine (each holds a KDA working slot)."""
     max_num_batched_tokens: int | None = None
     """Base per-step token budget; None = 16384 on >= 80 GiB GPUs, 8192 elsewhere."""
     max_adaptive_batched_tokens: int | None = None
-    """Budget ceiling when few requests run (adaptive budget); None = 2x the base."""
+    """Budget ceiling while few requests run (adaptive budget); None = 2x the base."""
     long_prefill_token_threshold: int | None = None
+    """Cap on one request's prefill chunk per step; None = the budget only."""
     enable_prefix_caching: bool = True
+    """Reuse cached prompt prefixes (MLA blocks + a KDA state checkpoint at their end)."""
     kda_checkpoint_mode: Literal["in_pass", "align", "none"] = "in_pass"
+    """How a prompt's KDA checkpoint is taken: within the forward pass, by a chunk clipped to it, or not at all."""
     cache_memory_bytes: int | None = None
     """Bytes for MLA blocks + KDA slots; None = 512 MiB on CPU, on CUDA what gpu_memory_utilization leaves."""
     gpu_memory_utilization: float = 0.9
+    """CUDA: fraction of the device's memory the engine may fill (weights, graphs, activations, caches)."""
     num_kda_slots: int | None = None
     """KDA state slots; None = max_num_seqs working slots + as many for prefix checkpoints."""
+    num_gpu_blocks_override: int | None = None
+    """MLA KV blocks to make, whatever the budget would hold (at most that; as vLLM's); None = all it holds."""
     model_cache_dir: str = str(DEFAULT_MODEL_CACHE_DIR)
+    """Where preset checkpoints are written."""
     served_model_name: str | None = None
     """The model id clients see (`/v1/models`); None = the preset name or the directory name."""
     enforce_eager: bool = False
@@ -54,14 +69,23 @@ class EngineArgs:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.kda_checkpoint_mode not in ("in_pass", "align", "none"):
+            raise ValueError(f"kda_checkpoint_mode must be 'in_pass', 'align' or 'none', got {self.kda_checkpoint_mode!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kda_slots is not None and self.num_kda_slots < self.max_num_seqs:
             raise ValueError(
                 f"num_kda_slots={self.num_kda_slots} < max_num_seqs={self.max_num_seqs}: every running request needs a slot"
             )
-        if self.cache_memory_bytes is not None and self.cache_memory_bytes <= 0:
-            raise ValueError(f"cache_memory_bytes must be > 0, got {self.cache_memory_bytes}")
+        for name in ("max_num_batched_tokens", "max_adaptive_batched_tokens", "long_prefill_token_threshold",
+                     "cache_memory_bytes", "num_gpu_blocks_override"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
+        if (self.max_adaptive_batched_tokens is not None and self.max_num_batched_tokens is not None
+                and self.max_adaptive_batched_tokens < self.max_num_batched_tokens):
+            raise ValueError(f"max_adaptive_batched_tokens={self.max_adaptive_batched_tokens} < max_num_batched_tokens="
+                             f"{self.max_num_batched_tokens}: the adaptive budget's ceiling is below its base")
         if self.cuda_graph_batch_sizes is not None:
             sizes = self.cuda_graph_batch_sizes
             if (not isinstance(sizes, (tuple, list)) or not sizes
@@ -71,6 +95,9 @@ class EngineArgs:
                     f"cuda_graph_batch_sizes must be strictly increasing integers in [1, max_num_seqs="
                     f"{self.max_num_seqs}], got {sizes!r}"
                 )
+            if self.enforce_eager:
+                raise ValueError(f"cuda_graph_batch_sizes={sizes!r} with enforce_eager=True: an eager engine "
+                                 "captures no graphs (give one or the other)")
             object.__setattr__(self, "cuda_graph_batch_sizes", tuple(sizes))
 
     @classmethod
@@ -101,3 +128,16 @@ class EngineArgs:
         if self.num_kda_slots is not None:
             return self.num_kda_slots
         return self.max_num_seqs * (2 if self.enable_prefix_caching else 1)
+
+
+@cache
+def engine_arg_docs() -> dict[str, str]:
+    """Each EngineArgs field's docstring (the string under it in the class body) by field name, on one line:
+    the description `k3serve serve --help` shows for the field."""
+    (cls,) = ast.parse(inspect.getsource(EngineArgs)).body
+    docs = {}
+    for node, after in zip(cls.body, cls.body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs

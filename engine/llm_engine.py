@@ -23,7 +23,7 @@ import torch
 from k3serve.engine.block_pool import BlockPool
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.detokenizer import IncrementalDetokenizer
-from k3serve.engine.memory import PoolPlan, base_token_budget, plan_engine_pools
+from k3serve.engine.memory import PoolPlan, plan_engine_pools, scheduler_config
 from k3serve.engine.outputs import RequestDelta, TokenLogprobs
 from k3serve.engine.prefix_cache import PrefixCache
 from k3serve.engine.prompt_check import check_prompt
@@ -32,7 +32,7 @@ from k3serve.engine.runner import load_runner
 from k3serve.engine.tp_group import TPGroup
 from k3serve.engine.sampler import PromptScoring, Sampler
 from k3serve.engine.sampling_params import SamplingParams
-from k3serve.engine.scheduler import Scheduler, SchedulerConfig
+from k3serve.engine.scheduler import Scheduler
 from k3serve.engine.state_pool import StatePool
 from k3serve.engine.structured_output import StructuredOutputs
 from k3serve.engine.structured_output_metrics import grammar_compile_metrics
@@ -70,6 +70,7 @@ class EngineStats:
     block_usage: float  # fraction of MLA blocks in use (incl. reservations and pins)
     slot_usage: float  # fraction of KDA slots in use
     num_reserved: int = 0  # decode: reservations waiting for their handoff
+    settings: dict[str, str] = field(default_factory=dict)  # `LLMEngine.settings`: what `k3serve status` shows
 
 
 @dataclass
@@ -108,17 +109,7 @@ class LLMEngine:
         self.runner = load_runner(args, self.model_dir, self.plan, tp, group)
         block_pool, state_pool = BlockPool(self.plan.num_blocks, args.block_size), StatePool(self.plan.num_slots)
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=base_token_budget(args, _device_memory(args.device)),
-                max_adaptive_batched_tokens=args.max_adaptive_batched_tokens,
-                max_model_len=args.max_model_len,
-                block_size=args.block_size,
-                enable_prefix_caching=args.enable_prefix_caching,
-                kda_checkpoint_mode=args.kda_checkpoint_mode,
-                eos_token_id=self.tokenizer.eos_token_id,
-                long_prefill_token_threshold=args.long_prefill_token_threshold,
-            ),
+            scheduler_config(args, _device_memory(args.device), self.tokenizer.eos_token_id),
             block_pool,
             state_pool,
             PrefixCache(block_pool, state_pool) if args.enable_prefix_caching else None,
@@ -263,8 +254,19 @@ class LLMEngine:
         return EngineStats(
             num_running=s.num_running, num_waiting=s.num_waiting, num_free_blocks=s.block_pool.num_free_blocks,
             num_free_slots=s.state_pool.num_free, block_usage=s.block_pool.usage, slot_usage=s.state_pool.usage,
-            num_reserved=num_reserved,
+            num_reserved=num_reserved, settings=self.settings(),
         )
+
+    def settings(self) -> dict[str, str]:
+        """What this engine runs with, its defaults resolved, as strings by name (the labels of the ingress's
+        `k3serve:engine_config_info`, which `k3serve status` prints): its limits, and the MLA blocks and KDA slots
+        its pools were given."""
+        config = self.scheduler.config
+        return {"max_num_seqs": str(config.max_num_seqs), "max_num_batched_tokens": str(config.max_num_batched_tokens),
+                "enable_prefix_caching": str(config.enable_prefix_caching).lower(),
+                "kda_checkpoint_mode": config.kda_checkpoint_mode, "num_gpu_blocks": str(self.plan.num_blocks),
+                "num_kda_slots": str(self.plan.num_slots), "block_size": str(config.block_size),
+                "cuda_graphs": str(self.runner.graphs is not None).lower()}
 
     def close(self) -> None:
         """Release the TP followers (they exit their loop), the process group and the compile threads."""

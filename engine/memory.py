@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from k3serve.engine.budget import default_token_budget
+from k3serve.engine.budget import DEFAULT_MAX_RUNNING_TO_SCALE, default_token_budget
 from k3serve.engine.config import DEFAULT_CPU_CACHE_BYTES, EngineArgs
 from k3serve.engine.sampler import PROMPT_LOGPROBS_ROWS
 from k3serve.engine.scheduler import SchedulerConfig
@@ -81,14 +81,22 @@ class PoolPlan:
 
 def plan_pools(
     sizes: CacheSizes, cache_bytes: int, block_size: int, num_slots: int, max_model_len: int,
-    pad_slot: bool = False, graph_bytes: int = 0, prefill_bytes: int = 0,
+    pad_slot: bool = False, graph_bytes: int = 0, prefill_bytes: int = 0, num_blocks_override: int | None = None,
 ) -> PoolPlan:
     """Give `num_slots` KDA slots (plus the pad slot), `graph_bytes` and `prefill_bytes` their bytes, the rest of
-    `cache_bytes` to MLA blocks."""
+    `cache_bytes` to MLA blocks: all it holds, or `num_blocks_override` of them (`num_gpu_blocks_override`)."""
     slot_bytes = (num_slots + pad_slot) * sizes.kda_bytes_per_slot
     block_bytes = block_size * sizes.mla_bytes_per_token
     num_blocks = (cache_bytes - slot_bytes - graph_bytes - prefill_bytes) // block_bytes if block_bytes else 0
     needed = math.ceil(max_model_len / block_size)
+    if num_blocks_override is not None:
+        if num_blocks_override > num_blocks:
+            raise ValueError(f"num_gpu_blocks_override={num_blocks_override}: the cache budget of "
+                             f"{cache_bytes / 2**20:.1f} MiB holds {max(num_blocks, 0)} blocks of {block_size} tokens")
+        if num_blocks_override < needed:
+            raise ValueError(f"num_gpu_blocks_override={num_blocks_override}: one request of max_model_len="
+                             f"{max_model_len} needs {needed} blocks of {block_size} tokens")
+        num_blocks = num_blocks_override
     if num_blocks < needed:
         graphs = f", {graph_bytes / 2**20:.1f} MiB for CUDA graphs" if graph_bytes else ""
         prefill = f", {prefill_bytes / 2**20:.1f} MiB for a prefill step's activations" if prefill_bytes else ""
@@ -136,7 +144,8 @@ def plan_engine_pools(config: ModelConfig, args: EngineArgs, usable_bytes: int |
     else:
         cache_bytes = DEFAULT_CPU_CACHE_BYTES
     return plan_pools(sizes, cache_bytes, args.block_size, args.kda_slots, args.max_model_len, pad_slot=graphs,
-                      graph_bytes=graph_bytes, prefill_bytes=prefill_bytes)
+                      graph_bytes=graph_bytes, prefill_bytes=prefill_bytes,
+                      num_blocks_override=args.num_gpu_blocks_override)
 
 
 GRAPH_POOL_SLACK_BYTES = 64 * 2**20
@@ -208,13 +217,24 @@ def base_token_budget(args: EngineArgs, device_bytes: int | None) -> int:
     return max(args.max_num_batched_tokens or default_token_budget(device_bytes), args.max_num_seqs)
 
 
+def scheduler_config(args: EngineArgs, device_bytes: int | None, eos_token_id: int | None) -> SchedulerConfig:
+    """The scheduler's config of an engine run with `args` on a device of `device_bytes` (None: no GPU): the one
+    place it is made, every default resolved here (the base budget by `base_token_budget`, the adaptive ceiling
+    twice it)."""
+    base = base_token_budget(args, device_bytes)
+    return SchedulerConfig(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=base,
+        max_adaptive_batched_tokens=args.max_adaptive_batched_tokens or 2 * base, max_model_len=args.max_model_len,
+        block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+        kda_checkpoint_mode=args.kda_checkpoint_mode, eos_token_id=eos_token_id,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_running_to_scale=DEFAULT_MAX_RUNNING_TO_SCALE,
+    )
+
+
 def max_step_tokens(args: EngineArgs, device_bytes: int | None) -> int:
-    """The most tokens one forward pass runs: the adaptive budget's ceiling, `max_adaptive_batched_tokens`,
-    by default twice the base budget (resolved by `SchedulerConfig`, as the engine's scheduler resolves it)."""
-    budgets = SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                              max_num_batched_tokens=base_token_budget(args, device_bytes),
-                              max_adaptive_batched_tokens=args.max_adaptive_batched_tokens)
-    return budgets.max_adaptive_batched_tokens
+    """The most tokens one forward pass runs: the adaptive budget's ceiling (`scheduler_config`)."""
+    return scheduler_config(args, device_bytes, None).max_adaptive_batched_tokens
 
 
 PREFILL_FIXED_BYTES = 80 * 2**20

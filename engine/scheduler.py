@@ -1,34 +1,11 @@
 """Continuous batching over paged MLA blocks and KDA state slots (CPU only, no tensors).
 
-Invariant. There is no prefill phase and no decode phase. Each step, every scheduled request's
-`num_computed_tokens` catches up with its `num_tokens` (prompt + outputs) by the chunk it was
-given; a decode is simply a chunk of one token after a fully computed context. The KDA state in
-a request's working slot advances exactly once per token: a slot starts zeroed or as a copy of
-a prefix checkpoint taken at exactly `num_computed_tokens`, every chunk starts where the last
-one ended, and a preempted request drops its slot and recomputes from token 0 (or a prefix hit).
-
-One step (`schedule()`), under the adaptive token budget (budget.py) and `max_num_seqs`:
-
-    1. running decodes, oldest first, one token each
-    2. running prefills (chunked), oldest first
-    3. waiting requests, strictly FCFS (the head blocks the rest; skipped if step 1-2 preempted)
-
-When a running request needs a block that is not there, the latest-arrived running request is
-preempted (possibly itself; one already scheduled this step is unscheduled): its blocks and slot
-are freed and it goes back to the FRONT of the waiting queue with num_computed_tokens = 0.
-
-KDA checkpoints for prefix caching. The prompt's last block boundary below its end,
-p = ((num_prompt_tokens - 1) // block_size) * block_size, gets the state after p tokens when a
-chunk covers it:
-
-    prompt (8000 tokens, block 64):  |.........chunk.........|........|
-                                     c            p = 7680   c+n     8000
-    "in_pass": one forward pass; the kernel also writes the state at checkpoint_offset = p - c
-               into checkpoint_slot
-    "align":   the chunk is clipped to end at p; the runner copies slot_id into
-               copy_state_to_slot after the step (the rest of the prompt runs next step)
-
-`update_from_output` then hands the blocks up to p and the checkpoint slot to the prefix cache.
+`Scheduler.schedule()` picks one step's work under the adaptive token budget (budget.py) and
+`max_num_seqs`: running decodes, running prefills (chunked), then waiting requests strictly FCFS;
+`update_from_output` applies what the runner computed. Invariant: each step every scheduled request's
+`num_computed_tokens` catches up with its `num_tokens` by its chunk, and the KDA state in its working
+slot advances exactly once per token (a preempted request drops its slot and recomputes). Thread: the
+engine's step loop only. Design (preemption, KDA checkpoints for prefix caching): docs/design/scheduler.md.
 """
 
 from __future__ import annotations
@@ -39,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Collection, Literal
 
 from k3serve.engine.block_pool import BlockPool, compute_block_hashes
-from k3serve.engine.budget import DEFAULT_MAX_RUNNING_TO_SCALE, scheduled_token_budget
+from k3serve.engine.budget import scheduled_token_budget
 from k3serve.engine.prefix_cache import MISS, PrefixCache
 from k3serve.engine.request import FINISH_STATUS, Request, RequestStatus
 from k3serve.engine.scheduler_output import ScheduledSeq, SchedulerOutput
@@ -50,23 +27,26 @@ KdaCheckpointMode = Literal["in_pass", "align", "none"]
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
+    """One engine's scheduling limits, every field given: `engine/memory.py` `scheduler_config` makes it
+    from the engine's EngineArgs (their defaults are the only ones)."""
+
+    max_num_seqs: int
     """Most requests running at once (each holds one KDA working slot)."""
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int
     """Base token budget per step; see budget.default_token_budget."""
-    max_model_len: int = 32768
+    max_adaptive_batched_tokens: int
+    """Largest budget when few requests run; equal to the base = static."""
+    max_model_len: int
     """Prompt + output tokens of one request; reaching it finishes the request ("length")."""
-    block_size: int = 64
+    block_size: int
     """Tokens per MLA KV block, and the prefix-cache / KDA checkpoint granularity."""
-    enable_prefix_caching: bool = True
-    kda_checkpoint_mode: KdaCheckpointMode = "in_pass"
+    enable_prefix_caching: bool
+    kda_checkpoint_mode: KdaCheckpointMode
     """How the KDA state at a prompt's last block boundary is captured; ignored without prefix caching."""
-    eos_token_id: int | None = None
-    long_prefill_token_threshold: int | None = None
+    eos_token_id: int | None
+    long_prefill_token_threshold: int | None
     """Cap on one request's prefill chunk per step; None = no cap beyond the budget."""
-    max_adaptive_batched_tokens: int | None = None
-    """Largest budget when few requests run; None = 2 * max_num_batched_tokens; equal = static."""
-    max_running_to_scale: int = DEFAULT_MAX_RUNNING_TO_SCALE
+    max_running_to_scale: int
     """The budget scales up only while at most this many requests are decoding."""
 
     def __post_init__(self) -> None:
@@ -83,8 +63,6 @@ class SchedulerConfig:
             raise ValueError(f"kda_checkpoint_mode must be 'in_pass', 'align' or 'none', got {self.kda_checkpoint_mode!r}")
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
             raise ValueError(f"long_prefill_token_threshold must be >= 1 or None, got {self.long_prefill_token_threshold}")
-        if self.max_adaptive_batched_tokens is None:
-            object.__setattr__(self, "max_adaptive_batched_tokens", 2 * self.max_num_batched_tokens)
         if self.max_adaptive_batched_tokens < self.max_num_batched_tokens:
             raise ValueError(
                 f"max_adaptive_batched_tokens={self.max_adaptive_batched_tokens} must be >= "

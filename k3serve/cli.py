@@ -85,42 +85,61 @@ def _status(args: argparse.Namespace) -> int:
     return print_status(args.url, args.api_key or os.environ.get(API_KEY_ENV))
 
 
-# `k3serve serve`'s options in --help order: ServeConfig's fields of the same names (verify_checksums, lease_seconds,
-# dtype and seed only in --config)
-_SERVE_OPTIONS = (
-    "model", "mode", "transfer", "launcher", "prefill_replicas", "decode_replicas", "prefill_tp", "decode_tp", "host",
-    "port", "served_model_name", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-    "cache_memory_bytes", "device", "ray_address", "advertise_host", "max_queued_requests", "queue_timeout_seconds",
-    "reasoning_parser", "api_key", "drain_timeout_seconds",
-)
-
-
 def _add_serve_options(p: argparse.ArgumentParser) -> None:
-    """`serve`'s options, each a ServeConfig field by the same name, whose help (the field's description), type,
-    choices (a Literal's) and the default the help shows come from the field: the help cannot drift from what
-    serving does. Each flag itself defaults to None: only a flag given overrides --config's value (`serve_config`)."""
-    from k3serve.cluster.config import API_KEY_ENV, ServeConfig
+    """`serve`'s options: one a ServeConfig field, by the same name, in its order, the engine arguments (EngineOptions)
+    in a group of their own. A flag's help (the field's description), type, choices (a Literal's) and the default the help shows
+    come from the field: the help cannot drift from what serving does. A boolean is a pair, `--NAME/--no-NAME` (as
+    vLLM's `--enable-prefix-caching/--no-enable-prefix-caching`); a tuple of ints is comma-separated. Each flag itself
+    defaults to None: only a flag given overrides --config's value (`serve_config`)."""
+    from k3serve.cluster.config import API_KEY_ENV, EngineOptions, ServeConfig
 
     cli_notes = {"api_key": f"; a flag shows in `ps`: prefer ${API_KEY_ENV}, read when neither this flag nor "
                             "--config gives a key"}
-    for name in _SERVE_OPTIONS:
-        field = ServeConfig.model_fields[name]
+    engine = p.add_argument_group("engine arguments", "one value for every engine; a --prefill-NAME / --decode-NAME "
+                                  "form sets NAME for that pool's engines alone")
+    for name, field in ServeConfig.model_fields.items():
         text = (field.description or "") + cli_notes.get(name, "")
         if field.default is not None:  # a None default is for the description to explain
             text += f" (default: {_shown(field.default)})"
-        choices = get_args(field.annotation) if get_origin(field.annotation) is Literal else None
-        p.add_argument("--" + name.replace("_", "-"), type=_flag_type(field.annotation), choices=choices,
-                       help=text.replace("%", "%%"))
+        group = engine if name in EngineOptions.model_fields else p
+        flag, kind = "--" + name.replace("_", "-"), _value_kind(field.annotation)
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, help=text.replace("%", "%%"))
+            continue
+        group.add_argument(flag, type=_int_list if kind is tuple else kind, choices=_choices(field.annotation),
+                           metavar="N,N,..." if kind is tuple else None, help=text.replace("%", "%%"))
 
 
 def _shown(default: object) -> str:
     return f"{default:g}" if isinstance(default, float) else str(default)
 
 
-def _flag_type(annotation: Any) -> type:
-    """int or float for a number field (None allowed or not), so argparse rejects a bad number; else str."""
-    kinds = set(get_args(annotation)) - {type(None)} if get_origin(annotation) in (Union, UnionType) else {annotation}
-    return kinds.pop() if kinds in ({int}, {float}) else str
+def _value_types(annotation: Any) -> set[Any]:
+    """What a field's value may be, None aside: `int | None` -> {int}."""
+    if get_origin(annotation) in (Union, UnionType):
+        return set(get_args(annotation)) - {type(None)}
+    return {annotation}
+
+
+def _value_kind(annotation: Any) -> type:
+    """bool, int, float or tuple (of ints) for such a field (None allowed or not), so argparse parses and rejects
+    a bad value; else str."""
+    kinds = {get_origin(k) or k for k in _value_types(annotation)}
+    return kinds.pop() if kinds in ({bool}, {int}, {float}, {tuple}) else str
+
+
+def _choices(annotation: Any) -> tuple[Any, ...] | None:
+    """A Literal field's values (None allowed or not); None for any other field."""
+    (kind, *others) = _value_types(annotation)
+    return get_args(kind) if not others and get_origin(kind) is Literal else None
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    """`1,2,4,8` -> (1, 2, 4, 8)."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want comma-separated integers, got {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,7 +12,7 @@ Two dashboards:
     k3serve-overview   what clients see: TTFT / TPOT / ITL / E2E quantiles, TTFT breakdown,
                        request and token rates, errors, structured outputs
     k3serve-pools      what the pools do: running / waiting requests and KV-block / KDA-slot usage
-                       per pool and replica, healthy replicas, the ingress's queue time, P->D
+                       per pool and replica, each replica's engine settings, healthy replicas, the ingress's queue time, P->D
                        handoff and transfer
 """
 
@@ -265,6 +265,14 @@ def pools() -> dashboard.Dashboard:
         .with_panel(series(ids, "KDA slot usage", "Share of KDA recurrent + conv state slots in use (one per "
                            "running request, plus prefix checkpoints).", "percentunit",
                            per_replica("k3serve:kda_slot_usage_ratio"), max_val=1))
+        .with_panel(series(ids, "Engine settings", "Each replica's engine as it runs (1 while it does; the settings "
+                           "in the legend): per-pool --prefill-NAME / --decode-NAME values, and the blocks and slots "
+                           "its pools were given.", "short", [
+                               query(f"max by (pool, replica, max_num_seqs, num_gpu_blocks, num_kda_slots, "
+                                     f"enable_prefix_caching) (k3serve:engine_config_info{{{POOL}}})",
+                                     "{{pool}} {{replica}}: max_num_seqs {{max_num_seqs}}, {{num_gpu_blocks}} blocks, "
+                                     "{{num_kda_slots}} KDA slots, prefix caching {{enable_prefix_caching}}", "A"),
+                           ], width=24))
         .with_row(dashboard.Row("Handoff and transfer").id(ids.id()))
         .with_panel(series(ids, "Handoff time", "Prefill finished to request running on a decode replica.",
                            "s", quantile_queries("k3serve:handoff_time_seconds")))

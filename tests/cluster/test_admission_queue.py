@@ -405,5 +405,5 @@ def test_serve_config_bounds_the_queue_and_the_router_it_builds_gets_them(tiny_c
         ServeConfig(mode="colocated", max_queued_requests=4)
     ServeConfig(mode="colocated")  # the defaults do not count as set
 
-    router, _ = _router(config, [], [], {"model": str(tiny_checkpoint), "served_model_name": MODEL})
+    router, _ = _router(config, [], [], str(tiny_checkpoint), MODEL)
     assert (router.admission.max_queued, router.admission.timeout_seconds) == (5, 2.5)

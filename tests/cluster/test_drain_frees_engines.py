@@ -159,8 +159,7 @@ def test_1p1d_requests_cut_by_the_drain_timeout_are_aborted_on_both_workers(
     workers: tuple[PrefillWorker, DecodeWorker], tiny_checkpoint: Path, stream: bool, plain: bool  # noqa: F811
 ) -> None:
     prefill, decode = workers
-    router, metrics = _router(ServeConfig(mode="disaggregated"), [prefill], [decode],
-                              {"model": str(tiny_checkpoint), "served_model_name": "k3-tiny"})
+    router, metrics = _router(ServeConfig(mode="disaggregated"), [prefill], [decode], str(tiny_checkpoint), "k3-tiny")
 
     async def running(n: int) -> bool:
         return (await decode.stats()).num_running == n

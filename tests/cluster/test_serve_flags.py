@@ -4,9 +4,9 @@ file's value, and neither leaves ServeConfig's default. Shown on the admission q
 (`--max-queued-requests`, `--queue-timeout-seconds`), which are checked like the file's keys
 (0 is a value: never wait; colocated mode refuses them); and on
 the chat route's reasoning parser (`--reasoning-parser`); and on the API key (`--api-key`), which, given by
-neither, comes from $K3SERVE_API_KEY (as vLLM's $VLLM_API_KEY) and shows in no repr and no error. Every flag is
-a ServeConfig field by the same name, whose --help shows the field's default (none where the field's is None), its
-choices the field's."""
+neither, comes from $K3SERVE_API_KEY (as vLLM's $VLLM_API_KEY) and shows in no repr and no error. Every ServeConfig field is
+a flag by the same name, whose --help shows the field's default (none where the field's is None), its
+choices the field's; a boolean is a --NAME / --no-NAME pair."""
 
 from __future__ import annotations
 
@@ -68,23 +68,30 @@ def _serve_flags() -> dict[str, argparse.Action]:
     return {a.dest: a for a in commands.choices["serve"]._actions if a.dest not in ("help", "config")}
 
 
+def test_every_serve_config_field_is_a_flag() -> None:
+    assert set(_serve_flags()) == set(ServeConfig.model_fields)
+
+
 @pytest.mark.parametrize("name", _serve_flags())
 def test_a_flags_help_shows_serve_configs_default_and_choices(name: str) -> None:
     flag, field = _serve_flags()[name], ServeConfig.model_fields[name]
     shown = re.findall(r"\(default: ([^)]*)\)", flag.help)
     if field.default is None:  # told in words (max_queued_requests: a rule), never as a value
         assert shown == [], flag.help
+    elif isinstance(field.default, bool):  # a --NAME / --no-NAME pair
+        assert isinstance(flag, argparse.BooleanOptionalAction) and shown == [str(field.default)], flag.help
     else:
         assert len(shown) == 1 and flag.type(shown[0]) == field.default, (flag.help, field.default)
-    if get_origin(field.annotation) is Literal:
-        assert flag.choices == get_args(field.annotation)
+    literal = [t for t in (field.annotation, *get_args(field.annotation)) if get_origin(t) is Literal]
+    if literal:  # `Literal[...]` or `Literal[...] | None`
+        assert flag.choices == get_args(literal[0])
 
 
 def test_help_states_the_queue_default_rule(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert f"default {QUEUE_ROUNDS} x decode_replicas x max_num_seqs" in text
+    assert f"default {QUEUE_ROUNDS} x decode_replicas x the decode pool's max_num_seqs" in text
     timeout = ServeConfig.model_fields["queue_timeout_seconds"].default
     assert "--queue-timeout-seconds QUEUE_TIMEOUT_SECONDS disaggregated: longest a request waits" in text
     assert f"SDK's 600 s) (default: {timeout:g})" in text

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 from functools import cache
 from pathlib import Path
@@ -180,6 +181,66 @@ def test_queue_bounds_reach_the_config_only_when_set():
     assert gb300["max_queued_requests"] == gb300["decode_replicas"] * gb300["max_num_seqs"]  # one round: see the example
 
 
+def config_of(docs) -> dict:
+    """The `k3serve serve --config` file a render carries."""
+    (cm,) = [d for d in of_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-config")]
+    return yaml.safe_load(cm["data"]["config.yaml"])
+
+
+def snake(key: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", key).lower()
+
+
+def test_the_engine_values_are_serve_configs_engine_arguments():
+    """values.schema.json's engine.* keys are ServeConfig's engine arguments in camelCase (but those the chart sets
+    from other values: model, served_model_name, device), <pool>.engine.* its per-pool ones: a knob k3serve
+    gains must be added to the chart, and the chart cannot offer one k3serve lacks."""
+    from k3serve.cluster.config import DECODE_ENGINE_ARGS, DEPLOYMENT_ENGINE_ARGS, POOL_ENGINE_ARGS
+
+    definitions = json.loads((CHART / "values.schema.json").read_text())["definitions"]
+    shared = set(DEPLOYMENT_ENGINE_ARGS + POOL_ENGINE_ARGS + DECODE_ENGINE_ARGS) - {"model", "served_model_name", "device"}
+    assert {snake(k) for k in definitions["engineArgs"]["properties"]} == shared
+    assert {snake(k) for k in definitions["poolEngineArgs"]["properties"]} == set(POOL_ENGINE_ARGS)
+
+
+ENGINE_VALUES = """
+engine:
+  maxNumSeqs: 32
+  gpuMemoryUtilization: 0.85
+  enablePrefixCaching: true
+  kdaCheckpointMode: align
+  cudaGraphBatchSizes: [1, 2, 4, 8]
+  numKdaSlots: null
+decode:
+  engine:
+    maxNumSeqs: 8
+    enablePrefixCaching: false
+    numGpuBlocksOverride: 4096
+prefill:
+  engine:
+    maxNumBatchedTokens: 8192
+    longPrefillTokenThreshold: 2048
+"""
+
+
+def test_engine_values_reach_each_pools_engine_arguments(tmp_path):
+    values = tmp_path / "engine.yaml"
+    values.write_text(ENGINE_VALUES)
+    cfg = config_of(render(values))
+    assert not config_problems(cfg), config_problems(cfg)
+    assert "num_kda_slots" not in cfg  # null: k3serve's default
+    from k3serve.cluster.config import ServeConfig
+
+    config = ServeConfig(**cfg)
+    prefill, decode = config.engine_args("prefill"), config.engine_args("decode")
+    assert (prefill.max_num_seqs, prefill.enable_prefix_caching, prefill.max_num_batched_tokens) == (32, True, 8192)
+    assert (prefill.long_prefill_token_threshold, prefill.kda_checkpoint_mode) == (2048, "align")
+    assert (decode.max_num_seqs, decode.enable_prefix_caching, decode.num_gpu_blocks_override) == (8, False, 4096)
+    assert decode.cuda_graph_batch_sizes == (1, 2, 4, 8) and prefill.enforce_eager  # graphs: decode's only
+    assert prefill.gpu_memory_utilization == decode.gpu_memory_utilization == 0.85
+    assert decode.max_num_batched_tokens == 16384  # the chart's default, from engine.*
+
+
 def test_head_runs_k3serve_behind_health():
     docs = render()
     (cluster,) = of_kind(docs, "RayCluster")
@@ -302,8 +363,13 @@ def test_dashboards_configmap_carries_deploy_grafana():
     (("serving.drainTimeoutSeconds=-1",), "serving.drainTimeoutSeconds: Must be greater than or equal to 0"),
     (("serving.mode=colocated", "serving.maxQueuedRequests=4"), "unset it for serving.mode colocated"),
     (("auth.existingSecret=k3-api", "probes.readiness.path=/v1/models"), "needs the API key"),
+    (("engine.maxNumSeq=8",), "engine: Additional property maxNumSeq is not allowed"),
+    (("decode.engine.blockSize=32",), "decode.engine: Additional property blockSize is not allowed"),
+    (("engine.kdaCheckpointMode=sometimes",), "engine.kdaCheckpointMode must be one of"),
+    (("serving.mode=colocated", "decode.engine.maxNumSeqs=8"), "serving.mode colocated runs one engine"),
 ], ids=["bad-transfer", "uneven-tp", "tp-not-dividing", "hf-without-id", "unknown-key", "negative-queue",
-        "zero-queue-timeout", "negative-drain", "colocated-queue", "probe-behind-the-key"])
+        "zero-queue-timeout", "negative-drain", "colocated-queue", "probe-behind-the-key", "unknown-engine-key",
+        "shared-only-engine-key-per-pool", "bad-engine-choice", "colocated-pool-engine"])
 def test_bad_values_are_rejected(sets, error):
     args = ["template", "k3", str(CHART)]
     for s in sets:

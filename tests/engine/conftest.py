@@ -1,6 +1,8 @@
 """Engine test harness: a real Scheduler over real pools, no model, and a leak check after every test.
 
-`make_scheduler(...)` builds the scheduler; when the test ends, every scheduler it built must
+`make_scheduler(num_blocks, num_slots, eos_token_id, max_running_to_scale, **EngineArgs)` builds the
+scheduler the engine would for those EngineArgs (`engine/memory.py` `scheduler_config`, no GPU; at most 16
+requests, 16384 tokens each, unless given); when the test ends, every scheduler it built must
 have no unfinished request and no block or slot still referenced or pinned (cached prefix
 blocks and checkpoints are fine: they are reusable, not used).
 """
@@ -9,15 +11,19 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
 from k3serve.engine.block_pool import BlockPool
+from k3serve.engine.budget import DEFAULT_MAX_RUNNING_TO_SCALE
+from k3serve.engine.config import EngineArgs
+from k3serve.engine.memory import scheduler_config
 from k3serve.engine.prefix_cache import PrefixCache
 from k3serve.engine.request import Request
 from k3serve.engine.sampling_params import SamplingParams
-from k3serve.engine.scheduler import Scheduler, SchedulerConfig
+from k3serve.engine.scheduler import Scheduler
 from k3serve.engine.scheduler_output import SchedulerOutput
 from k3serve.engine.state_pool import StatePool
 
@@ -34,11 +40,12 @@ def assert_pools_empty(scheduler: Scheduler) -> None:
 def make_scheduler() -> Iterator[Callable[..., Scheduler]]:
     built: list[Scheduler] = []
 
-    def make(num_blocks: int = 1024, num_slots: int = 64, **config: object) -> Scheduler:
-        config.setdefault("max_num_seqs", 16)
-        config.setdefault("max_num_batched_tokens", 8192)
-        config.setdefault("max_model_len", 16384)
-        cfg = SchedulerConfig(**config)
+    def make(num_blocks: int = 1024, num_slots: int = 64, eos_token_id: int | None = None,
+             max_running_to_scale: int = DEFAULT_MAX_RUNNING_TO_SCALE, **engine_args: object) -> Scheduler:
+        engine_args.setdefault("max_num_seqs", 16)
+        engine_args.setdefault("max_model_len", 16384)
+        cfg = replace(scheduler_config(EngineArgs(**engine_args), None, eos_token_id),
+                      max_running_to_scale=max_running_to_scale)
         block_pool = BlockPool(num_blocks, cfg.block_size)
         state_pool = StatePool(num_slots)
         scheduler = Scheduler(cfg, block_pool, state_pool, PrefixCache(block_pool, state_pool))

@@ -1,18 +1,20 @@
 """The scheduler, driven with hand-written sampled tokens (no model).
 
-Fixtures (conftest.py): `make_scheduler(num_blocks, num_slots, **SchedulerConfig)` builds a real
+Fixtures (conftest.py): `make_scheduler(num_blocks, num_slots, **EngineArgs)` builds a real
 Scheduler over real pools and checks after the test that nothing is left referenced or pinned;
 `h` holds the helpers `request`, `step`, `run_to_completion`, `chunk_lens`.
 """
 
 import random
 import zlib
+from dataclasses import replace
 
 import pytest
 
+from k3serve.engine.config import EngineArgs
+from k3serve.engine.memory import scheduler_config
 from k3serve.engine.request import Request, RequestStatus
 from k3serve.engine.sampling_params import SamplingParams
-from k3serve.engine.scheduler import SchedulerConfig
 
 STATIC_1024 = dict(max_num_batched_tokens=1024, max_adaptive_batched_tokens=1024)
 SMALL = dict(block_size=4, max_num_batched_tokens=64, max_adaptive_batched_tokens=64, enable_prefix_caching=False)
@@ -380,12 +382,20 @@ def test_pinned_blocks_and_slot_outlive_the_request_until_unpinned(make_schedule
 )
 def test_config_errors_quote_the_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        SchedulerConfig(**kwargs)
+        replace(scheduler_config(EngineArgs(), None, None), **kwargs)
 
 
-def test_config_defaults():
-    cfg = SchedulerConfig(max_num_batched_tokens=8192)
-    assert cfg.max_adaptive_batched_tokens == 16384 and cfg.block_size == 64 and cfg.kda_checkpoint_mode == "in_pass"
+def test_the_config_is_the_engine_args_with_their_defaults_resolved():
+    """SchedulerConfig has no defaults: an engine's comes from its EngineArgs, the budget from the device."""
+    cfg = scheduler_config(EngineArgs(), None, eos_token_id=7)
+    assert (cfg.max_num_seqs, cfg.max_model_len, cfg.block_size) == (64, 4096, 64)  # EngineArgs' defaults
+    assert (cfg.max_num_batched_tokens, cfg.max_adaptive_batched_tokens) == (8192, 16384)  # no GPU: 8192, 2x
+    assert (cfg.enable_prefix_caching, cfg.kda_checkpoint_mode, cfg.eos_token_id) == (True, "in_pass", 7)
+    assert scheduler_config(EngineArgs(), 141 << 30, None).max_num_batched_tokens == 16384  # an H200
+    args = EngineArgs(max_num_seqs=8, max_num_batched_tokens=512, enable_prefix_caching=False, block_size=16)
+    cfg = scheduler_config(args, None, None)
+    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_adaptive_batched_tokens) == (8, 512, 1024)
+    assert (cfg.enable_prefix_caching, cfg.block_size) == (False, 16)
 
 
 def test_requests_are_checked_at_the_door(make_scheduler, h):
