@@ -91,7 +91,7 @@ _SERVE_OPTIONS = (
     "model", "mode", "transfer", "launcher", "prefill_replicas", "decode_replicas", "prefill_tp", "decode_tp", "host",
     "port", "served_model_name", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
     "cache_memory_bytes", "device", "ray_address", "advertise_host", "max_queued_requests", "queue_timeout_seconds",
-    "reasoning_parser", "api_key", "drain_timeout_seconds",
+    "reasoning_parser", "tool_call_parser", "enable_auto_tool_choice", "api_key", "drain_timeout_seconds",
 )
 
 
@@ -108,9 +108,12 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
         text = (field.description or "") + cli_notes.get(name, "")
         if field.default is not None:  # a None default is for the description to explain
             text += f" (default: {_shown(field.default)})"
+        flag, help_text = "--" + name.replace("_", "-"), text.replace("%", "%%")
+        if field.annotation is bool:  # --name / --no-name, as vLLM's boolean flags
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            continue
         choices = get_args(field.annotation) if get_origin(field.annotation) is Literal else None
-        p.add_argument("--" + name.replace("_", "-"), type=_flag_type(field.annotation), choices=choices,
-                       help=text.replace("%", "%%"))
+        p.add_argument(flag, type=_flag_type(field.annotation), choices=choices, help=help_text)
 
 
 def _shown(default: object) -> str:
