@@ -22,8 +22,8 @@ constraint.
 
 Responses and stream chunks are shaped exactly like OpenAI's; `stop_reason` (the stop string or
 token id that ended a choice) and `reasoning` (a thinking model's reasoning, present only when
-it wrote some; also as `reasoning_content`, its older name) are vLLM's extensions. In chunks, `usage` appears only when set and
-`delta` holds only the keys that changed.
+it wrote some; also as `reasoning_content`, its older name) are vLLM's extensions. In chunks,
+`usage` appears only when set and `delta` holds only the keys that changed.
 """
 
 from __future__ import annotations
