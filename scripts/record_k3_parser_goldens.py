@@ -46,7 +46,8 @@ WEATHER = call("get_weather", 1, arg("city", "string", "Paris"))
 CORPUS: list[dict] = [
     # thinking on: generation starts inside the think channel (the prompt opened it)
     dict(name="think_then_response", thinking=True, tools=False,
-         text="Let me think.\nOK." + end("think") + RESPONSE + "Hello!" + end("response") + MESSAGE_END),
+         text="Let me think.\nOK." + end("think") + RESPONSE + "Hello!" + end("response")
+         + MESSAGE_END),
     dict(name="think_with_open_marker", thinking=True, tools=False,
          text=THINK + "I should greet." + end("think") + RESPONSE + "Hi" + end("response") + MESSAGE_END),
     dict(name="think_truncated", thinking=True, tools=False, text="Still thinking about"),
