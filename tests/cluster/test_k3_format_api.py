@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, get_args
 
 import httpx
 import openai
@@ -20,7 +20,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from k3serve.cluster.api import build_app
-from k3serve.cluster.api.parsers import chat_parsers
+from k3serve.cluster.api.parsers import REASONING_PARSER_CHOICES, TOOL_CALL_PARSER_CHOICES, chat_parsers
+from k3serve.cluster.config import ServeConfig
 from k3serve.cluster.metrics import IngressMetrics
 from k3serve.model.tokenizer import Tokenizer, train_tiny_tokenizer
 
@@ -155,3 +156,9 @@ def test_the_parsers_follow_the_checkpoint_unless_named(tokenizer, tiny_checkpoi
     assert (named.reasoning, named.tool_calls) == ("none", "kimi_k2")
     with pytest.raises(ValueError, match="tool_call_parser must be one of auto, kimi_k2, kimi_k3"):
         chat_parsers(k2, tool_call_parser="hermes")
+
+
+def test_serve_configs_parser_choices_are_the_registrys():
+    fields = ServeConfig.model_fields
+    assert get_args(fields["reasoning_parser"].annotation) == REASONING_PARSER_CHOICES
+    assert get_args(fields["tool_call_parser"].annotation) == TOOL_CALL_PARSER_CHOICES
