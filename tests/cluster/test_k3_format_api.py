@@ -117,6 +117,42 @@ async def test_a_forced_tool_choice_prompts_k3_without_thinking_and_reads_back_t
     assert tokenizer.decode(engine.requests[0].prompt).endswith("<|open|>response<|sep|>")
 
 
+async def test_a_structured_output_is_the_response_channel_as_constrained(engine, tokenizer):
+    engine.reply = tokenizer.encode('{"ok": true}') + [tokenizer.special_token_id("<|end_of_msg|>")]
+    async with sdk(engine) as client:
+        out = await client.chat.completions.create(model="k3-tiny", messages=ASK,
+                                                   response_format={"type": "json_object"})
+    message = out.choices[0].message
+    assert (message.content, message.model_extra.get("reasoning")) == ('{"ok": true}', None)
+    prompt = tokenizer.decode(engine.requests[0].prompt)
+    assert "`response_format=json_object`" in prompt and prompt.endswith("<|open|>response<|sep|>")
+
+
+async def test_tool_choice_none_shows_the_tools_and_drops_any_call(engine, tokenizer):
+    case = next(case for case in GOLDENS if case["name"] == "one_call")
+    engine.reply = tokenizer.encode(case["text"]) + [tokenizer.special_token_id("<|end_of_msg|>")]
+    async with sdk(engine) as client:
+        out = await client.chat.completions.create(model="k3-tiny", messages=ASK, tools=TOOLS, tool_choice="none")
+    choice = out.choices[0]
+    assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == ("Checking.", None, "stop")
+    prompt = tokenizer.decode(engine.requests[0].prompt)
+    assert 'type="tool-declare"' in prompt and "You MUST NOT call any tools" in prompt
+
+
+async def test_a_multi_turn_chat_with_calls_and_results_is_prompted_as_k3_renders_it(engine, tokenizer):
+    calls = [{"id": "functions.get_weather:0", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+    messages = [*ASK, {"role": "assistant", "content": "Checking.", "reasoning": "Need weather.", "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny, 21 C"}]
+    engine.reply = tokenizer.encode("done<|close|>think<|sep|><|open|>response<|sep|>Sunny.<|close|>response<|sep|>")
+    async with sdk(engine) as client:
+        out = await client.chat.completions.create(model="k3-tiny", messages=messages, tools=TOOLS)
+    assert out.choices[0].message.content == "Sunny."
+    assert engine.requests[0].prompt == tokenizer.encode_chat(messages, tools=TOOLS)
+    assert ('<|open|>think<|sep|>Need weather.<|close|>think<|sep|><|open|>response<|sep|>Checking.'
+            in tokenizer.decode(engine.requests[0].prompt))
+
+
 @pytest.mark.parametrize("body, param", [
     ({"reasoning_effort": "medium"}, "reasoning_effort"),
     ({"chat_template_kwargs": {"thinking_budget": 5}}, "chat_template_kwargs"),
