@@ -79,7 +79,7 @@ class ChatParsers:
 def chat_parsers(special_tokens: Collection[str], reasoning_parser: str = AUTO, tool_call_parser: str = AUTO,
                  enable_auto_tool_choice: bool = True) -> ChatParsers:
     """The parsers a server runs with, "auto" resolved by the checkpoint's vocabulary; ValueError for a name that
-    is none of REASONING_PARSER_CHOICES / TOOL_CALL_PARSER_CHOICES."""
+    is none of REASONING_PARSER_CHOICES / TOOL_CALL_PARSER_CHOICES, or for parsers of two formats."""
     if reasoning_parser not in REASONING_PARSER_CHOICES:
         raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSER_CHOICES)}, "
                          f"got {reasoning_parser!r}")
@@ -88,4 +88,8 @@ def chat_parsers(special_tokens: Collection[str], reasoning_parser: str = AUTO, 
                          f"got {tool_call_parser!r}")
     native = "kimi_k3" if is_xtml_vocabulary(special_tokens) else "kimi_k2"
     reasoning = native if reasoning_parser in (AUTO, "kimi") else reasoning_parser
-    return ChatParsers(reasoning, native if tool_call_parser == AUTO else tool_call_parser, enable_auto_tool_choice)
+    tool_calls = native if tool_call_parser == AUTO else tool_call_parser
+    if reasoning not in ("none", tool_calls):  # each format's reasoning parser hands its content on in its own form
+        raise ValueError(f"reasoning_parser {reasoning} reads a different format than tool_call_parser {tool_calls}: "
+                         "name the same format for both (or reasoning_parser none)")
+    return ChatParsers(reasoning, tool_calls, enable_auto_tool_choice)

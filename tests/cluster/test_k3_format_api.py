@@ -188,10 +188,13 @@ def test_the_parsers_follow_the_checkpoint_unless_named(tokenizer, tiny_checkpoi
     assert (chat_parsers(tokenizer.special_tokens).reasoning, chat_parsers(tokenizer.special_tokens).tool_calls) == (
         "kimi_k3", "kimi_k3")
     assert (chat_parsers(k2, "kimi").reasoning, chat_parsers(k2).tool_calls) == ("kimi_k2", "kimi_k2")
-    named = chat_parsers(tokenizer.special_tokens, "none", "kimi_k2")
-    assert (named.reasoning, named.tool_calls) == ("none", "kimi_k2")
+    named = chat_parsers(k2, "kimi_k3", "kimi_k3")
+    assert (named.reasoning, named.tool_calls) == ("kimi_k3", "kimi_k3")
+    assert chat_parsers(tokenizer.special_tokens, "none").tool_calls == "kimi_k3"
     with pytest.raises(ValueError, match="tool_call_parser must be one of auto, kimi_k2, kimi_k3"):
         chat_parsers(k2, tool_call_parser="hermes")
+    with pytest.raises(ValueError, match="name the same format for both"):
+        chat_parsers(k2, "kimi_k3")  # K3's reasoning parser with the checkpoint's kimi_k2 tool-call parser
 
 
 def test_serve_configs_parser_choices_are_the_registrys():
