@@ -133,6 +133,13 @@ CORPUS: list[dict] = [
     dict(name="text_after_tools_channel", thinking=False, tools=True,
          text="A" + end("response") + tools(WEATHER) + "trailing" + MESSAGE_END),
     dict(name="stray_close_markers", thinking=False, tools=False, text="x" + end("response") + "y" + MESSAGE_END),
+    # where vLLM's whole parse looks back past what a stream has sent (k3serve's readings: test_k3_parser_goldens.py)
+    dict(name="text_before_think_open", thinking=True, tools=False,
+         text="xyz" + THINK + "r" + end("think") + RESPONSE + "c" + end("response") + MESSAGE_END),
+    dict(name="response_open_ends_unclosed_think", thinking=True, tools=False,
+         text="plan" + RESPONSE + "Hi" + end("response") + MESSAGE_END),
+    dict(name="late_response_opener", thinking=False, tools=True,
+         text="abc" + RESPONSE + "Hi" + end("response") + MESSAGE_END),
 ]
 
 TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": {}}}}

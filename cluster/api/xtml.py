@@ -18,7 +18,8 @@ arguments as one JSON object, as vLLM streams them.
 
 The rules are vLLM 0.32's (tests/data/k3_parser_goldens.json holds its results on a corpus) wherever a stream can
 follow them: both modes here are one stream, whole text = the stream's pieces put together, at any cut. Where vLLM's
-non-streamed parse looks back (it drops text it would already have streamed) the stream's reading is kept:
+non-streamed parse looks back (it drops text it would already have streamed) the stream's reading is kept (the
+corpus has a case of each, test_k3_parser_goldens.STREAM_READINGS):
 - text before a think-open marker that is not at the start is reasoning (vLLM drops it);
 - `<|open|>response<|sep|>` or `<|open|>tools<|sep|>` end an unclosed think channel (vLLM then calls everything
   content and drops the reasoning text);
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .special_tokens import Piece
 from .tool_calls import ParsedCall, ParsedDelta, ToolCallDelta
@@ -73,11 +74,8 @@ class XtmlReasoningDelta:
     """A piece of the think channel, and the text after it (for the tool-call parser), as plain text pieces."""
 
     reasoning: str = ""
-    content: list[Piece] | None = None
-    held_back: str = ""
-
-    def __post_init__(self) -> None:
-        self.content = [] if self.content is None else self.content
+    content: list[Piece] = field(default_factory=list)
+    held_back: str = ""  # always "": the reasoning parser holds nothing back at the end (as K2's may)
 
     @property
     def content_text(self) -> str:
@@ -108,9 +106,7 @@ class XtmlReasoningStream:
     def finish(self) -> XtmlReasoningDelta:
         out = XtmlReasoningDelta()
         if self._state != "content":
-            self._advance(out, final=True)
-            out.reasoning += self._pending  # an unclosed think channel: the rest is reasoning
-            self._pending = ""
+            self._advance(out, final=True)  # an unclosed think channel: the rest is reasoning
         return out
 
     def _advance(self, out: XtmlReasoningDelta, final: bool) -> None:

@@ -16,6 +16,21 @@ from k3serve.cluster.api.xtml import XtmlReasoningStream, XtmlToolCallStream, pa
 
 GOLDENS = json.loads((Path(__file__).parent.parent / "data" / "k3_parser_goldens.json").read_text("utf-8"))
 CASES = {case["name"]: case for case in GOLDENS["cases"]}
+STREAM_READINGS = {
+    # Where vLLM's whole parse drops text that a stream has already sent, the stream's reading (xtml.py): (reasoning,
+    # content, tool calls). vLLM's own stream differs from its whole parse there too.
+    "text_before_think_open": ("xyzr", "c", []),  # vLLM: reasoning "r" (the text before the opener dropped)
+    "response_open_ends_unclosed_think": ("plan", "Hi", []),  # vLLM: no reasoning at all
+    "late_response_opener": (None, "abcHi", []),  # vLLM: content "Hi"
+}
+
+
+def expected_of(case: dict) -> tuple[str | None, str | None, list[dict]]:
+    """What k3serve returns for a golden case: vLLM's result, or the stream's reading where they differ."""
+    if case["name"] in STREAM_READINGS:
+        return STREAM_READINGS[case["name"]]
+    expected = case["expected"]
+    return expected["reasoning"], expected["content"], expected["tool_calls"]
 
 
 def _calls(parsed) -> list[dict]:
@@ -31,9 +46,10 @@ def test_goldens_come_from_vllm_0_32():
 def test_whole_text_parses_as_vllm_does(name):
     case = CASES[name]
     reasoning, content, calls = parse_xtml(case["text"], case["thinking"], case["tools"])
-    expected = case["expected"]
-    assert (reasoning or None, content or None, _calls(calls)) == (
-        expected["reasoning"], expected["content"], expected["tool_calls"])
+    assert (reasoning or None, content or None, _calls(calls)) == expected_of(case)
+    if name in STREAM_READINGS:  # still a difference from vLLM: if vLLM changes, this says so
+        vllm = case["expected"]
+        assert STREAM_READINGS[name] != (vllm["reasoning"], vllm["content"], vllm["tool_calls"])
 
 
 def _streamed(text: str, cuts: list[int], thinking: bool, tools: bool) -> tuple[str, str, list[dict]]:
