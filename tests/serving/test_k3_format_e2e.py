@@ -4,12 +4,15 @@ launcher: the prefill engine samples the first token, the decode engine the rest
 
 Spec:
 - The server picks the kimi_k3 parsers from the checkpoint's tokenizer by itself.
-- A chat with tools and `reasoning_effort: max` is prompted in K3's format (usage.prompt_tokens is the K3
-  encoder's count, thinking-effort note included).
+- A chat with tools and `reasoning_effort` "max" (thinking) or "none" (no thinking) is prompted in K3's format
+  (usage.prompt_tokens is the K3 encoder's count, thinking-effort note included; the think or the response channel
+  open).
 - Its answer is the generated text as the K3 parsers read it (parse_xtml, which tests/cluster/test_k3_parser_goldens.py
   holds to vLLM's kimi_k3 parsers): the same greedy output, asked for as raw text on /v1/completions with the
   special tokens kept, parses to the chat's `reasoning`, `content` and `tool_calls`, streamed and whole. The random
-  model is pushed onto XTML's markers and channel names with logit_bias, so the text is made of them.
+  model is pushed onto XTML's markers and channel names with logit_bias, so the text is made of them (it never
+  closes the channel the prompt opened: with thinking all of it is reasoning, without all content; the goldens,
+  through the app, cover the rest: tests/cluster/test_k3_format_api.py).
 """
 
 from __future__ import annotations
@@ -55,21 +58,24 @@ def _xtml_bias(tokenizer: Tokenizer) -> dict[str, float]:
     return {str(i): 100.0 for i in sorted(ids)}
 
 
-def test_a_chat_with_tools_and_reasoning_effort_returns_what_the_k3_parsers_read(k3_server: Server,
-                                                                               tokenizer: Tokenizer) -> None:
-    bias = _xtml_bias(tokenizer)
-    greedy = dict(model=k3_server.model, max_tokens=MAX_TOKENS, temperature=0.0, logit_bias=bias)
+@pytest.mark.parametrize("effort, thinking", [("max", True), ("none", False)])
+def test_a_chat_with_tools_and_reasoning_effort_returns_what_the_k3_parsers_read(
+        k3_server: Server, tokenizer: Tokenizer, effort: str, thinking: bool) -> None:
+    greedy = dict(model=k3_server.model, max_tokens=MAX_TOKENS, temperature=0.0, logit_bias=_xtml_bias(tokenizer))
     with client_of(k3_server) as client:
-        chat = dict(messages=MESSAGES, tools=TOOLS, reasoning_effort="max", **greedy)
+        chat = dict(messages=MESSAGES, tools=TOOLS, reasoning_effort=effort, **greedy)
         whole = client.chat.completions.create(**chat)
         chunks = [c.choices[0] for c in client.chat.completions.create(**chat, stream=True) if c.choices]
-        prompt = tokenizer.encode_chat(MESSAGES, tools=TOOLS, thinking_effort="max")
+        prompt = tokenizer.encode_chat(MESSAGES, tools=TOOLS, thinking=thinking,
+                                       thinking_effort=effort if thinking else None)
         raw = client.completions.create(prompt=prompt, extra_body={"skip_special_tokens": False}, **greedy)
     assert whole.usage.prompt_tokens == len(prompt)
-    assert tokenizer.decode(prompt).endswith('<|open|>message role="assistant"<|sep|><|open|>think<|sep|>')
+    channel = "think" if thinking else "response"
+    assert tokenizer.decode(prompt).endswith(f'<|open|>message role="assistant"<|sep|><|open|>{channel}<|sep|>')
     text = raw.choices[0].text
     assert any(marker in text for marker in ("<|open|>", "<|close|>", "<|sep|>")), text
-    reasoning, content, calls = parse_xtml(text, thinking=True, tools=True)
+    reasoning, content, calls = parse_xtml(text, thinking=thinking, tools=True)
+    assert bool(reasoning) == thinking and bool(content) != thinking  # all one channel: the model never closes it
     message = whole.choices[0].message
     expected = (reasoning or None, content or None, [(c.name, c.arguments) for c in calls])
     assert (message.model_extra.get("reasoning"), message.content,
