@@ -87,7 +87,7 @@ def prepare_chat(body: ChatCompletionRequest, client: EngineClient, parsers: Cha
     tools = body.active_tools
     if tokenizer.chat_format == "kimi_k3" and body.tools:  # K3 sees its tools with tool_choice "none" too
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
-    if tools is not None and not body.forces_tool_calls and not parsers.auto_tool_choice:
+    if body.active_tools is not None and not body.forces_tool_calls and not parsers.auto_tool_choice:
         raise bad_request('"auto" tool choice requires --enable-auto-tool-choice (enable_auto_tool_choice)',
                           "tool_choice")
     messages = [m.model_dump(exclude_none=True) for m in body.messages]

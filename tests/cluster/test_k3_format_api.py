@@ -182,6 +182,8 @@ async def test_without_auto_tool_choice_a_request_with_tools_is_a_400(engine):
                     enable_auto_tool_choice=False)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ingress") as http:
         assert_error(await http.post(CHAT, json={"messages": ASK, "tools": TOOLS}), 400, param="tool_choice")
+        engine.reply = [engine.tokenizer.special_token_id("<|end_of_msg|>")]
+        assert (await http.post(CHAT, json={"messages": ASK, "tools": TOOLS, "tool_choice": "none"})).status_code == 200
 
 
 def test_the_parsers_follow_the_checkpoint_unless_named(tokenizer, tiny_checkpoint):
