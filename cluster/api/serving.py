@@ -101,7 +101,8 @@ def prepare_chat(body: ChatCompletionRequest, client: EngineClient, parsers: Cha
     params = _sampling_params(body, max_tokens, logprobs, client)
     reasoning = parsers.reasoning != "none" and params.structured_outputs is None
     calls_allowed = body.active_tools is not None and not body.forces_tool_calls
-    read_calls = not body.forces_tool_calls and (calls_allowed or parsers.xtml)  # K3: unwraps the response channel
+    # K3's tool-call parser also unwraps the response channel, with no tools too (not a constrained output's text)
+    read_calls = calls_allowed or (parsers.xtml and params.structured_outputs is None)
     specials = tokenizer.special_tokens
     if read_calls or reasoning:  # the parsers read their markers in the text (as vLLM's parsers ask)
         markers = parsers.markers(reasoning, read_calls)
