@@ -74,8 +74,7 @@ def build_app(client: EngineClient, metrics: IngressMetrics | None = None, reaso
     """`reasoning_parser` / `tool_call_parser`: the chat output parsers by vLLM's names ("auto": the checkpoint's
     format; parsers.py), `enable_auto_tool_choice` as vLLM's flag. `api_key`: the bearer key every /v1 route
     requires (None: all open); a refusal counts as a 401 error. ValueError for an unknown parser name."""
-    parsers = chat_parsers(client.tokenizer.special_tokens, reasoning_parser, tool_call_parser,
-                           enable_auto_tool_choice)
+    parsers = chat_parsers(client.tokenizer.chat_format, reasoning_parser, tool_call_parser, enable_auto_tool_choice)
     if api_key == "":
         raise ValueError("api_key is empty: every request would pass with 'Bearer ' (None serves without a key)")
     metrics = metrics if metrics is not None else IngressMetrics(model_name=client.model_name)

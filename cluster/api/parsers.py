@@ -4,8 +4,8 @@
     tool calls: kimi_k2 (`<|tool_call_begin|>`, tool_calls.py)   kimi_k3 (XTML tools channel, xtml.py)
 
 `chat_parsers` resolves a server's settings once, at start: "auto" (and "kimi", the older name of the default)
-picks the checkpoint's format from its tokenizer: a vocabulary with XTML's `<|open|>`, `<|close|>` and `<|sep|>` is
-K3's, any other Kimi's K2 one. A chat choice then asks its `ChatParsers` for new streams (`reasoning_stream`,
+picks the checkpoint's format from its tokenizer (`Tokenizer.chat_format`: a vocabulary with XTML's special tokens is
+K3's, any other Kimi K2's). A chat choice then asks its `ChatParsers` for new streams (`reasoning_stream`,
 `tool_call_stream`); the formatter holds them without knowing the format. Each parser names the special tokens the
 request keeps in its text (`markers`): every other special token is still skipped.
 """
@@ -13,7 +13,7 @@ request keeps in its text (`markers`): every other special token is still skippe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection, Mapping, Sequence, Union
+from typing import Mapping, Sequence, Union
 
 from .reasoning import ReasoningStream, prompt_opens_reasoning
 from .special_tokens import SECTION_BEGIN, THINK_BEGIN, THINK_END, TOOL_MARKERS
@@ -28,11 +28,6 @@ TOOL_CALL_PARSER_CHOICES = (AUTO, *TOOL_CALL_PARSERS)
 
 ReasoningParser = Union[ReasoningStream, XtmlReasoningStream]
 ToolCallParser = Union[ToolCallStream, XtmlToolCallStream]
-
-
-def is_xtml_vocabulary(special_tokens: Collection[str]) -> bool:
-    """Whether a tokenizer's special tokens are Kimi K3's (XTML) rather than K2's."""
-    return all(token in special_tokens for token in XTML_TOKENS[:3])
 
 
 @dataclass(frozen=True)
@@ -76,9 +71,10 @@ class ChatParsers:
         return ToolCallStream(max_calls)
 
 
-def chat_parsers(special_tokens: Collection[str], reasoning_parser: str = AUTO, tool_call_parser: str = AUTO,
+def chat_parsers(chat_format: str, reasoning_parser: str = AUTO, tool_call_parser: str = AUTO,
                  enable_auto_tool_choice: bool = True) -> ChatParsers:
-    """The parsers a server runs with, "auto" resolved by the checkpoint's vocabulary; ValueError for a name that
+    """The parsers a server runs with, "auto" resolved by the checkpoint's `chat_format` (its tokenizer's:
+    "kimi_k2" or "kimi_k3", which are also the parsers' names); ValueError for a name that
     is none of REASONING_PARSER_CHOICES / TOOL_CALL_PARSER_CHOICES, or for parsers of two formats."""
     if reasoning_parser not in REASONING_PARSER_CHOICES:
         raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSER_CHOICES)}, "
@@ -86,7 +82,7 @@ def chat_parsers(special_tokens: Collection[str], reasoning_parser: str = AUTO, 
     if tool_call_parser not in TOOL_CALL_PARSER_CHOICES:
         raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSER_CHOICES)}, "
                          f"got {tool_call_parser!r}")
-    native = "kimi_k3" if is_xtml_vocabulary(special_tokens) else "kimi_k2"
+    native = chat_format
     reasoning = native if reasoning_parser in (AUTO, "kimi") else reasoning_parser
     tool_calls = native if tool_call_parser == AUTO else tool_call_parser
     if reasoning not in ("none", tool_calls):  # each format's reasoning parser hands its content on in its own form

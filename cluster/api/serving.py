@@ -81,7 +81,7 @@ def prepare_chat(body: ChatCompletionRequest, client: EngineClient, parsers: Cha
     The prompt takes `chat_template_kwargs` and `reasoning_effort` as the format reads them (template_kwargs)."""
     _check_model(body.model, client)
     tokenizer = client.tokenizer
-    parsers = parsers or chat_parsers(tokenizer.special_tokens)
+    parsers = parsers or chat_parsers(tokenizer.chat_format)
     constrained = body.forces_tool_calls or structured_outputs_of(body) is not None
     kwargs = template_kwargs(body, tokenizer, constrained)
     tools = body.active_tools

@@ -187,17 +187,16 @@ async def test_without_auto_tool_choice_a_request_with_tools_is_a_400(engine):
 
 
 def test_the_parsers_follow_the_checkpoint_unless_named(tokenizer, tiny_checkpoint):
-    k2 = Tokenizer.from_dir(tiny_checkpoint).special_tokens
-    assert (chat_parsers(tokenizer.special_tokens).reasoning, chat_parsers(tokenizer.special_tokens).tool_calls) == (
-        "kimi_k3", "kimi_k3")
-    assert (chat_parsers(k2, "kimi").reasoning, chat_parsers(k2).tool_calls) == ("kimi_k2", "kimi_k2")
-    named = chat_parsers(k2, "kimi_k3", "kimi_k3")
+    assert (tokenizer.chat_format, Tokenizer.from_dir(tiny_checkpoint).chat_format) == ("kimi_k3", "kimi_k2")
+    k3 = chat_parsers("kimi_k3")
+    assert (k3.reasoning, k3.tool_calls, chat_parsers("kimi_k2", "kimi").reasoning) == ("kimi_k3", "kimi_k3", "kimi_k2")
+    named = chat_parsers("kimi_k2", "kimi_k3", "kimi_k3")
     assert (named.reasoning, named.tool_calls) == ("kimi_k3", "kimi_k3")
-    assert chat_parsers(tokenizer.special_tokens, "none").tool_calls == "kimi_k3"
+    assert chat_parsers("kimi_k3", "none").tool_calls == "kimi_k3"
     with pytest.raises(ValueError, match="tool_call_parser must be one of auto, kimi_k2, kimi_k3"):
-        chat_parsers(k2, tool_call_parser="hermes")
+        chat_parsers("kimi_k2", tool_call_parser="hermes")
     with pytest.raises(ValueError, match="name the same format for both"):
-        chat_parsers(k2, "kimi_k3")  # K3's reasoning parser with the checkpoint's kimi_k2 tool-call parser
+        chat_parsers("kimi_k2", "kimi_k3")  # K3's reasoning parser with the checkpoint's kimi_k2 tool-call parser
 
 
 def test_serve_configs_parser_choices_are_the_registrys():
