@@ -124,8 +124,9 @@ def _assistant(message: Mapping[str, Any], thinking: bool) -> list[Segment]:
 
 
 def _in_call_order(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Each run of tool results put in the order of the calls they answer (matched by tool_call_id), each named by
-    its call's function; a run with a result that matches no call stays as sent."""
+    """Each run of tool results put in the order of the calls they answer (matched by tool_call_id: the call's id, or
+    `<name>:<0-based position>`), each named by its call's function; a run with a result that matches no call stays
+    as sent."""
     out: list[dict[str, Any]] = []
     calls: dict[str, tuple[int, str]] = {}
     i = 0
@@ -135,8 +136,10 @@ def _in_call_order(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
             if message["role"] == "assistant":
                 calls = {}
                 for position, call in enumerate(message.get("tool_calls") or [], start=1):
-                    if call.get("id") is not None:
-                        calls.setdefault(str(call["id"]), (position, call.get("function", call).get("name")))
+                    name = call.get("function", call).get("name")
+                    aliases = [str(call["id"])] if call.get("id") is not None else []
+                    for alias in [*aliases, f"{name}:{position - 1}"]:  # vLLM's K3 renderer also matches name:n
+                        calls.setdefault(alias, (position, name))
             out.append(message)
             i += 1
             continue

@@ -109,3 +109,12 @@ def test_what_k3_cannot_render_is_a_value_error(tokenizer, messages, error):
 def test_a_thinking_effort_k3_does_not_know_is_a_value_error(tokenizer):
     with pytest.raises(ValueError, match="low, high, max"):
         tokenizer.encode_chat([{"role": "user", "content": "x"}], thinking_effort="medium")
+
+
+def test_a_tool_result_may_name_its_call_by_function_and_position(tokenizer):
+    calls = [{**CALLS[0], "id": None}, {**CALLS[1], "id": None}]
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "get_time:1", "content": "14:00"},
+                {"role": "tool", "tool_call_id": "get_weather:0", "content": "sunny"}]
+    text = tokenizer.apply_chat_template(messages)
+    assert text.index('tool="get_weather" index="1"<|sep|>sunny') < text.index('tool="get_time" index="2"<|sep|>14:00')
