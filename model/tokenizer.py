@@ -75,6 +75,8 @@ class _HFBackend:
         self.added_text = {i: t.content for i, t in added.items()}  # stored as text, not byte-level
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self._bytes: list[bytes] | None = None
+        names = sorted(self.special, key=len, reverse=True)  # the longest first, where two start at one place
+        self._special_spelling = re.compile("|".join(map(re.escape, names))) if names else None
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -82,10 +84,10 @@ class _HFBackend:
     def encode_plain(self, text: str) -> list[int]:
         """`text` as ordinary tokens even where it spells a special token: such a spelling is encoded as two
         pieces (all of it but its last character, then that), which no added token matches."""
-        if not self.special:
+        if self._special_spelling is None:
             return self.encode(text, False)
         ids, start = [], 0
-        for match in re.finditer("|".join(map(re.escape, sorted(self.special, key=len, reverse=True))), text):
+        for match in self._special_spelling.finditer(text):
             ids += self.encode(text[start:match.start()], False) if match.start() > start else []
             ids += self.encode(match.group()[:-1], False) + self.encode(match.group()[-1], False)
             start = match.end()

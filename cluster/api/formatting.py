@@ -5,8 +5,8 @@ A formatter sees every delta of one choice (one engine request) in order. Stream
 `choice()`, so both modes produce the same text, logprobs and finish reason. `Choices` holds the
 formatters of one request in index order and builds what spans them: the response and the usage.
 
-A chat choice of a request with tools holds its own tool-call stream (parsers.py: K2's tool_calls.py, K3's xtml.py,
-which also unwraps K3's response channel without tools): its text,
+A chat choice of a request with tools holds its own tool-call stream (parsers.py: K2's tool_calls.py, or K3's
+xtml.py, which also unwraps K3's response channel without tools): its text,
 detokenized with the special tokens kept, is split into content and tool calls, streamed as
 `delta.tool_calls` pieces or folded into `message.tool_calls`; a choice that made calls and stopped
 finishes with "tool_calls" (the engine's reason stays in `finish_reason` for the metrics). A chat choice of a forced
@@ -14,9 +14,8 @@ tool choice holds a `ForcedCallStream` instead (forced_tool_choice.py): its whol
 
 A chat choice served with a reasoning parser holds its stream (parsers.py: Kimi K2's reasoning.py or K3's xtml.py)
 that reads its text first: the reasoning goes to `reasoning` and `reasoning_content` (message or delta), the rest
-on as content, through the tool-call parser
-when there is one. The text is lexed once, by the first parser (special_tokens.py). Both modes feed the parsers
-delta by delta in `add`, so they split the text alike.
+on as content, through the tool-call parser when there is one. The text is lexed once, by the first parser
+(special_tokens.py). Both modes feed the parsers delta by delta in `add`, so they split the text alike.
 
 Logprobs come as `TokenLogprobs` (chosen token first, then the top-n). Completions show them as
 `{tokens, token_logprobs, top_logprobs: [{token: logprob}] (chosen + top-n), text_offset}`;
