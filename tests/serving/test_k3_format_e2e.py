@@ -13,10 +13,13 @@ Spec:
   model is pushed onto XTML's markers and channel names with logit_bias, so the text is made of them (it never
   closes the channel the prompt opened: with thinking all of it is reasoning, without all content; the goldens,
   through the app, cover the rest: tests/cluster/test_k3_format_api.py).
+- A forced tool choice ("required") is prompted without thinking, with K3's tool-choice note, and its constrained
+  output comes back as the call.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -84,3 +87,20 @@ def test_a_chat_with_tools_and_reasoning_effort_returns_what_the_k3_parsers_read
                 "".join(c.delta.content or "" for c in chunks) or None,
                 [(p.function.name, p.function.arguments) for c in chunks for p in c.delta.tool_calls or []])
     assert streamed == expected
+
+
+def test_a_required_tool_choice_is_prompted_without_thinking_and_answers_calls(k3_server: Server,
+                                                                             tokenizer: Tokenizer) -> None:
+    light = {"type": "object", "properties": {"on": {"type": "boolean"}, "room": {"enum": ["kitchen", "hall"]}},
+             "required": ["on", "room"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "set_light", "parameters": light}}]
+    with client_of(k3_server) as client:
+        out = client.chat.completions.create(model=k3_server.model, messages=MESSAGES, tools=tools,
+                                             tool_choice="required", parallel_tool_calls=False, seed=3)
+    prompt = tokenizer.encode_chat(MESSAGES, tools=tools, thinking=False, tool_choice="required")
+    assert out.usage.prompt_tokens == len(prompt)
+    (choice,) = out.choices
+    assert choice.message.tool_calls, choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "set_light" and set(json.loads(call.function.arguments)) == {"on", "room"}
+    assert (choice.finish_reason, choice.message.model_extra.get("reasoning")) == ("tool_calls", None)
