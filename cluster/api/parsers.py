@@ -47,9 +47,9 @@ class ChatParsers:
         """The special tokens a request's text keeps for the parsers it is read with."""
         out: tuple[str, ...] = ()
         if reasoning:
-            out += XTML_TOKENS[:3] if self.reasoning == "kimi_k3" else (THINK_BEGIN, THINK_END, SECTION_BEGIN)
+            out += XTML_TOKENS if self.reasoning == "kimi_k3" else (THINK_BEGIN, THINK_END, SECTION_BEGIN)
         if tool_calls:
-            out += XTML_TOKENS[:3] if self.xtml else TOOL_MARKERS
+            out += XTML_TOKENS if self.xtml else TOOL_MARKERS
         return tuple(dict.fromkeys(out))
 
     def reasoning_stream(self, special_tokens: Mapping[str, int], prompt_ids: Sequence[int], *, thinking: bool,

@@ -34,11 +34,12 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from k3serve.model.xtml_chat import CLOSE, OPEN, SEP
+
 from .special_tokens import Piece
 from .tool_calls import ParsedCall, ParsedDelta, ToolCallDelta
 
-OPEN, CLOSE, SEP, END_OF_MESSAGE = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
-XTML_TOKENS = (OPEN, CLOSE, SEP, END_OF_MESSAGE)
+XTML_TOKENS = (OPEN, CLOSE, SEP)  # what the text must keep for these parsers
 THINK_OPEN, THINK_CLOSE = f"{OPEN}think{SEP}", f"{CLOSE}think{SEP}"
 RESPONSE_OPEN, RESPONSE_CLOSE = f"{OPEN}response{SEP}", f"{CLOSE}response{SEP}"
 TOOLS_OPEN, TOOLS_CLOSE = f"{OPEN}tools{SEP}", f"{CLOSE}tools{SEP}"
