@@ -96,10 +96,18 @@ class ServeConfig(EngineOptions):
         60.0, gt=0, description="disaggregated: longest a request waits for decode room, then 503 (a client "
         "gets an answer it can retry well before common client timeouts, e.g. the OpenAI SDK's 600 s)",
     )
-    reasoning_parser: Literal["kimi", "none"] = Field(
-        "kimi", description="chat: 'kimi' returns a thinking model's <think> block as reasoning_content, apart from "
-        "content (as vLLM's --reasoning-parser kimi_k2); it acts only on output with the think markers, so a model "
-        "that never thinks is served as with 'none', which returns the text as generated",
+    reasoning_parser: Literal["auto", "kimi", "kimi_k2", "kimi_k3", "none"] = Field(
+        "auto", description="chat: the parser that returns a thinking model's reasoning as `reasoning` apart from "
+        "content, as vLLM's --reasoning-parser: 'kimi_k2' (<think> blocks), 'kimi_k3' (K3's XTML think channel), "
+        "'none' (the text as generated); 'auto' (or 'kimi') picks the checkpoint's format from its tokenizer",
+    )
+    tool_call_parser: Literal["auto", "kimi_k2", "kimi_k3"] = Field(
+        "auto", description="chat: the parser of the model's tool calls, as vLLM's --tool-call-parser: 'kimi_k2' "
+        "(<|tool_call_begin|> markers), 'kimi_k3' (K3's XTML tools channel); 'auto' picks the checkpoint's format",
+    )
+    enable_auto_tool_choice: bool = Field(
+        True, description="chat: serve tool_choice 'auto' (the model decides to call tools), as vLLM's "
+        "--enable-auto-tool-choice; off, a request with tools and tool_choice 'auto' is a 400",
     )
     api_key: SecretStr | None = Field(
         None, description="clients must send `Authorization: Bearer <key>` on every /v1 route (/health and /metrics "

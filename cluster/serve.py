@@ -396,7 +396,8 @@ def run(config: ServeConfig) -> int:
     try:
         api_key = config.api_key.get_secret_value() if config.api_key is not None else None
         app = build_app(deployment.client, deployment.metrics, reasoning_parser=config.reasoning_parser,
-                        api_key=api_key)
+                        api_key=api_key, tool_call_parser=config.tool_call_parser,
+                        enable_auto_tool_choice=config.enable_auto_tool_choice)
         server, stop = _ingress_server(app, config)
 
         async def main() -> None:

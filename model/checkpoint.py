@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from k3serve.kernels.mxfp4 import quantize_mxfp4
 from k3serve.model.config import ConfigError, ModelConfig
 from k3serve.model.model import KimiForCausalLM
-from k3serve.model.presets import preset_hf_config
+from k3serve.model.presets import CHAT_FORMATS, preset_chat_format, preset_hf_config
 from k3serve.model.tokenizer import Tokenizer, train_tiny_tokenizer
 from k3serve.model.weights import checkpoint_targets
 
@@ -29,14 +29,19 @@ _FP32_SUFFIXES = ("conv1d.weight", "A_log", "dt_bias", "o_norm.weight", "e_score
 _K3_A_LOG_ENTRIES = 128  # the published K3 checkpoint pads per-head A_log to 128 entries
 
 
-def make_checkpoint(preset: str | dict, out_dir: str | Path, seed: int = 0, num_shards: int = 2) -> Path:
+def make_checkpoint(preset: str | dict, out_dir: str | Path, seed: int = 0, num_shards: int = 2,
+                    chat_format: str | None = None) -> Path:
     """Write `preset` (a preset name, or a HF config dict) with random weights drawn from `seed`
-    into `out_dir`; returns out_dir."""
+    into `out_dir`; returns out_dir. `chat_format` (CHAT_FORMATS): the tokenizer's special tokens and
+    chat format; default the preset's, "kimi_k2" for a dict."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf = preset_hf_config(preset) if isinstance(preset, str) else copy.deepcopy(preset)
+    chat_format = chat_format or (preset_chat_format(preset) if isinstance(preset, str) else "kimi_k2")
+    if chat_format not in CHAT_FORMATS:
+        raise ConfigError(f"chat_format must be one of {', '.join(CHAT_FORMATS)}, got {chat_format!r}")
     text = _text_config(hf)
-    train_tiny_tokenizer(out, vocab_size=text["vocab_size"])
+    train_tiny_tokenizer(out, vocab_size=text["vocab_size"], chat_format=chat_format)
     tokenizer = Tokenizer.from_dir(out)
     text["bos_token_id"], text["eos_token_id"] = tokenizer.bos_token_id, tokenizer.eos_token_id
     config = ModelConfig.from_hf_dict(hf)

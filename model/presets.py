@@ -197,7 +197,18 @@ PRESETS: dict[str, dict[str, Any]] = {
     "kimi-k3": KIMI_K3,
     "kimi-linear-48b-a3b": KIMI_LINEAR_48B_A3B,
     "k3-tiny": K3_TINY,
+    "k3-tiny-xtml": K3_TINY,  # k3-tiny speaking K3's own chat format (PRESET_CHAT_FORMATS)
 }
+
+CHAT_FORMATS = ("kimi_k2", "kimi_k3")
+PRESET_CHAT_FORMATS: dict[str, str] = {"kimi-k3": "kimi_k3", "k3-tiny-xtml": "kimi_k3"}
+"""The chat format a preset's tokenizer speaks, where it is not Kimi K2's (`<|im_user|>` turns, `<think>`, the
+`<|tool_call_begin|>` markers): Kimi K3's XTML (model/xtml_chat.py). k3-tiny keeps K2's, as Kimi Linear speaks."""
+
+
+def preset_chat_format(name: str) -> str:
+    """The chat format of preset `name`'s tokenizer: one of CHAT_FORMATS."""
+    return PRESET_CHAT_FORMATS.get(name, "kimi_k2")
 
 
 def preset_hf_config(name: str) -> dict[str, Any]:

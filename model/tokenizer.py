@@ -11,18 +11,23 @@ Two backends, picked by `Tokenizer.from_dir`:
 Special tokens in the text (e.g. `<|im_end|>`) always encode to their single id, as Kimi's
 tokenizer does. `convert_ids_to_bytes` gives each token's raw bytes for incremental detokenizing.
 `train_tiny_tokenizer` writes a small, real, deterministic byte-level BPE tokenizer for tests.
+
+Chats render in the vocabulary's format: Kimi K3's XTML (model/xtml_chat.py) when the special tokens have its
+`<|open|>`, `<|close|>` and `<|sep|>` (K3 ships no Jinja template), else the directory's template or Kimi K2's.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import re
 import warnings
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from .chat_template import KIMI_CHAT_TEMPLATE, KIMI_SPECIAL_TOKENS, normalize_messages, render_jinja, render_kimi_chat
+from .xtml_chat import END_OF_MESSAGE, K3_SPECIAL_TOKENS, Segment, chat_segments, render_text
 
 __all__ = ["Tokenizer", "train_tiny_tokenizer", "KIMI_PAT_STR", "TINY_CORPUS_MODULES"]
 
@@ -70,9 +75,23 @@ class _HFBackend:
         self.added_text = {i: t.content for i, t in added.items()}  # stored as text, not byte-level
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self._bytes: list[bytes] | None = None
+        names = sorted(self.special, key=len, reverse=True)  # the longest first, where two start at one place
+        self._special_spelling = re.compile("|".join(map(re.escape, names))) if names else None
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """`text` as ordinary tokens even where it spells a special token: such a spelling is encoded as two
+        pieces (all of it but its last character, then that), which no added token matches."""
+        if self._special_spelling is None:
+            return self.encode(text, False)
+        ids, start = [], 0
+        for match in self._special_spelling.finditer(text):
+            ids += self.encode(text[start:match.start()], False) if match.start() > start else []
+            ids += self.encode(match.group()[:-1], False) + self.encode(match.group()[-1], False)
+            start = match.end()
+        return ids + (self.encode(text[start:], False) if start < len(text) else [])
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -124,6 +143,9 @@ class _TiktokenBackend:
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.enc.encode(text, allowed_special="all")
 
+    def encode_plain(self, text: str) -> list[int]:
+        return self.enc.encode(text, allowed_special=set(), disallowed_special=())
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
         ids = [i for i in ids if i < self.num_base] if skip_special_tokens else list(ids)
         return self.enc.decode(ids)
@@ -147,7 +169,8 @@ class Tokenizer:
         self.eos_token: str | None = _token_name(config.get("eos_token")) or (
             "[EOS]" if "[EOS]" in backend.special else None)
         self._add_bos = bool(config.get("add_bos_token", False))
-        stops = [self.eos_token_id, self.special_tokens.get("<|im_end|>"), *extra_stop_ids]
+        stops = [self.eos_token_id, self.special_tokens.get("<|im_end|>"), self.special_tokens.get(END_OF_MESSAGE),
+                 *extra_stop_ids]
         self.stop_token_ids: frozenset[int] = frozenset(i for i in stops if i is not None)
         self._bytes: list[bytes] | None = None
 
@@ -228,25 +251,52 @@ class Tokenizer:
         return self.special_token_ids
 
     # ---- chat ---------------------------------------------------------------------------------
+    @property
+    def chat_format(self) -> str:
+        """"kimi_k3" for a vocabulary with K3's XTML special tokens, else "kimi_k2"."""
+        return "kimi_k3" if all(t in self.special_tokens for t in K3_SPECIAL_TOKENS[2:6]) else "kimi_k2"
+
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+                            tools: Sequence[Mapping[str, Any]] | None = None, **template_kwargs: Any) -> str:
         """The prompt text for `messages` ({"role", "content", optional "name", "tool_calls",
         "tool_call_id"}). Content: a string or a list of {"type": "text", "text"} parts (other
-        part types: ValueError). Uses the directory's chat_template through jinja2 when both exist,
-        else the built-in Kimi renderer (identical output for the Kimi template)."""
+        part types: ValueError). K3's vocabulary: its XTML prompt (`template_kwargs` are
+        xtml_chat.chat_segments' keywords). Else the directory's chat_template through jinja2 when
+        both exist (`template_kwargs` go to the template), else the built-in Kimi renderer
+        (identical output for the Kimi template), which takes no `template_kwargs` (ValueError)."""
+        if self.chat_format == "kimi_k3":
+            return render_text(self.chat_segments(messages, add_generation_prompt, tools, **template_kwargs))
         msgs = normalize_messages(messages)
         if self.chat_template is not None and self.chat_template != KIMI_CHAT_TEMPLATE:
             try:
                 return render_jinja(self.chat_template, msgs, add_generation_prompt, tools,
-                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "", **template_kwargs)
             except ImportError:
                 warnings.warn("jinja2 is not installed: rendering the chat with the built-in Kimi format")
+        if template_kwargs:
+            raise ValueError(f"the Kimi K2 chat template reads no {', '.join(sorted(template_kwargs))}")
         return render_kimi_chat(msgs, add_generation_prompt, tools)
 
+    def chat_segments(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                      tools: Sequence[Mapping[str, Any]] | None = None, **template_kwargs: Any) -> list[Segment]:
+        """K3's prompt of `messages` as segments (xtml_chat.chat_segments)."""
+        return chat_segments(normalize_messages(messages), tools, add_generation_prompt=add_generation_prompt,
+                             **template_kwargs)
+
+    def encode_segments(self, segments: Sequence[Segment]) -> list[int]:
+        """Token ids of K3 prompt segments: a markup segment is its special token's id, any other is encoded on
+        its own as plain text (a special token's spelling in it stays text)."""
+        ids: list[int] = []
+        for text, markup in segments:
+            ids += [self.special_token_id(text)] if markup else self._backend.encode_plain(text)
+        return ids
+
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
-        """Token ids of apply_chat_template(...): the markers become their single special ids."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools))
+                    tools: Sequence[Mapping[str, Any]] | None = None, **template_kwargs: Any) -> list[int]:
+        """Token ids of the chat prompt: the markers become their single special ids (K3: segment by segment)."""
+        if self.chat_format == "kimi_k3":
+            return self.encode_segments(self.chat_segments(messages, add_generation_prompt, tools, **template_kwargs))
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools, **template_kwargs))
 
 
 # ---- the tiny test tokenizer --------------------------------------------------------------------
@@ -281,14 +331,16 @@ def _stdlib_docstrings() -> list[str]:
     return docs
 
 
-def train_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 512, model_max_length: int = 8192) -> None:
-    """Train a real byte-level BPE tokenizer (Kimi's split pattern, Kimi's special tokens as the
-    last ids) on stdlib docstrings and write tokenizer.json, tokenizer_config.json and
-    special_tokens_map.json to `out_dir`. `vocab_size` counts everything. Same bytes every run."""
+def train_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 512, model_max_length: int = 8192,
+                         chat_format: str = "kimi_k2") -> None:
+    """Train a real byte-level BPE tokenizer (Kimi's split pattern, the special tokens of
+    `chat_format` as the last ids: Kimi K2's with its chat template, or K3's, which has none) on
+    stdlib docstrings and write tokenizer.json, tokenizer_config.json and special_tokens_map.json
+    to `out_dir`. `vocab_size` counts everything. Same bytes every run."""
     from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
     from tokenizers import Tokenizer as _RustTokenizer
 
-    specials = list(KIMI_SPECIAL_TOKENS)  # in Kimi's id order
+    specials = list(K3_SPECIAL_TOKENS if chat_format == "kimi_k3" else KIMI_SPECIAL_TOKENS)  # in id order
     n_base = vocab_size - len(specials)
     if n_base < 256:
         raise ValueError(f"vocab_size must be at least {256 + len(specials)} (256 bytes + {len(specials)} specials)")
@@ -319,7 +371,7 @@ def train_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 512, model_max_l
         **named,
         "additional_special_tokens": extra,
         "add_bos_token": False,
-        "chat_template": KIMI_CHAT_TEMPLATE,
+        **({} if chat_format == "kimi_k3" else {"chat_template": KIMI_CHAT_TEMPLATE}),
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -43,6 +43,7 @@ from .drain import Drain, DrainGate, count_cut_with
 from .engine_client import EngineClient
 from .errors import APIError, error_response
 from .fanout import FanOut
+from .parsers import chat_parsers
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, _SamplingFields
 from .serving import (
     STATUS_CLIENT_GONE,
@@ -60,8 +61,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-REASONING_PARSERS = ("kimi", "none")
-
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -69,12 +68,13 @@ class ClientGone(Exception):
     """The client disconnected before the response was ready."""
 
 
-def build_app(client: EngineClient, metrics: IngressMetrics | None = None, reasoning_parser: str = "kimi",
-              api_key: str | None = None) -> FastAPI:
-    """`reasoning_parser`: "kimi" returns a thinking model's reasoning apart on chat (reasoning.py), "none" not.
-    `api_key`: the bearer key every /v1 route requires (None: all open); a refusal counts as a 401 error."""
-    if reasoning_parser not in REASONING_PARSERS:
-        raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {reasoning_parser!r}")
+def build_app(client: EngineClient, metrics: IngressMetrics | None = None, reasoning_parser: str = "auto",
+              api_key: str | None = None, tool_call_parser: str = "auto", enable_auto_tool_choice: bool = True
+              ) -> FastAPI:
+    """`reasoning_parser` / `tool_call_parser`: the chat output parsers by vLLM's names ("auto": the checkpoint's
+    format; parsers.py), `enable_auto_tool_choice` as vLLM's flag. `api_key`: the bearer key every /v1 route
+    requires (None: all open); a refusal counts as a 401 error. ValueError for an unknown parser name."""
+    parsers = chat_parsers(client.tokenizer.chat_format, reasoning_parser, tool_call_parser, enable_auto_tool_choice)
     if api_key == "":
         raise ValueError("api_key is empty: every request would pass with 'Bearer ' (None serves without a key)")
     metrics = metrics if metrics is not None else IngressMetrics(model_name=client.model_name)
@@ -114,7 +114,7 @@ def build_app(client: EngineClient, metrics: IngressMetrics | None = None, reaso
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await _serve(raw, client, metrics, lambda: prepare_chat(body, client, reasoning_parser), body)
+        return await _serve(raw, client, metrics, lambda: prepare_chat(body, client, parsers), body)
 
     return app
 

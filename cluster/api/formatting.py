@@ -5,16 +5,17 @@ A formatter sees every delta of one choice (one engine request) in order. Stream
 `choice()`, so both modes produce the same text, logprobs and finish reason. `Choices` holds the
 formatters of one request in index order and builds what spans them: the response and the usage.
 
-A chat choice of a request with tools holds its own `ToolCallStream` (tool_calls.py): its text,
+A chat choice of a request with tools holds its own tool-call stream (parsers.py: K2's tool_calls.py, or K3's
+xtml.py, which also unwraps K3's response channel without tools): its text,
 detokenized with the special tokens kept, is split into content and tool calls, streamed as
 `delta.tool_calls` pieces or folded into `message.tool_calls`; a choice that made calls and stopped
 finishes with "tool_calls" (the engine's reason stays in `finish_reason` for the metrics). A chat choice of a forced
 tool choice holds a `ForcedCallStream` instead (forced_tool_choice.py): its whole text is JSON, read back as calls.
 
-A chat choice served with a reasoning parser holds a `ReasoningStream` (reasoning.py) that reads its text first:
-the reasoning goes to `reasoning_content` (message or delta), the rest on as content, through the tool-call parser
-when there is one. The text is lexed once, by the first parser (special_tokens.py). Both modes feed the parsers
-delta by delta in `add`, so they split the text alike.
+A chat choice served with a reasoning parser holds its stream (parsers.py: Kimi K2's reasoning.py or K3's xtml.py)
+that reads its text first: the reasoning goes to `reasoning` and `reasoning_content` (message or delta), the rest
+on as content, through the tool-call parser when there is one. The text is lexed once, by the first parser
+(special_tokens.py). Both modes feed the parsers delta by delta in `add`, so they split the text alike.
 
 Logprobs come as `TokenLogprobs` (chosen token first, then the top-n). Completions show them as
 `{tokens, token_logprobs, top_logprobs: [{token: logprob}] (chosen + top-n), text_offset}`;
@@ -49,9 +50,9 @@ from .protocol import (
     TopLogprob,
     UsageInfo,
 )
-from .reasoning import ReasoningStream
+from .parsers import ReasoningParser, ToolCallParser
 from .special_tokens import SpecialTokenReader
-from .tool_calls import ParsedDelta, ToolCallStream
+from .tool_calls import ParsedDelta
 
 Chunk = Union[CompletionStreamResponse, ChatCompletionStreamResponse]
 
@@ -185,8 +186,8 @@ class ChatFormatter(_Formatter):
 
     response_type, chunk_type = ChatCompletionResponse, ChatCompletionStreamResponse
 
-    def __init__(self, *args, top_logprobs: int = 0, tool_calls: ToolCallStream | None = None,
-                 reasoning: ReasoningStream | None = None, forced_calls: ForcedCallStream | None = None,
+    def __init__(self, *args, top_logprobs: int = 0, tool_calls: ToolCallParser | None = None,
+                 reasoning: ReasoningParser | None = None, forced_calls: ForcedCallStream | None = None,
                  **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.top_logprobs = top_logprobs
@@ -253,7 +254,8 @@ class ChatFormatter(_Formatter):
 
     def chunks(self, delta: RequestDelta) -> list[ChatCompletionStreamResponse]:
         reasoning, parsed, logprobs = self.add(delta)
-        message = DeltaMessage(reasoning_content=reasoning or None, content=parsed.content or None,
+        message = DeltaMessage(reasoning=reasoning or None, reasoning_content=reasoning or None,
+                               content=parsed.content or None,
                                tool_calls=_delta_tool_calls(parsed) or None)
         if message == DeltaMessage() and not delta.finished and logprobs is None:
             return []  # nothing to show yet (partial UTF-8, held-back stop prefix or marker)
@@ -279,7 +281,8 @@ class ChatFormatter(_Formatter):
             text, parsed = parser.result()
             calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in parsed]
         content = text if text or not (reasoning or calls) else None  # "" only for a turn that wrote nothing at all
-        message = AssistantMessage(reasoning_content=reasoning or None, content=content, tool_calls=calls or None)
+        message = AssistantMessage(reasoning=reasoning or None, reasoning_content=reasoning or None, content=content,
+                                   tool_calls=calls or None)
         return ChatChoice(index=self.index, message=message,
                           logprobs=None if self.logprobs is None else ChatLogprobs(content=self.logprobs),
                           finish_reason=self._shown_reason(self.finish_reason), stop_reason=self.stop_reason)

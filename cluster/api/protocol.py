@@ -21,9 +21,9 @@ Both routes take structured output: OpenAI's `response_format` and vLLM's `guide
 constraint.
 
 Responses and stream chunks are shaped exactly like OpenAI's; `stop_reason` (the stop string or
-token id that ended a choice) and `reasoning_content` (a thinking model's reasoning, present only when
-it wrote some) are vLLM's extensions. In chunks, `usage` appears only when set and
-`delta` holds only the keys that changed.
+token id that ended a choice) and `reasoning` (a thinking model's reasoning, present only when
+it wrote some; also as `reasoning_content`, its older name) are vLLM's extensions. In chunks,
+`usage` appears only when set and `delta` holds only the keys that changed.
 """
 
 from __future__ import annotations
@@ -269,6 +269,11 @@ class ChatCompletionRequest(_SamplingFields):
     any of them) and a named function (one call of it) force calls, as a constraint on the output."""
     parallel_tool_calls: bool | None = None
     """False: at most one call a turn. True or None (OpenAI's default): as many as the model makes."""
+    reasoning_effort: str | None = None
+    """Kimi K3: "low", "high" or "max" thinking, "none" no thinking (template_kwargs.py); a 400 on Kimi K2."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's: keywords of the chat prompt, e.g. {"thinking": false} on Kimi K3 (template_kwargs.py); a keyword
+    the model's chat format does not read is a 400."""
 
     @model_validator(mode="after")
     def _check_chat(self) -> "ChatCompletionRequest":
@@ -389,10 +394,12 @@ class ChatLogprobs(BaseModel):
 
 
 class AssistantMessage(_OmitNone):
-    omit_none = ("reasoning_content", "tool_calls")
+    omit_none = ("reasoning", "reasoning_content", "tool_calls")
     role: Literal["assistant"] = "assistant"
+    reasoning: str | None = None
+    """What a thinking model wrote in its think block or channel (vLLM's field; reasoning.py, xtml.py)."""
     reasoning_content: str | None = None
-    """What a thinking model wrote between <think> and </think> (vLLM's field; reasoning.py)."""
+    """`reasoning` under its older name, kept for the clients that read it."""
     content: str | None
     """None when the turn is reasoning or tool calls only."""
     tool_calls: list[ToolCall] | None = None
@@ -431,7 +438,8 @@ class DeltaToolCall(_OmitNone):
 
 class DeltaMessage(_OmitNone):
     role: str | None = None
-    reasoning_content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None  # `reasoning`, by its older name
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 

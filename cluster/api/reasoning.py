@@ -1,12 +1,13 @@
-"""Kimi's reasoning in generated text -> OpenAI's `reasoning_content` (what vLLM serves with `--reasoning-parser
-kimi_k2`), on /v1/chat/completions when the server runs with `reasoning_parser: kimi`.
+"""Kimi K2's reasoning in generated text -> vLLM's `reasoning` (and `reasoning_content`), what vLLM serves with
+`--reasoning-parser kimi_k2`, on /v1/chat/completions when the server runs with that parser (parsers.py; `auto` for a
+checkpoint of K2's vocabulary). Kimi K3's XTML think channel is xtml.py's.
 
 A Kimi thinking model (K2 Thinking, K3) writes its reasoning between the special tokens `<think>` and `</think>`,
 then its answer, then any tool calls:
 
     <think>They want the weather: call get_weather.</think>Let me check.<|tool_calls_section_begin|>...
 
-The reasoning goes to `reasoning_content`, the rest to `content` (and through the tool-call parser when the request
+The reasoning goes to `reasoning`, the rest to `content` (and through the tool-call parser when the request
 has tools); the markers reach neither. The rules:
 
 - No marker at all: everything is content. That is why the parser can be on by default: a model that never thinks

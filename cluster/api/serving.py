@@ -37,9 +37,9 @@ from .fanout import FanOut
 from .forced_tool_choice import forced_call_stream
 from .formatting import ChatFormatter, Choices, CompletionFormatter, Formatter
 from .protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, _SamplingFields
-from .reasoning import THINK_BEGIN, THINK_END, ReasoningStream, prompt_opens_reasoning
+from .parsers import ChatParsers, chat_parsers
 from .structured_outputs import structured_outputs_of
-from .tool_calls import MARKERS as TOOL_MARKERS, SECTION_BEGIN, ToolCallStream
+from .template_kwargs import template_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -72,42 +72,53 @@ def prepare_completion(body: CompletionRequest, client: EngineClient) -> Prepare
     return _prepared(request_id, prompts, body, formatter, is_chat=False)
 
 
-def prepare_chat(body: ChatCompletionRequest, client: EngineClient, reasoning_parser: str = "kimi") -> Prepared:
-    """`reasoning_parser` "kimi" splits a thinking model's <think> block into `reasoning_content` (reasoning.py);
-    "none" returns the text as generated. A structured output constraint covers the whole output, so a constrained
-    request is never split: its content is the constrained text (structured_outputs.py). A forced tool choice is such
-    a constraint: its output is all JSON, no <think> block and no Kimi markers, read back as tool calls
-    (forced_tool_choice.py) rather than through the Kimi tool-call parser."""
+def prepare_chat(body: ChatCompletionRequest, client: EngineClient, parsers: ChatParsers | None = None) -> Prepared:
+    """`parsers` (parsers.py; default: the checkpoint's format, auto-resolved) read the output: a thinking model's
+    reasoning goes to `reasoning`, its calls to `tool_calls`. A structured output constraint covers the whole
+    output, so a constrained request is never split: its content is the constrained text (structured_outputs.py);
+    on K3 its prompt opens the response channel (no thinking). A forced tool choice is such a constraint: its output
+    is all JSON, read back as tool calls (forced_tool_choice.py) rather than through the model's tool-call parser.
+    The prompt takes `chat_template_kwargs` and `reasoning_effort` as the format reads them (template_kwargs)."""
     _check_model(body.model, client)
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    tokenizer = client.tokenizer
+    parsers = parsers or chat_parsers(tokenizer.chat_format)
+    constrained = body.forces_tool_calls or structured_outputs_of(body) is not None
+    kwargs = template_kwargs(body, tokenizer, constrained)
     tools = body.active_tools
+    if tokenizer.chat_format == "kimi_k3" and body.tools:  # K3 sees its tools with tool_choice "none" too
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
+    if body.active_tools is not None and not body.forces_tool_calls and not parsers.auto_tool_choice:
+        raise bad_request('"auto" tool choice requires --enable-auto-tool-choice (enable_auto_tool_choice)',
+                          "tool_choice")
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
     try:
-        prompt_ids = client.tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt,
-                                                  tools=tools)
+        prompt_ids = tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt, tools=tools,
+                                           **kwargs)
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
     max_tokens = _fit_context(len(prompt_ids), body.effective_max_tokens, client.max_model_len, "messages")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling_params(body, max_tokens, logprobs, client)
-    reasoning = reasoning_parser == "kimi" and params.structured_outputs is None
-    kimi_calls = tools is not None and not body.forces_tool_calls
-    specials = client.tokenizer.special_tokens
-    if kimi_calls or reasoning:  # the parsers read their markers in the text (as vLLM's kimi_k2 parsers ask)
-        markers = (THINK_BEGIN, THINK_END, SECTION_BEGIN) if reasoning else ()
-        markers += TOOL_MARKERS if kimi_calls else ()
+    reasoning = parsers.reasoning != "none" and params.structured_outputs is None
+    calls_allowed = body.active_tools is not None and not body.forces_tool_calls
+    # K3's tool-call parser also unwraps the response channel, with no tools too (not a constrained output's text)
+    read_calls = calls_allowed or (parsers.xtml and params.structured_outputs is None)
+    specials = tokenizer.special_tokens
+    if read_calls or reasoning:  # the parsers read their markers in the text (as vLLM's parsers ask)
+        markers = parsers.markers(reasoning, read_calls)
         # Only the markers: every other special token is still skipped token by token, so the text is what it
         # would be without the parsers (dropping them from the text instead differs where one splits a character).
         params = dataclasses.replace(params, keep_special_token_ids=sorted({specials[m] for m in markers
                                                                              if m in specials}))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    thinking = kwargs.get("thinking", True)
 
     def formatter(index: int, prompt_ids: list[int]) -> Formatter:
-        split = None if not reasoning else ReasoningStream(
-            specials, in_reasoning=prompt_opens_reasoning(prompt_ids, specials),
-            keep_special=kimi_calls or not body.skip_special_tokens)
-        return ChatFormatter(request_id, client.model_name, client.tokenizer, _continuous(body), index=index,
-                             top_logprobs=body.top_logprobs or 0, reasoning=split,
-                             tool_calls=ToolCallStream(body.max_tool_calls) if kimi_calls else None,
+        split = None if not reasoning else parsers.reasoning_stream(
+            specials, prompt_ids, thinking=thinking, keep_special=read_calls or not body.skip_special_tokens)
+        calls = parsers.tool_call_stream(body.max_tool_calls, calls_allowed) if read_calls else None
+        return ChatFormatter(request_id, client.model_name, tokenizer, _continuous(body), index=index,
+                             top_logprobs=body.top_logprobs or 0, reasoning=split, tool_calls=calls,
                              forced_calls=forced_call_stream(body))
 
     return _prepared(request_id, [(prompt_ids, params)], body, formatter, is_chat=True)

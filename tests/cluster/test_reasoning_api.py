@@ -39,10 +39,11 @@ def streamed(chunks: list[dict], key: str) -> str:
 
 
 async def test_the_reasoning_comes_back_apart_from_the_answer(engine, tokenizer):  # noqa: F811
-    async with ingress(engine) as http:  # reasoning_parser "kimi" is the default
+    async with ingress(engine) as http:  # reasoning_parser "auto" (kimi_k2 for this vocabulary) is the default
         r = await http.post(CHAT, json={"messages": ASK})
     (choice,) = r.json()["choices"]
-    assert choice["message"] == {"role": "assistant", "reasoning_content": THOUGHT, "content": ANSWER}
+    assert choice["message"] == {"role": "assistant", "reasoning": THOUGHT, "reasoning_content": THOUGHT,
+                                 "content": ANSWER}
     assert choice["finish_reason"] == "stop"
     assert r.json()["usage"]["completion_tokens"] == len(engine.reply)  # the reasoning's tokens count too
     params, specials = engine.requests[0].sampling_params, tokenizer.special_tokens
@@ -57,13 +58,14 @@ async def test_the_stream_sends_reasoning_deltas_then_content_deltas(engine):
     *chunks, usage = parse_sse(r.text)
     deltas = [c["choices"][0]["delta"] for c in chunks[1:]]
     assert streamed(chunks, "reasoning_content") == THOUGHT and streamed(chunks, "content") == ANSWER
+    assert streamed(chunks, "reasoning") == THOUGHT  # vLLM's name; reasoning_content its older one
     assert sum("reasoning_content" in d for d in deltas) > 5  # the reasoning arrives as it is generated
     last_reasoning = max(i for i, d in enumerate(deltas) if "reasoning_content" in d)
     assert all("content" not in d for d in deltas[: last_reasoning + 1])  # no null keys, answer after the thought
     assert not any("think>" in d.get("content", "") + d.get("reasoning_content", "") for d in deltas)
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     assert usage["usage"]["completion_tokens"] == len(engine.reply)
-    assert whole == {"role": "assistant", "reasoning_content": THOUGHT, "content": ANSWER}
+    assert whole == {"role": "assistant", "reasoning": THOUGHT, "reasoning_content": THOUGHT, "content": ANSWER}
 
 
 async def test_reasoning_then_tool_calls(engine, tokenizer):  # noqa: F811
@@ -71,8 +73,8 @@ async def test_reasoning_then_tool_calls(engine, tokenizer):  # noqa: F811
     async with ingress(engine) as http:
         whole = (await http.post(CHAT, json={"messages": ASK, "tools": TOOLS})).json()["choices"][0]
         chunks = parse_sse((await http.post(CHAT, json={"messages": ASK, "tools": TOOLS, "stream": True})).text)
-    assert whole["message"] == {"role": "assistant", "reasoning_content": THOUGHT, "content": "Let me check.",
-                                "tool_calls": EXPECTED_CALLS}
+    assert whole["message"] == {"role": "assistant", "reasoning": THOUGHT, "reasoning_content": THOUGHT,
+                                "content": "Let me check.", "tool_calls": EXPECTED_CALLS}
     assert whole["finish_reason"] == "tool_calls"
     assert streamed(chunks, "reasoning_content") == THOUGHT and streamed(chunks, "content") == "Let me check."
     assert streamed_calls(chunks) == EXPECTED_CALLS
@@ -88,7 +90,8 @@ async def test_a_block_the_prompt_opened_is_reasoning_up_to_its_end(engine, toke
         chunks = parse_sse((await http.post(CHAT, json={"messages": messages, "add_generation_prompt": False,
                                                         "stream": True})).text)
     assert engine.requests[0].prompt[-1] == tokenizer.special_token_id("<think>")
-    assert r.json()["choices"][0]["message"] == {"role": "assistant", "reasoning_content": THOUGHT, "content": ANSWER}
+    assert r.json()["choices"][0]["message"] == {"role": "assistant", "reasoning": THOUGHT,
+                                                 "reasoning_content": THOUGHT, "content": ANSWER}
     assert (streamed(chunks, "reasoning_content"), streamed(chunks, "content")) == (THOUGHT, ANSWER)
 
 
@@ -97,7 +100,8 @@ async def test_a_turn_cut_while_thinking_is_all_reasoning(engine, tokenizer):  #
     async with ingress(engine) as http:
         r = await http.post(CHAT, json={"messages": ASK, "max_tokens": cut})
     (choice,) = r.json()["choices"]
-    assert choice["message"] == {"role": "assistant", "reasoning_content": THOUGHT, "content": None}
+    assert choice["message"] == {"role": "assistant", "reasoning": THOUGHT, "reasoning_content": THOUGHT,
+                                 "content": None}
     assert choice["finish_reason"] == "length"
 
 
@@ -129,5 +133,5 @@ async def test_completions_are_untouched(engine, tokenizer):  # noqa: F811
 
 
 def test_an_unknown_parser_is_refused(engine):
-    with pytest.raises(ValueError, match="reasoning_parser must be one of kimi, none"):
+    with pytest.raises(ValueError, match="reasoning_parser must be one of auto, kimi, kimi_k2, kimi_k3, none"):
         build_app(engine, reasoning_parser="deepseek_r1")

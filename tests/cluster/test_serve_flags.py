@@ -97,13 +97,23 @@ def test_help_states_the_queue_default_rule(capsys: pytest.CaptureFixture[str]) 
     assert f"SDK's 600 s) (default: {timeout:g})" in text
 
 
-def test_the_reasoning_parser_is_kimi_unless_a_flag_or_the_file_says_none(tmp_path: Path) -> None:
-    assert _config().reasoning_parser == "kimi"  # output without think markers is untouched by it
+def test_the_reasoning_parser_is_auto_unless_a_flag_or_the_file_says_none(tmp_path: Path) -> None:
+    assert _config().reasoning_parser == "auto"  # the checkpoint's format; output without its markers is untouched
     assert _config("--reasoning-parser", "none").reasoning_parser == "none"
     path = tmp_path / "serve.yaml"
     path.write_text("reasoning_parser: none\n")
     assert _config("--config", str(path)).reasoning_parser == "none"
     assert _config("--config", str(path), "--reasoning-parser", "kimi").reasoning_parser == "kimi"
+
+
+def test_vllms_k3_parser_flags_map_onto_serve_flags() -> None:
+    config = _config("--reasoning-parser", "kimi_k3", "--tool-call-parser", "kimi_k3", "--enable-auto-tool-choice")
+    assert (config.reasoning_parser, config.tool_call_parser, config.enable_auto_tool_choice) == (
+        "kimi_k3", "kimi_k3", True)
+    assert (_config().tool_call_parser, _config().enable_auto_tool_choice) == ("auto", True)
+    assert _config("--no-enable-auto-tool-choice").enable_auto_tool_choice is False
+    with pytest.raises(SystemExit):
+        _config("--tool-call-parser", "hermes")
 
 
 def test_an_unknown_reasoning_parser_fails(tmp_path: Path) -> None:

@@ -157,7 +157,7 @@ async def test_a_constrained_chat_is_not_split_into_reasoning(tiny_checkpoint):
     async with ingress(engine) as http:
         split = (await http.post(CHAT, json={"messages": ASK})).json()["choices"][0]["message"]
         whole = (await http.post(CHAT, json={"messages": ASK, "guided_regex": "(.|\n)*"})).json()["choices"][0]
-    assert split == {"role": "assistant", "reasoning_content": THOUGHT, "content": ANSWER}
+    assert split == {"role": "assistant", "reasoning": THOUGHT, "reasoning_content": THOUGHT, "content": ANSWER}
     assert whole["message"] == {"role": "assistant", "content": THOUGHT + ANSWER}
     params = engine.requests[1].sampling_params
     assert params.structured_outputs == StructuredOutputsParams(regex="(.|\n)*") and not params.keep_special_token_ids
