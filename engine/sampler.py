@@ -147,6 +147,18 @@ def apply_penalties(
     row -= p.frequency_penalty * output_counts + p.presence_penalty * (output_counts > 0).to(row.dtype)
 
 
+SAMPLER_LOGITS_COPIES = 16
+"""fp32 [rows, vocab] tensors alive at once, at most, while `Sampler.sample` runs: the caller's logits, the clone,
+the temperature-scaled copy, the top-k/top-p sort (values and int64 indices), softmax, cumsum, masks, the scatter
+back, the probabilities, the noise and their quotient (and the caller's gathered rows and their stack)."""
+
+
+def sampling_workspace_bytes(num_rows: int, vocab_size: int) -> int:
+    """Most bytes one `Sampler.sample` of [num_rows, vocab_size] fp32 logits holds at once, the logits included:
+    `SAMPLER_LOGITS_COPIES` fp32 copies of them, whatever the rows' sampling params."""
+    return SAMPLER_LOGITS_COPIES * num_rows * vocab_size * 4
+
+
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """[M, V] logits -> [M, V] probabilities after temperature, top-k, top-p and min-p."""
     device = logits.device

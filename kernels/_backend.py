@@ -19,6 +19,12 @@ import torch
 from torch import Tensor
 
 
+AUTOTUNE_FLUSH_BYTES = 256 * 2**20
+"""Triton's autotuner zeroes a buffer of this size before timing each candidate, to flush L2 (its CUDA driver's
+`get_empty_cache_for_benchmark`, allocated through torch): a kernel that autotunes (fla's chunk_kda, the MoE
+experts) takes it mid-forward the first time it meets a new key, with that layer's activations live."""
+
+
 @functools.cache
 def has_module(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
