@@ -292,23 +292,32 @@ def prefill_activation_bytes(config: ModelConfig, args: EngineArgs, device_bytes
     prefix-cache hits the step admitted. Ignores: fp32 on CUDA and CUDA without fla (the reference ops: e.g. the MLA scores [H, q, k] in fp32), the
     caching allocator's fragmentation (reserved less allocated, left to 1 - gpu_memory_utilization) and NCCL's
     buffers."""
+    phases = prefill_phase_bytes(config, args, device_bytes)
+    return max(phases.values()) + prefill_fixed_bytes(config, args.tensor_parallel_size)
+
+
+def prefill_phase_bytes(config: ModelConfig, args: EngineArgs, device_bytes: int | None = None) -> dict[str, int]:
+    """The terms of `prefill_activation_bytes`, before its fixed bytes: for each layer part the model has ("kda",
+    "mla", "moe", "dense_mlp") what the forward holds across layers plus that part's peak, and the step's
+    "logits", "prompt_logprobs" and "sampling"."""
     num_tokens = max_step_tokens(args, device_bytes)
     step = StepShape(num_tokens, min(args.max_num_seqs, num_tokens), args.max_model_len, args.tensor_parallel_size,
                      torch.empty((), dtype=args.torch_dtype).element_size())
     hidden, b, tp = config.hidden_size, step.itemsize, step.tp_size
     moe_layers = [config.is_moe_layer(i) for i in range(config.num_hidden_layers)]  # as `DecoderLayer` builds them
-    parts = [_kda_prefill_bytes(config, step)] if config.kda_layers else []
-    parts += [_mla_prefill_bytes(config, step)] if config.mla_layers else []
-    parts += [_moe_prefill_bytes(config, step)] if any(moe_layers) else []
-    parts += [_dense_mlp_bytes(config, step)] if not all(moe_layers) else []
+    parts = {"kda": _kda_prefill_bytes(config, step)} if config.kda_layers else {}
+    parts |= {"mla": _mla_prefill_bytes(config, step)} if config.mla_layers else {}
+    parts |= {"moe": _moe_prefill_bytes(config, step)} if any(moe_layers) else {}
+    parts |= {"dense_mlp": _dense_mlp_bytes(config, step)} if not all(moe_layers) else {}
     held = num_tokens * ((residual_rows(config) + 2) * hidden * b + 3 * 8)  # + token ids, positions, slot mapping
-    forward = held + max(parts)
     rows, vocab = step.num_seqs, config.vocab_size
     shard = -(-vocab // tp)  # this rank's lm_head rows; rank 0 gathers every rank's, then widens them to fp32
-    logits = num_tokens * hidden * b + rows * (hidden * b + shard * b * (1 + tp * (tp > 1)) + vocab * 4)
-    prompt = num_tokens * hidden * b + rows * tp * shard * 4 + prompt_logprobs_slice_bytes(config, tp, b)
-    sampling = sampling_workspace_bytes(rows, vocab)
-    return max(forward, logits, prompt, sampling) + prefill_fixed_bytes(config, tp)
+    return {
+        **{name: held + part for name, part in parts.items()},
+        "logits": num_tokens * hidden * b + rows * (hidden * b + shard * b * (1 + tp * (tp > 1)) + vocab * 4),
+        "prompt_logprobs": num_tokens * hidden * b + rows * tp * shard * 4 + prompt_logprobs_slice_bytes(config, tp, b),
+        "sampling": sampling_workspace_bytes(rows, vocab),
+    }
 
 
 def prompt_logprobs_slice_bytes(config: ModelConfig, tp_size: int, itemsize: int) -> int:
