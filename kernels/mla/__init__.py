@@ -1,5 +1,5 @@
 """MLA attention (NoPE): MHA-form prefill, the paged latent KV cache, absorbed decode, and the LSE merge
-used for split-KV and decode context parallelism (K3_MODEL.md §1c, §6).
+used for split-KV and decode context parallelism (model/K3_MODEL.md §1c, §6).
 
 Paged cache layout (vLLM reshape_and_cache convention), one MLA layer:
 

@@ -45,7 +45,8 @@ def test_the_warm_up_step_is_the_largest_step_the_plan_sizes() -> None:
 
 def test_sequences_that_cannot_hold_the_budget_run_what_they_hold() -> None:
     """Two sequences of at most 511 tokens cannot run a 2000-token budget: the step is what the scheduler could run."""
-    args = EngineArgs(**{**ARGS, "max_num_seqs": 2, "max_num_batched_tokens": 2000, "max_adaptive_batched_tokens": 2000})
+    args = EngineArgs(**{**ARGS, "max_num_seqs": 2, "max_num_batched_tokens": 2000,
+                         "max_adaptive_batched_tokens": 2000})
     assert [len(s.token_ids) for s in warmup_output(args, PLAN, 1000, None).seqs] == [511, 511]
 
 
