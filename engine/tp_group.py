@@ -43,9 +43,9 @@ rank loads its model next, then captures its graphs: every capture follows every
 store of its own, opened by rank 0 and held by rank 0's NCCL group for as long as it lives: unlike
 gloo, NCCL reads its store after the join (its monitor polls it for other ranks' failure signals), so
 this is the one port that outlives `TPGroup()`, on CUDA engines only. The communicator is created by a
-warm-up all-reduce before anything is captured. NCCL is the default (on 2x H200, a TP2 decode step of
-K3_TINY_GPU at batch 1 took 1.17 ms with graphs, 31.8 on gloo: benchmarks/gpu_tp.py); `K3SERVE_TP_NCCL=0`
-opts a rank out. Ranks that share a GPU (NCCL refuses them: a one-GPU machine running TP > 1), a torch
+warm-up all-reduce before anything is captured. NCCL is the default (its collectives are GPU kernels, so a TP
+decode step replays as a graph, many times faster than on gloo: docs/BENCHMARKS.md, benchmarks/gpu_tp.py);
+`K3SERVE_TP_NCCL=0` opts a rank out. Ranks that share a GPU (NCCL refuses them: a one-GPU machine running TP > 1), a torch
 without NCCL, or a rank that opted out keep the model on gloo, with rank 0 warning why (graphs are then
 off) unless every rank opted out. A CPU engine never reaches this choice. Unlike gloo, NCCL notices a dead
 peer only at the group's timeout (`timeout_s`; torch's watchdog then ends the process, by default).
@@ -70,7 +70,7 @@ from k3serve.model.parallel import TensorParallel
 _IDLE_TIMEOUT = datetime.timedelta(days=365)  # how long a follower waits for rank 0's next action
 _JOIN_TIMEOUT = datetime.timedelta(seconds=600)  # how long the ranks take to find each other
 # Unset or "1": a CUDA engine's model collectives on NCCL where every rank can (and graphs at TP > 1); "0" on
-# any rank: gloo. The default since it ran on two GPUs (2026-12-01: tests/engine/test_tp_nccl_gpu.py, gpu_tp.py).
+# any rank: gloo. The default since it ran on two GPUs (tests/engine/test_tp_nccl_gpu.py, benchmarks/gpu_tp.py).
 NCCL_SWITCH = "K3SERVE_TP_NCCL"
 
 

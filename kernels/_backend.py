@@ -72,7 +72,7 @@ def to_device_async(values: list[int] | Tensor, device: torch.device) -> Tensor:
     """Host indices (an int list, as int64, or a tensor) on `device` without the host waiting for the GPU: to a GPU
     through a pinned buffer, non_blocking (a copy from pageable memory waits for the stream's queue to drain, which
     stalls the launches behind it). A list is written straight into the pinned buffer: torch.tensor(list) then
-    pin_memory() builds it twice, and torch.tensor alone costs 3x the numpy write (12 vs 4 us for 8K ints)."""
+    pin_memory() builds it twice, and torch.tensor alone costs several times the numpy write (docs/BENCHMARKS.md)."""
     if device.type != "cuda" or (isinstance(values, Tensor) and values.device.type != "cpu"):
         return values.to(device) if isinstance(values, Tensor) else torch.tensor(values, dtype=torch.int64, device=device)
     if isinstance(values, Tensor):

@@ -18,7 +18,8 @@ from global memory straight into the MMA's operand registers:
             `tests/kernels/test_moe_gluon_compile.py`).
   codes     by bit fields, two a register (`_UPCAST`, Marlin's way): each e2m1 code as its exact bf16 value (no
             scale) in two shifts, two masks and one bf16x2 multiply a pair of codes — a third fewer integer
-            instructions than `gl.fp4_to_fp`'s byte lookups, which had bound the pair (ncu: 81% SM, 42% DRAM).
+            instructions than `gl.fp4_to_fp`'s byte lookups, which had bound the pair (Nsight Compute:
+            docs/BENCHMARKS.md).
   scales    each group's two MMAs accumulate into a zero fragment, which is then scaled by 2^(s-127) on the fp32
             accumulators (exact for every s <= 254: two normal powers of two; E8M0 255 gives NaN) and added.
 
