@@ -1,16 +1,27 @@
-"""Prometheus metrics of the ingress, named `k3serve:*`, with vLLM's bucket layouts; every series carries
-`model_name`. Latencies are measured here, at the ingress (on a decode replica TTFT would start after the
-remote prefill and under-report):
+"""Prometheus metrics of the ingress, named `k3serve:*`, with vLLM's bucket layouts.
+
+Latencies are measured here, at the ingress, not on a decode replica: on a replica TTFT would
+start after the remote prefill and under-report (PD_PRIOR_ART.md section 4).
 
     arrival ──queue──> prefill ──handoff──> first token ... token ... last token
     |<────────────── TTFT ──────────────────>|<── ITL ──>|
     |<──────────────────────────── e2e ──────────────────────────────>|
     TPOT = (last token - first token) / (num_output_tokens - 1)
 
-The app drives one `RequestTimer` per HTTP request; the serving layer reports queue, prefill and handoff times
-(`observe_queue_time` and friends), the per-(pool, replica) gauges (`set_pool_stats`) and the admission queue
-(`set_ingress_queue`); the app counts structured-output requests and refusals. What each one counts:
-docs/design/ingress_metrics.md.
+The app drives one `RequestTimer` per HTTP request (`start_request`, `on_delta`, `finish` / `fail`),
+whatever its number of choices.
+Queue, prefill and handoff times are only known to the serving layer, which reports them with
+`observe_queue_time` and friends (the disaggregated router's queue time: arrival to a decode
+reservation, which its prefill waits for, or to leaving its admission queue without one: timed out,
+cancelled); it also sets the per-(pool, replica) gauges with
+`set_pool_stats`, and with `set_ingress_queue` the requests its admission queue holds, as
+`k3serve:num_requests_waiting{pool="ingress", replica="router"}` (on the pools dashboard and in
+`k3serve status` beside the replicas' queues). Structured outputs: the app counts each request with a constraint
+by its kind (`count_structured_output`: json, json_object, regex, choice, grammar, or tool_choice for a forced tool
+choice) and, among them, those refused with a 400 because the constraint does not compile
+(`count_structured_output_refusal`; request_errors counts them too, by status only); how long the engines take to
+compile is measured on the engines (engine/structured_output_metrics.py), which a colocated deployment adds here
+with `include`. Every series carries `model_name`.
 """
 
 from __future__ import annotations
