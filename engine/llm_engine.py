@@ -156,7 +156,7 @@ class LLMEngine:
         """Queue a request; returns its id. Raises ValueError for a prompt the engine cannot serve, or a
         structured output constraint it cannot compile. `grammar`: the constraint's compiled grammar, from
         `structured_outputs.compiler.compile_async`; without it a constrained request is compiled now, which
-        holds up the step loop (tens of ms at K3's vocabulary, ~1 s for the first)."""
+        holds up the step loop (a compile at K3's vocabulary is slow, the engine's first one slower still)."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._tracked:
             raise ValueError(f"duplicate request_id {request_id!r}")
