@@ -23,8 +23,8 @@ from k3serve.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from k3serve.kernels._backend import has_module, reference_forced
 
 WARMUP_TOLERANCE = 0.01
-"""How far (a fraction of the plan) the measured peak may exceed the plan before the start fails: the caching
-allocator rounds each block up to 512 bytes, which the plan does not count."""
+"""How far (a fraction of the plan) the measured peak may exceed the plan before the start fails: what the plan
+does not count, such as the caching allocator's rounding of every block."""
 WARMUP_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)  # the sampler's widest path: a sort
 
 
@@ -55,8 +55,8 @@ def check_warmup_peak(peak: WarmupPeak) -> None:
         f"the memory plan under-estimates a prefill step: the warm-up step of {peak.num_tokens} tokens in "
         f"{peak.num_seqs} sequences took {peak.measured_bytes / mib:.1f} MiB, the plan set aside "
         f"{peak.planned_bytes / mib:.1f} MiB (tolerance {WARMUP_TOLERANCE:.0%}); under load it would run out of "
-        "memory. Lower gpu_memory_utilization, max_num_batched_tokens or max_num_seqs, or fix the estimate "
-        "(engine/memory.py prefill_activation_bytes)."
+        "memory. The estimate needs fixing (engine/memory.py prefill_activation_bytes); meanwhile cache_memory_bytes "
+        "gives the pools a fixed size (no plan from the device, no check), which must leave the step its room."
     )
 
 
