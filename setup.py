@@ -1,6 +1,6 @@
 """Maps the repository's top-level folders into the single `k3serve` import namespace.
 
-The repo keeps `kernels/`, `model/`, `engine/`, ... at the top level (see ARCHITECTURE.md);
+The repo keeps `kernels/`, `model/`, `engine/`, ... at the top level (see docs/STRUCTURE.md);
 installed they become `k3serve.kernels`, `k3serve.model`, ... and never top-level packages.
 """
 

@@ -1,31 +1,12 @@
-"""The disaggregated ingress's admission queue: requests wait here, in arrival order, for room on a
-decode replica.
+"""The disaggregated ingress's admission queue: requests wait here, in arrival order, for room on a decode replica.
 
-A disaggregated request reserves its decode room before its prefill runs (the prefill writes the
-prompt's state into that reservation). When every decode replica is full, the request waits here
-instead of failing, as the colocated engine's scheduler queues it and as SGLang's decode server
-keeps a FIFO "prealloc queue" that stops at the first request that does not fit
-(python/sglang/srt/disaggregation/decode.py, `DecodePreallocQueue.pop_preallocated`):
-
-    arrival ──nobody queued, no room opened──yes──> try ──admitted──> prefill, decode
-              during the tries ahead?                │
-                  │ no                               │ every replica full
-                  v                                  v
-          [ head  w2  w3 ... ] <── joins in arrival order; more than `max_queued`: 503 at once
-            │
-            └─ tries again when woken: a request this ingress admitted ended, or the periodic stats
-               refresh (other ingresses, expired leases, a restarted replica); admitted: the next
-               head tries at once. Waited `timeout_seconds`: 503. Cancelled: leaves, holding nothing.
-
-Only the head tries, so a large prompt at the head is not overtaken by small ones behind it
-(head-of-line blocking is the price, as in SGLang). Arrivals try at once and concurrently while
-nobody is queued, so a burst spreads over the replicas as it did without a queue. Every request
-holds its place in the line from its arrival, its first try included, so a refused try queues
-ahead of those that arrived after it; and an arrival does not try beside a try that began before
-room opened (a wake): that try may have been refused just before, and the room is its request's.
-So a request can be overtaken only by one that tried at the same time, with the same room in view.
-The decode replica decides each try alone (its engine reserves or refuses, one at a time), so at
-most the free room is ever granted; the queue decides who asks, and in what order.
+A disaggregated request reserves its decode room before its prefill runs. When every decode replica is full it
+waits here instead of failing (as the colocated scheduler queues it, and SGLang's decode prealloc queue): up to
+`max_queued` requests (more: 503 at once), each at most `timeout_seconds` (then 503); a cancelled one leaves
+holding nothing. Only the head tries again, when woken (a request admitted here ended, or the stats refresh),
+so a large prompt at the head is not overtaken by small ones; arrivals try at once while nobody is queued. The
+decode replica decides each try alone, so at most the free room is granted. The queue's states and its
+ordering argument: docs/design/admission.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""A router's one delta stream from one decode replica, split back into per-request streams.
-
-Streaming each request's deltas on its own costs one cross-process message per token per
-request (a Ray streaming item each); with several requests decoding together that CPU is taken
-from the decode engine on a small host. Instead the router opens one feed per decode replica
-(`DecodeReplica.feed`), which yields per engine step every delta of the requests it admitted
-there, and routes them here into per-request queues:
+"""A router's one delta stream from one decode replica, split back into per-request streams (one cross-process
+message per engine step, not one per token per request):
 
     feed = DecodeFeed(replica)
     link = await feed.link()                    # the live feed, opened on first use
@@ -13,11 +8,9 @@ there, and routes them here into per-request queues:
     HandoffTarget(link.addresses, reservation)  # where prefill pushes the prompt's state
     async for delta in deltas: ...              # this request's deltas, in order; deltas.close()
 
-A slow consumer only grows its own queue; the feed never waits for it. A feed that breaks (the
-replica died, or it no longer knows the feed) fails every request on it with `ReplicaDiedError`;
-the next `link()` opens a new one (on the restarted replica). A feed reads its replica's addresses
-once it is open: an admit through it succeeded on the same process (a restarted one would not
-know the feed), so a handoff to them reaches the reservation.
+A slow consumer only grows its own queue; the feed never waits for it. A feed that breaks fails every request
+on it with `ReplicaDiedError`; the next `link()` opens a new one. Why one feed, and why its addresses are
+read once it is open: docs/design/decode_feed.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
-"""The ranks > 0 of a TP engine as child processes of the launcher (`--launcher local`), watched while
-the engine starts.
-
-Rank 0 runs in the launcher's process and meets its followers in `TPGroup()`, which waits for every
-rank as long as the join timeout (10 minutes): a follower that failed would be reported only then, as
-rank 0's timeout, without its cause. So every follower reports its start over a pipe (`_run_follower`):
+"""The ranks > 0 of a TP engine as child processes of the launcher (`--launcher local`), watched while the engine
+starts, so a follower that fails fails the start at once, with its cause, instead of as rank 0's join timeout.
+Every follower reports over a pipe (`_run_follower`):
 
     arrived   its code imported and its arguments unpickled: it joins the group next
     started   it reached its action loop (`follower_main` calls `on_started`)
-    failed    why, from the import on: the exception's type and message (a process that dies without a
-              word closes the pipe: its exit code is reported)
+    failed    why, from the import on (a process that dies without a word: its exit code)
 
-`start_tp_engine` lets rank 0 join once every follower has arrived, joins it in a helper thread while
-it listens, builds rank 0's worker, and returns once every follower has started. The first follower to
-fail raises at once, naming the engine, the rank and the cause; the engine's processes are killed, its
-rank 0 shut down, and a join still under way aborted: the group's store, which the launcher holds (rank
-0 joins through a client of it), closes, so the join's thread fails at once and ends.
+`start_tp_engine` returns once every follower has started; the first to fail raises, naming the engine, the rank
+and the cause, after the engine's processes are killed and a join under way aborted. How rank 0 joins while it
+listens, and how the abort reaches it: docs/design/local_followers.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """The disaggregated backend of the ingress: an `EngineClient` over prefill and decode pools.
 
-One request:
-    1. tokenize, check the prompt as the engines do (`engine/prompt_check.py`: its ids and
-       logit_bias's in the vocabulary, the context) and parse its structured output constraint
-       (`engine/structured_output.parse_constraint`), so a bad one is refused at once, not after a
-       wait in the queue;  pick the decode replica with the fewest requests in flight from here
-       (then the most free blocks), `admit` there (reservation; its deltas will come
-       through this router's feed from that replica, `cluster/decode_feed.py`, whose addresses
-       are those of the process that made the reservation; a replica that restarted under a
-       still-open feed: once more through a new feed); NoCapacity: the next replica;
-       everywhere: wait in the admission queue (`cluster/admission.py`: FIFO, bounded in length
-       and in time, then 503) until a request admitted here ends or the stats refresh comes by
-    2. pick a prefill replica by load with prefix affinity; `prefill` pushes the prompt state
-       into the reservation. If that replica fails before the decode side adopted the request,
-       retry once on another replica (the reservation is rewritten whole, then checksummed).
-    3. stream the request's deltas (the first one carries the prefill's first token).
-    Client gone or any failure: abort on both sides; the decode reservation and the prefill
-    pin are freed by their owners (immediately, or when the in-flight write has landed).
-
-Replica stats are refreshed in the background and feed routing and the pool gauges.
+One request: (1) checked as the engines check it (`engine/prompt_check.py`, its structured output constraint
+parsed), then admitted on the decode replica with the fewest requests in flight from here (then the most free
+blocks), the next one on NoCapacity, or queued (`cluster/admission.py`) while all are full; (2) a prefill
+replica picked by load with prefix affinity pushes the prompt state into the reservation, retried once on
+another replica if it fails before the decode side adopted the request; (3) its deltas streamed from the
+decode replica's feed (`cluster/decode_feed.py`). Client gone or any failure: abort on both sides. Replica stats
+are refreshed in the background for routing and the pool gauges. The steps in full: docs/design/router.md.
 """
 
 from __future__ import annotations

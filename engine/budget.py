@@ -1,22 +1,15 @@
 """How many tokens one forward pass may schedule: the adaptive token budget (pure functions).
 
-Policy. The base budget (`max_num_batched_tokens`) bounds how long a prefill chunk can stall
-the decodes that share its forward pass. That bound matters when many requests are decoding;
-when few are, a static budget mostly splits prompts into extra passes for nothing. The
-motivating case: 8K-token prompts at concurrency 1-16 with a static 8192 budget. An 8192-token
-prompt plus one running decode is 8193 tokens, so every prompt takes two passes; two prompts
-arriving together give the second a 190-token chunk and a second pass.
-
-So, with at most `max_running_to_scale` requests decoding:
+With at most `max_running_to_scale` requests decoding:
 
     need   = num_running                     (one token per decode)
            + the leading waiting prompts, in scheduling order, that fit whole in max_budget
     budget = clamp(need, base_budget, max_budget)
 
-and if not even the first waiting prompt fits whole, `max_budget` (it is split anyway; larger
-chunks mean fewer passes). With more running requests, or nothing waiting, `base_budget`.
-`max_budget` is what the runner has sized its activations for; `max_budget == base_budget`
-gives the static budget.
+and `max_budget` if not even the first waiting prompt fits whole; with more running requests, or nothing
+waiting, `base_budget` (`max_num_batched_tokens`, which bounds how long a prefill chunk stalls the decodes
+beside it). `max_budget` is what the memory plan sizes one step's activations for; `max_budget == base_budget`
+gives the static budget. Why (few decodes gain nothing from split prompts): docs/design/token_budget.md.
 """
 
 from __future__ import annotations

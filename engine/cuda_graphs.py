@@ -1,30 +1,14 @@
-"""Decode steps as CUDA graphs: one captured graph per decode batch size ("bucket"), replayed instead of
-launching the step's ~700 kernels one by one from Python (nano-vllm's `capture_cudagraph` / `run_model`,
-vLLM v1's full decode graphs). Eager decode is host-bound (docs/BENCHMARKS.md, "Engine on H200").
+"""Decode steps as CUDA graphs: one captured graph per decode batch size ("bucket"), replayed instead of launching
+the step's kernels one by one from Python (eager decode is host-bound).
 
-A decode-only step (every sequence one new token after a cached context, no KDA checkpoint) is padded up
-to the smallest bucket that holds it. `StaticDecodeInputs` (model/batch.py) keeps its inputs at fixed
-addresses, uploads a step's inputs in one asynchronous copy of what changed (the per-row values; of the
-block tables only the entries the device does not hold yet) and makes the padding rows harmless (no cache
-read, MLA writes skipped, KDA step on the cache's pad slot). The memory plan counts the pad slot and sets
-the graphs' memory aside (`engine/memory.py`, `graph_reserve_bytes`). Capture runs each bucket once eagerly first (Triton compiles, the MoE autotunes for that
-bucket's row count: autotuning benchmarks, which synchronizes, so it cannot happen while recording),
-then records it, largest bucket first, every graph in one memory pool (only one replays at a time).
-CUDA's sync debug mode is "error" while recording: a host sync inside the step raises at capture.
-
-When graphs are used (`graphs_enabled`): a CUDA device, bf16 (the GPU kernels are bf16 kernels; other
-dtypes run torch reference ops, which synchronize), `enforce_eager` off, reference kernels not forced,
-and at TP > 1 the model's collectives on NCCL (`TensorParallel.capturable`: gloo's go through the host).
-A TP engine's graphs then hold its all-reduces, and its ranks must do everything in step:
-
-    capture   every rank captures the same buckets in the same order (the same arguments), and each
-              warm-up runs the step's collectives for real; the ranks agree over the gloo group before
-              the first warm-up and after each recording, so a rank that failed stops them all
-    replay    every rank replays the same bucket for the same step: `fits` reads only the step, which
-              rank 0 broadcasts, and the buckets (the reference kernels forced on one rank alone would
-              split them: that raises)
-    teardown  NCCL's destroy (or abort) of a communicator waits until every graph holding its
-              collectives is gone: `DecodeGraphs` releases its graphs before the model it holds
+A decode-only step (every sequence one new token after a cached context, no KDA checkpoint) is padded up to the
+smallest bucket that holds it; `StaticDecodeInputs` (model/batch.py) keeps its inputs at fixed addresses and
+makes the padding rows harmless (no cache read, MLA writes skipped, KDA step on the cache's pad slot). The
+memory plan counts the pad slot and the graphs' memory (`engine/memory.py` `graph_reserve_bytes`). Capture
+warms each bucket up eagerly, then records it, largest first, into one shared pool; a host sync while recording
+raises. Graphs are used where `graphs_enabled` says (CUDA, bf16, not `enforce_eager`, reference kernels not
+forced, NCCL collectives at TP > 1); a TP engine's ranks capture and replay the same buckets in step.
+Capture, replay and teardown across ranks, and why: docs/design/cuda_graphs.md.
 """
 
 from __future__ import annotations

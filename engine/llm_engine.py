@@ -30,6 +30,7 @@ from k3serve.engine.prompt_check import check_prompt
 from k3serve.engine.request import Request, RequestStatus
 from k3serve.engine.runner import load_runner
 from k3serve.engine.tp_group import TPGroup
+from k3serve.engine.warmup import MemoryPlanError, WarmupPeak, warm_up
 from k3serve.engine.sampler import PromptScoring, Sampler
 from k3serve.engine.sampling_params import SamplingParams
 from k3serve.engine.scheduler import Scheduler
@@ -85,7 +86,8 @@ class _Tracked:
 
 class LLMEngine:
     """`group`: rank 0's TP group when the engine spans several ranks (the followers run
-    `engine.tp_group.follow_forever`); None for a single-rank engine."""
+    `engine.tp_group.follow_forever`); None for a single-rank engine. On CUDA the start runs one warm-up step and
+    raises `engine.warmup.MemoryPlanError` when it exceeds the memory plan (`warmup`: what it measured)."""
 
     def __init__(self, args: EngineArgs, group: TPGroup | None = None) -> None:
         self.args = args
@@ -107,6 +109,14 @@ class LLMEngine:
             group.lead(("plan", self.plan))  # every rank sizes its pools alike
         tp = group.tensor_parallel(args.device) if group is not None else TensorParallel(0, args.tensor_parallel_size)
         self.runner = load_runner(args, self.model_dir, self.plan, tp, group)
+        try:  # the plan checked against the largest step it sizes (CUDA): MemoryPlanError now, not an OOM under load
+            self.warmup: WarmupPeak | None = warm_up(self.runner, args, self.plan, self.config.vocab_size,
+                                                     _device_memory(args.device))
+        except MemoryPlanError:
+            if group is not None:  # the followers leave their loop rather than wait for a step
+                group.lead(("stop",))
+                group.close()
+            raise
         block_pool, state_pool = BlockPool(self.plan.num_blocks, args.block_size), StatePool(self.plan.num_slots)
         self.scheduler = Scheduler(
             scheduler_config(args, _device_memory(args.device), self.tokenizer.eos_token_id),
@@ -137,7 +147,7 @@ class LLMEngine:
         """Queue a request; returns its id. Raises ValueError for a prompt the engine cannot serve, or a
         structured output constraint it cannot compile. `grammar`: the constraint's compiled grammar, from
         `structured_outputs.compiler.compile_async`; without it a constrained request is compiled now, which
-        holds up the step loop (tens of ms at K3's vocabulary, ~1 s for the first)."""
+        holds up the step loop (a compile at K3's vocabulary is slow, the engine's first one slower still)."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._tracked:
             raise ValueError(f"duplicate request_id {request_id!r}")

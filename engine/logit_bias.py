@@ -1,19 +1,14 @@
-"""The logit biases of a batch's rows, kept on the logits' device for as long as the batch keeps its rows.
-
-OpenAI's `logit_bias` is one token id -> bias map a request. Making tensors of the maps every step would cost
-two small host-to-device copies a biased row a step. Instead, as vLLM v1 keeps per-request sampling state in
-its InputBatch, a request's map becomes host arrays once, when it first reaches a batch, and the batch's rows
-one packed buffer, copied to the device in one copy when the batch's rows change and reused for every step
-they do not:
+"""The logit biases of a batch's rows, kept on the logits' device for as long as the batch keeps its rows: a
+request's `logit_bias` map becomes host arrays once, and the batch's rows one packed buffer, copied in one copy
+when the rows change and reused for every step they do not:
 
     host, a request:  token_ids [E_r] int64 | biases [E_r] fp32                       (made once)
     device, a batch:  | row * V + token_id [E] int64 | bias [E] fp32 |  one uint8 buffer, one copy a change
                        E = sum of E_r over the biased rows, in row order
 
-A batch's rows are its `SamplingParams` objects, compared by identity: the engine passes the same object
-for a request at every step, and rows sharing one object share its bias. A params object's `logit_bias` is
-read when the object first reaches a batch (SamplingParams are validated once and trusted after; changing one
-that was submitted is not supported).
+A batch's rows are its `SamplingParams` objects, compared by identity; a params object's `logit_bias` is read
+when it first reaches a batch (changing one after submission is not supported). Why, as vLLM v1's InputBatch
+does it: docs/design/logit_bias.md.
 """
 
 from __future__ import annotations

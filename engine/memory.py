@@ -14,9 +14,12 @@ import torch
 
 from k3serve.engine.budget import DEFAULT_MAX_RUNNING_TO_SCALE, default_token_budget
 from k3serve.engine.config import DEFAULT_CPU_CACHE_BYTES, EngineArgs
-from k3serve.engine.sampler import PROMPT_LOGPROBS_ROWS
+from k3serve.engine.sampler import PROMPT_LOGPROBS_ROWS, sampling_workspace_bytes
 from k3serve.engine.scheduler import SchedulerConfig
-from k3serve.kernels.kda import CHUNK_SIZE
+from k3serve.kernels.kda import chunk_kda_workspace_bytes
+from k3serve.kernels.linear import CUBLAS_WORKSPACE_BYTES
+from k3serve.kernels.mla import decode_workspace_bytes
+from k3serve.kernels.moe import fused_experts_workspace_bytes
 from k3serve.model.config import ModelConfig
 
 
@@ -148,7 +151,34 @@ def plan_engine_pools(config: ModelConfig, args: EngineArgs, usable_bytes: int |
                       num_blocks_override=args.num_gpu_blocks_override)
 
 
-GRAPH_POOL_SLACK_BYTES = 64 * 2**20
+PLAN_NUM_SM = 148
+"""SMs of the largest GPU the plan is made for (a B200; an H200 has 132): the MLA decode's split-K partials grow
+with them (`kernels/mla` `decode_workspace_bytes`), and the offline `k3serve plan` sees no device."""
+ALLOCATOR_ROUNDING_BYTES = 22 * 2**20
+"""The caching allocator's rounding in a graph pool: a 2 MiB segment for small blocks, 20 MiB for mid-sized ones."""
+SMALL_STEP_BUFFERS_BYTES = 8 * 2**20
+"""An eager step's buffers that do not grow with its tokens: the KDA chunk plan, SDPA's row statistics, the MoE
+routing's counts."""
+
+
+def mla_decode_workspace_bytes(config: ModelConfig, tp_size: int) -> int:
+    """The MLA decode's split-K partials for this rank's heads (0 without MLA layers): one layer's at a time."""
+    if not config.mla_layers:
+        return 0
+    return decode_workspace_bytes(config.num_attention_heads // tp_size, config.kv_lora_rank, PLAN_NUM_SM)
+
+
+def graph_pool_slack_bytes(config: ModelConfig, tp_size: int) -> int:
+    """What a graph pool holds that does not grow with the rows: the MLA decode's split-K partials, cuBLAS's
+    workspace for the capture stream and the caching allocator's rounding."""
+    return mla_decode_workspace_bytes(config, tp_size) + CUBLAS_WORKSPACE_BYTES + ALLOCATOR_ROUNDING_BYTES
+
+
+def prefill_fixed_bytes(config: ModelConfig, tp_size: int) -> int:
+    """What an eager step holds beside its activations, made after the plan: cuBLAS's and cuBLASLt's workspaces for
+    the default stream (kept from the first GEMM on), a mixed step's absorbed-decode split-K partials and the small
+    buffers that do not grow with the tokens."""
+    return 2 * CUBLAS_WORKSPACE_BYTES + mla_decode_workspace_bytes(config, tp_size) + SMALL_STEP_BUFFERS_BYTES
 
 
 def graph_reserve_bytes(config: ModelConfig, args: EngineArgs) -> int:
@@ -158,13 +188,10 @@ def graph_reserve_bytes(config: ModelConfig, args: EngineArgs) -> int:
     The pool holds what the recorded step allocates. Blocks freed during a capture are reused later in the
     same capture, and every bucket records into one pool (only one replays at a time), so the largest
     bucket's activation workspace sizes it: `decode_activation_bytes` per row (generous: everything a layer
-    makes counted live at once) times the rows, plus `GRAPH_POOL_SLACK_BYTES` for what does not grow with
-    the rows: the MLA decode's split-K partials (the kernel sizes its splits to ~2 waves of programs:
-    2 x 132 SMs x 16 heads x 512 x 4 B = 8.3 MiB on an H200), cuBLAS's workspace for the capture stream
-    (8 to 32 MiB by GPU) and the caching allocator's rounding (2 MiB segments for small blocks, 20 MiB for
-    mid-sized ones). vLLM measures its graphs' pool instead, by capturing before it sizes the KV cache;
-    capture here needs the cache, so the plan estimates, and `benchmarks/gpu_engine.py` reports the
-    estimate beside what a capture really holds (not yet measured). At TP > 1 the rows are this rank's
+    makes counted live at once) times the rows, plus `graph_pool_slack_bytes` for what does not grow with
+    the rows. vLLM measures its graphs' pool instead, by capturing before it sizes the KV cache;
+    capture here needs the cache, so the plan estimates, and `benchmarks/gpu_memory_plan.py` reports the
+    estimate beside what a capture really holds. At TP > 1 the rows are this rank's
     shard's (`args.tensor_parallel_size`); the recorded all-reduces work in place, taking nothing from the
     pool (NCCL keeps a small work buffer of its own per recorded collective, outside it)."""
     from k3serve.model.batch import StaticDecodeInputs
@@ -174,7 +201,7 @@ def graph_reserve_bytes(config: ModelConfig, args: EngineArgs) -> int:
     inputs = StaticDecodeInputs(rows, math.ceil(args.max_model_len / args.block_size), args.block_size, 0, "meta")
     output = rows * config.hidden_size * itemsize
     activations = rows * decode_activation_bytes(config, args.tensor_parallel_size, args.torch_dtype)
-    return inputs.device_bytes + output + activations + GRAPH_POOL_SLACK_BYTES
+    return inputs.device_bytes + output + activations + graph_pool_slack_bytes(config, args.tensor_parallel_size)
 
 
 def decode_activation_bytes(config: ModelConfig, tp_size: int, dtype: torch.dtype) -> int:
@@ -237,23 +264,6 @@ def max_step_tokens(args: EngineArgs, device_bytes: int | None) -> int:
     return scheduler_config(args, device_bytes, None).max_adaptive_batched_tokens
 
 
-PREFILL_FIXED_BYTES = 80 * 2**20
-"""What an eager step holds beside its activations, made after the plan: cuBLAS's and cuBLASLt's workspaces for
-the default stream (up to 32 MiB each on Hopper, kept from the first GEMM on), and small buffers that do not grow
-with the tokens (a mixed step's absorbed-decode split-K partials, 8.3 MiB at K3 TP8 on an H200; the KDA chunk
-plan, SDPA's row statistics, the MoE routing's counts)."""
-TRITON_BENCH_FLUSH_BYTES = 256 * 2**20
-"""Triton's autotuner zeroes a 256 MiB buffer (allocated through torch) before timing each candidate, to flush
-L2: the first step with a new MoE row bucket (`kernels/moe/triton_moe.py`) or new fla shapes tunes mid-forward,
-with that layer's activations live."""
-FLA_SUB_CHUNK = 16
-"""fla's KDA intra-chunk sub-block (`BC` of `chunk_kda_fwd_intra`): its fp32 diagonal blocks are [T, H, 16]."""
-SAMPLER_LOGITS_COPIES = 16
-"""fp32 [rows, vocab] tensors alive at once, at most, while a step's rows are sampled (`engine/sampler.py`):
-the gathered logits, their stack, the sampler's clone and temperature-scaled copy, the top-k/top-p sort (values
-and int64 indices), softmax, cumsum, masks, the scatter back, the probabilities, the noise and their quotient."""
-
-
 @dataclass(frozen=True)
 class StepShape:
     """The largest eager step of an engine, as the prefill estimate sizes it."""
@@ -281,17 +291,19 @@ def prefill_activation_bytes(config: ModelConfig, args: EngineArgs, device_bytes
     and pools, at its peak, on the GPU kernels' paths (bf16/fp16, fla installed): an upper bound built from the
     model's shapes and what each op allocates, held against a measurement by tests/engine/test_prefill_memory_gpu.py.
 
-        peak = max(forward, logits, prompt, sampling) + PREFILL_FIXED_BYTES
+        peak = max(forward, logits, prompt, sampling) + `prefill_fixed_bytes`
         forward  = held across layers: the residual bank (`residual_rows`), the previous layer's output still to
                    add, the attention output beside the MLP, the batch's int64 token rows
                    + the largest peak of one layer part, its input and output included (`_kda_prefill_bytes`,
                    `_mla_prefill_bytes`, `_moe_prefill_bytes`, `_dense_mlp_bytes`): each the max over that
-                   part's phases, with `TRITON_BENCH_FLUSH_BYTES` in those that autotune (fla's KDA, the MoE)
+                   part's phases, a kernel's own scratch as its package estimates it (`kernels/kda`
+                   `chunk_kda_workspace_bytes`, `kernels/moe` `fused_experts_workspace_bytes`, both with the
+                   autotuner's flush buffer)
         logits   = the final hidden states, the sampled rows (one a sequence) and their logits
         prompt   = the final hidden states and the sampled logits, still held, + one slice of prompt logprobs
                    (`prompt_logprobs_slice_bytes`: the runner scores prompt rows `PROMPT_LOGPROBS_ROWS` at a time,
                    however long the chunk and however many of the step's requests ask)
-        sampling = `SAMPLER_LOGITS_COPIES` fp32 copies of those logits
+        sampling = the sampler's copies of those logits (`engine/sampler.py` `sampling_workspace_bytes`)
 
     Every token of a mixed step counts at prefill rates, its decodes included. The MLA prefill gathers and
     up-projects the cached context of consecutive groups of prefill sequences one group at a time, each group's
@@ -300,23 +312,32 @@ def prefill_activation_bytes(config: ModelConfig, args: EngineArgs, device_bytes
     prefix-cache hits the step admitted. Ignores: fp32 on CUDA and CUDA without fla (the reference ops: e.g. the MLA scores [H, q, k] in fp32), the
     caching allocator's fragmentation (reserved less allocated, left to 1 - gpu_memory_utilization) and NCCL's
     buffers."""
+    phases = prefill_phase_bytes(config, args, device_bytes)
+    return max(phases.values()) + prefill_fixed_bytes(config, args.tensor_parallel_size)
+
+
+def prefill_phase_bytes(config: ModelConfig, args: EngineArgs, device_bytes: int | None = None) -> dict[str, int]:
+    """The terms of `prefill_activation_bytes`, before its fixed bytes: for each layer part the model has ("kda",
+    "mla", "moe", "dense_mlp") what the forward holds across layers plus that part's peak, and the step's
+    "logits", "prompt_logprobs" and "sampling"."""
     num_tokens = max_step_tokens(args, device_bytes)
     step = StepShape(num_tokens, min(args.max_num_seqs, num_tokens), args.max_model_len, args.tensor_parallel_size,
                      torch.empty((), dtype=args.torch_dtype).element_size())
     hidden, b, tp = config.hidden_size, step.itemsize, step.tp_size
     moe_layers = [config.is_moe_layer(i) for i in range(config.num_hidden_layers)]  # as `DecoderLayer` builds them
-    parts = [_kda_prefill_bytes(config, step)] if config.kda_layers else []
-    parts += [_mla_prefill_bytes(config, step)] if config.mla_layers else []
-    parts += [_moe_prefill_bytes(config, step)] if any(moe_layers) else []
-    parts += [_dense_mlp_bytes(config, step)] if not all(moe_layers) else []
+    parts = {"kda": _kda_prefill_bytes(config, step)} if config.kda_layers else {}
+    parts |= {"mla": _mla_prefill_bytes(config, step)} if config.mla_layers else {}
+    parts |= {"moe": _moe_prefill_bytes(config, step)} if any(moe_layers) else {}
+    parts |= {"dense_mlp": _dense_mlp_bytes(config, step)} if not all(moe_layers) else {}
     held = num_tokens * ((residual_rows(config) + 2) * hidden * b + 3 * 8)  # + token ids, positions, slot mapping
-    forward = held + max(parts)
     rows, vocab = step.num_seqs, config.vocab_size
     shard = -(-vocab // tp)  # this rank's lm_head rows; rank 0 gathers every rank's, then widens them to fp32
-    logits = num_tokens * hidden * b + rows * (hidden * b + shard * b * (1 + tp * (tp > 1)) + vocab * 4)
-    prompt = num_tokens * hidden * b + rows * tp * shard * 4 + prompt_logprobs_slice_bytes(config, tp, b)
-    sampling = SAMPLER_LOGITS_COPIES * rows * vocab * 4
-    return max(forward, logits, prompt, sampling) + PREFILL_FIXED_BYTES
+    return {
+        **{name: held + part for name, part in parts.items()},
+        "logits": num_tokens * hidden * b + rows * (hidden * b + shard * b * (1 + tp * (tp > 1)) + vocab * 4),
+        "prompt_logprobs": num_tokens * hidden * b + rows * tp * shard * 4 + prompt_logprobs_slice_bytes(config, tp, b),
+        "sampling": sampling_workspace_bytes(rows, vocab),
+    }
 
 
 def prompt_logprobs_slice_bytes(config: ModelConfig, tp_size: int, itemsize: int) -> int:
@@ -339,9 +360,7 @@ def _kda_prefill_bytes(config: ModelConfig, step: StepShape) -> int:
     output [T, 3P + d + H + gate], plus the largest of
       conv    the short conv (`kernels/conv/triton_prefill.py`, one launch): its output, in the model's dtype;
       chunk   the conv's output, the fp32 gate and beta, the sequences' fp32 states (initial, final, checkpoint),
-              and fla's chunk_kda (`kernels/kda/fla_ops.py`): q, k, v made contiguous, the fp32 in-chunk gate
-              cumsum, w, u, kg, Aqk, then either the intra-chunk Akk and its fp32 diagonal blocks or the chunk-start
-              states h (a chunk of 64 tokens a sequence, one extra), v_new and o; and an autotune's flush buffer;
+              and fla's chunk_kda inside (`kernels/kda` `chunk_kda_workspace_bytes`);
       output  the conv's output, the gate, the chunk's output, the gated norm and o_proj."""
     kda, T, b = config.kda, step.num_tokens, step.itemsize
     H, d = kda.num_heads // step.tp_size, kda.head_dim
@@ -351,10 +370,8 @@ def _kda_prefill_bytes(config: ModelConfig, step: StepShape) -> int:
     held = T * (config.hidden_size + C + d + H + gate) * b
     conv = C * T * b
     states = 3 * step.num_seqs * H * d * d * 4
-    num_chunks = -(-T // CHUNK_SIZE) + step.num_seqs
-    fla = T * (6 * P * b + 4 * P + H * CHUNK_SIZE * b) + max(
-        T * H * (CHUNK_SIZE * b + FLA_SUB_CHUNK * 4), num_chunks * H * d * d * b + 2 * T * P * b)
-    chunk = T * (C * b + 4 * P + 4 * H) + states + fla + TRITON_BENCH_FLUSH_BYTES
+    fla = chunk_kda_workspace_bytes(T, step.num_seqs, H, d, b)
+    chunk = T * (C * b + 4 * P + 4 * H) + states + fla
     output = T * (C * b + 4 * P + 2 * P * b + config.hidden_size * b)
     return held + max(conv, chunk, output)
 
@@ -386,9 +403,8 @@ def _moe_prefill_bytes(config: ModelConfig, step: StepShape) -> int:
     """Peak of a MoE layer (`SparseMoE.forward`, MXFP4 experts on `kernels/moe/triton_moe.py`): its input, plus
     the largest of
       router  the fp32 logits [T, E] and the top-k picks (fp32 weights, int64 ids);
-      experts the picks, the stacked projections' output (latent down-projection, shared gate|up), the experts'
-              contiguous input, their fp32 sum, h [T * top_k, I] in the model's dtype, the routing's sort (int32
-              keys, int64 order, int32 copies) and fp32 weights a pair; and an autotune's flush buffer;
+      experts the picks, the stacked projections' output (latent down-projection, shared gate|up) and the
+              Triton experts' scratch (`kernels/moe` `fused_experts_workspace_bytes`);
       output  the picks and projections, the fp32 routed sum and its norm, the shared experts' fp32 sums, the
               fp32 up-projection, their fp32 sum and its rounding."""
     T, b, hidden = step.num_tokens, step.itemsize, config.hidden_size
@@ -398,7 +414,7 @@ def _moe_prefill_bytes(config: ModelConfig, step: StepShape) -> int:
     picks = T * top_k * (4 + 8)
     projected = T * ((width if config.routed_expert_hidden_size else 0) + 2 * shared) * b
     router = T * config.num_experts * 4 + picks
-    experts = picks + projected + T * (width * (b + 4) + top_k * (inter * b + 32)) + TRITON_BENCH_FLUSH_BYTES
+    experts = picks + projected + fused_experts_workspace_bytes(T, top_k, width, inter, b)
     output = picks + projected + T * (width * (4 + b) + shared * b + hidden * (12 + b))
     return T * hidden * b + max(router, experts, output)
 

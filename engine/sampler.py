@@ -1,31 +1,12 @@
 """Turns a batch of last-position logits into next tokens, one `SamplingParams` per row.
 
-Per row, in this order:
-
-0. structured outputs: every token the row's constraint does not allow gets logit -inf, for the batch's
-   constrained rows only (a `TokenMask` from `engine/structured_output.py`: one host bitmask, one copy);
-1. min_tokens: while fewer than `min_tokens` tokens were generated, EOS (unless `ignore_eos`)
-   and `stop_token_ids` get logit -inf;
-2. logit_bias: each biased token's logit plus its bias (a banned token stays -inf), for the whole batch in one
-   indexed add over biases kept on the device while the batch keeps its rows (`engine/logit_bias.py`);
-3. penalties: repetition over prompt + output, then frequency and presence over output;
-4. greedy rows (`is_greedy`) take the argmax and stop here;
-5. temperature, top-k, top-p (over the top-k survivors), min-p;
-6. sampling by exponential race: token = argmax(p / q) with q ~ Exp(1) drawn for that row alone,
-   from the row's `torch.Generator` when it has one.
-
-Steps 0, 2 and 3 are in vLLM v1's order (its grammar bitmask is applied before the sampler, its logit-bias
-processor before the penalties), so a repetition penalty divides a biased logit, and greedy rows see the bias.
-A masked token stays -inf through steps 1-5 (they add, scale or filter), so the mask could sit anywhere before
-step 4; it comes first, where vLLM has it.
-
-Step 6 is what makes a seed reproducible: a seeded row consumes exactly V draws of its own
-generator per step and no other row touches it, so the same seed yields the same tokens
-whether the request runs alone or in any batch. Unseeded rows draw from torch's global RNG.
-
-Logprobs are "raw logprobs" (vLLM's default `logprobs_mode`): log_softmax of the logits as the
-model produced them, before the structured-output mask, min_tokens, logit_bias, penalties, temperature and
-filtering (vLLM v1 takes its raw logprobs after the grammar mask: there a disallowed token's logprob is -inf).
+Per row, in this order (vLLM v1's): the structured-output mask (-inf for what the row's constraint does not
+allow), min_tokens (EOS and stop_token_ids -inf), logit_bias, penalties (repetition, then frequency and
+presence); greedy rows take the argmax; the others temperature, top-k, top-p, min-p, then an exponential race,
+argmax(p / q) with q ~ Exp(1) drawn from the row's own `torch.Generator` when it has one (a seeded row draws V
+values a step and no other row touches its generator: the same seed gives the same tokens in any batch).
+Logprobs are raw: log_softmax of the logits as the model produced them. The steps' order and what follows from
+it: docs/design/sampler.md.
 """
 
 from __future__ import annotations
@@ -145,6 +126,18 @@ def apply_penalties(
         penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
         row.copy_(torch.where(seen, penalized, row))
     row -= p.frequency_penalty * output_counts + p.presence_penalty * (output_counts > 0).to(row.dtype)
+
+
+SAMPLER_LOGITS_COPIES = 16
+"""fp32 [rows, vocab] tensors alive at once, at most, while `Sampler.sample` runs: the caller's logits, the clone,
+the temperature-scaled copy, the top-k/top-p sort (values and int64 indices), softmax, cumsum, masks, the scatter
+back, the probabilities, the noise and their quotient (and the caller's gathered rows and their stack)."""
+
+
+def sampling_workspace_bytes(num_rows: int, vocab_size: int) -> int:
+    """Most bytes one `Sampler.sample` of [num_rows, vocab_size] fp32 logits holds at once, the logits included:
+    `SAMPLER_LOGITS_COPIES` fp32 copies of them, whatever the rows' sampling params."""
+    return SAMPLER_LOGITS_COPIES * num_rows * vocab_size * 4
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -1,30 +1,17 @@
 """Structured outputs: a request's output held to a JSON schema, any JSON object, a regex, a choice or an EBNF
 grammar (`SamplingParams.structured_outputs`), with xgrammar, as vLLM v1 does it.
 
-    submission   the constraint compiled against the engine's vocabulary on a thread pool, never on the engine's
-                 thread (an LRU of compiled grammars, keyed by the constraint; a compile at K3's vocabulary takes
-                 tens to hundreds of ms, the first one also imports xgrammar and builds the vocabulary, ~1 s): the
-                 request enters the engine once its grammar is ready (`AsyncEngine`, the decode worker's admit),
-                 and gets its own matcher there; a bad schema, regex or grammar is a ValueError before it enters
-                 (the API's 400)
-    every step   the batch's constrained rows only: each matcher fills its row of a host bitmask (1 bit a token,
-                 [rows, ceil(V / 32)] int32), one copy to the logits' device, every token a row's constraint
-                 does not allow -> -inf (`engine/sampler.py`, before anything else; logprobs stay raw)
-    after it     each constrained row's sampled token goes into its matcher: a token it rejects fails the
-                 request (never continued); a matcher that accepted a stop token ends the request,
-                 finish_reason "stop"
+    submission   the constraint compiled on a thread pool, never on the engine's thread (an LRU of grammars keyed
+                 by the constraint); a bad schema, regex or grammar is a ValueError before the request enters;
+                 the request gets its own matcher once its grammar is ready
+    every step   the batch's constrained rows only: every token a row's constraint does not allow -> -inf in the
+                 logits, before anything else samples (`engine/sampler.py`; logprobs stay raw)
+    after it     each constrained row's token goes into its matcher: a rejected token fails the request, an
+                 accepted stop token (EOS, `stop_token_ids`) ends it with finish_reason "stop"
 
-A matcher's stop tokens are those that end its request (the scheduler's `check_stop`): EOS and the request's
-`stop_token_ids` (the API adds <|im_end|> there); a complete output allows only them, and min_tokens bans the
-same ones, so a constraint complete before min_tokens leaves no token to sample (the request fails).
-
-A matcher's state is the tokens its request generated. Preemption keeps them (only the KV and KDA state are
-computed again), so it keeps the matcher too, as vLLM v1 does; a decode engine makes the matcher of a handed-off
-request from the token the prefill engine sampled (`accept` before its first decode step). While no request is
-constrained a step pays one empty-dict check (then a scan of the batch's ids). xgrammar is imported with the
-first constrained request, on the compile pool: an engine without it serves everything else, and refuses a
-constrained request with a ValueError that says so. xgrammar's compile releases the GIL, so the engine's steps go
-on while it runs.
+A matcher lives as long as its request, through preemption; an engine without xgrammar serves everything else
+and refuses a constrained request with a ValueError. The lifecycle in full (stop tokens and min_tokens,
+preemption, handed-off requests, the cost of an unconstrained step): docs/design/structured_output.md.
 """
 
 from __future__ import annotations

@@ -1,54 +1,18 @@
 """The tensor-parallel ranks of one engine, led by rank 0.
 
-Rank 0 runs the scheduler and sampler; every other rank only holds its shard of the weights and
-cache. Each action that touches the model or the caches (a step, a handoff) is broadcast by rank
-0 and performed by every rank in the same order, so the collectives inside the forward pass
-line up by construction:
+Rank 0 runs the scheduler and sampler; every other rank only holds its shard of the weights and cache. Each
+action that touches the model or the caches (a step, a handoff) is broadcast by rank 0 and performed by every
+rank in the same order, so the collectives inside the forward pass line up by construction:
 
     rank 0:   lead(("step", output)) -> execute      lead(("handoff", job)) -> push, gather
     rank r:   follow() -> execute                    follow() -> push, gather
 
-A group owns its process groups (gloo, meeting on a TCP store at `init_method`, rank 0 hosting
-it) instead of torch.distributed's one default group, so several TP engines can live in one
-process (e.g. a prefill and a decode engine's rank 0 under `--launcher local`). Two of them:
-
-    control   lead/follow only; a follower waits here between actions, as long as rank 0 is
-              idle (no timeout to speak of: a dead peer still fails it at once, its connection
-              closes)
-    pg        everything else: gathers, and a CPU engine's model collectives (`tensor_parallel()`),
-              with `timeout_s`, so a rank stuck inside an action fails the others
-
-Addresses: rank 0 opens the store on a port of its own node (`leader_store`: the kernel picks it,
-so nothing races for it) and publishes `tcp://<its host>:<port>` for the followers to join; every
-rank's gloo sockets listen on its own `host`, which its peers dial (gloo's default would be
-whatever the hostname resolves to, often 127.0.0.1, unreachable from another node).
-
-The store is a rendezvous only: gloo reads its peers' addresses there while a group is created,
-never afterwards, and a TP engine's ranks live and die together (nothing re-joins). So once every
-rank has joined (a barrier), rank 0 lets go of it: no listening port outlives `TPGroup()`. Each rank's
-groups hold a store *client* (gloo keeps whatever store it was given alive for as long as the group
-lives; a client's socket to the closed store is never used again), and rank 0's store itself is
-held only while joining: by `TPGroup()` when rank 0 opens it itself, else by whoever opened it with
-`leader_store`, who hands rank 0 a client of it and may drop it before the join ends to abort it
-(rank 0's join then fails at once: a launcher whose follower failed). Joining is bounded
-(`_JOIN_TIMEOUT` or `timeout_s`, the longer): a rank that never comes fails the others' `TPGroup()`
-with an error naming the group, rather than leaving them waiting as long as a follower may idle.
-
-A CUDA engine's model collectives (`tensor_parallel("cuda")`) run on a third group, NCCL's, when every
-rank has a GPU of its own: kernels on the GPU, which a CUDA graph can record (gloo would copy every
-all-reduce through the host). Each rank binds to its device (`rank_device`: a bare "cuda" puts rank r
-on GPU r of those it sees, so `--launcher local` spreads a node's ranks, and a Ray rank sees only its
-own) and the group is joined there, once, after the gloo groups, by all ranks in the same order (every
-rank loads its model next, then captures its graphs: every capture follows every join). It meets on a
-store of its own, opened by rank 0 and held by rank 0's NCCL group for as long as it lives: unlike
-gloo, NCCL reads its store after the join (its monitor polls it for other ranks' failure signals), so
-this is the one port that outlives `TPGroup()`, on CUDA engines only. The communicator is created by a
-warm-up all-reduce before anything is captured. NCCL is the default (on 2x H200, a TP2 decode step of
-K3_TINY_GPU at batch 1 took 1.17 ms with graphs, 31.8 on gloo: benchmarks/gpu_tp.py); `K3SERVE_TP_NCCL=0`
-opts a rank out. Ranks that share a GPU (NCCL refuses them: a one-GPU machine running TP > 1), a torch
-without NCCL, or a rank that opted out keep the model on gloo, with rank 0 warning why (graphs are then
-off) unless every rank opted out. A CPU engine never reaches this choice. Unlike gloo, NCCL notices a dead
-peer only at the group's timeout (`timeout_s`; torch's watchdog then ends the process, by default).
+A group owns its process groups (not torch.distributed's default one), so several TP engines' rank 0 can share
+a process: `control` (lead/follow only, no timeout to speak of), `pg` (gathers and a CPU engine's model
+collectives, bounded by `timeout_s`), and on a CUDA engine whose ranks each have a GPU an NCCL group for the
+model's collectives (`K3SERVE_TP_NCCL=0` opts out). `TPGroup()` returns once every rank has joined (bounded by
+`_JOIN_TIMEOUT`) and leaves no listening port behind but NCCL's. How the ranks meet, which addresses they bind and
+dial, what each store holds and when NCCL is chosen: docs/design/tp_rendezvous.md.
 """
 
 from __future__ import annotations
@@ -70,7 +34,7 @@ from k3serve.model.parallel import TensorParallel
 _IDLE_TIMEOUT = datetime.timedelta(days=365)  # how long a follower waits for rank 0's next action
 _JOIN_TIMEOUT = datetime.timedelta(seconds=600)  # how long the ranks take to find each other
 # Unset or "1": a CUDA engine's model collectives on NCCL where every rank can (and graphs at TP > 1); "0" on
-# any rank: gloo. The default since it ran on two GPUs (2026-12-01: tests/engine/test_tp_nccl_gpu.py, gpu_tp.py).
+# any rank: gloo. The default since it ran on two GPUs (tests/engine/test_tp_nccl_gpu.py, benchmarks/gpu_tp.py).
 NCCL_SWITCH = "K3SERVE_TP_NCCL"
 
 

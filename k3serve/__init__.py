@@ -12,7 +12,7 @@ import os as _os
 __version__ = "0.1.0"
 
 # In a source checkout the subpackages are the sibling folders `kernels/`, `model/`, ... (the
-# repository layout of docs/ARCHITECTURE.md); installed, setup.py places them inside this package.
+# repository layout of docs/STRUCTURE.md); installed, setup.py places them inside this package.
 # Extending __path__ lets `python -m k3serve.model.score` work from the repo root as well.
 _repo_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "model")) and _os.path.isfile(

@@ -19,6 +19,12 @@ import torch
 from torch import Tensor
 
 
+AUTOTUNE_FLUSH_BYTES = 256 * 2**20
+"""Triton's autotuner zeroes a buffer of this size before timing each candidate, to flush L2 (its CUDA driver's
+`get_empty_cache_for_benchmark`, allocated through torch): a kernel that autotunes (fla's chunk_kda, the MoE
+experts) takes it mid-forward the first time it meets a new key, with that layer's activations live."""
+
+
 @functools.cache
 def has_module(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
@@ -66,7 +72,7 @@ def to_device_async(values: list[int] | Tensor, device: torch.device) -> Tensor:
     """Host indices (an int list, as int64, or a tensor) on `device` without the host waiting for the GPU: to a GPU
     through a pinned buffer, non_blocking (a copy from pageable memory waits for the stream's queue to drain, which
     stalls the launches behind it). A list is written straight into the pinned buffer: torch.tensor(list) then
-    pin_memory() builds it twice, and torch.tensor alone costs 3x the numpy write (12 vs 4 us for 8K ints)."""
+    pin_memory() builds it twice, and torch.tensor alone costs several times the numpy write (docs/BENCHMARKS.md)."""
     if device.type != "cuda" or (isinstance(values, Tensor) and values.device.type != "cpu"):
         return values.to(device) if isinstance(values, Tensor) else torch.tensor(values, dtype=torch.int64, device=device)
     if isinstance(values, Tensor):

@@ -12,7 +12,7 @@ of vocab rows, and the logits are gathered to rank 0, the only rank that samples
 Attention residuals (K3, `attn_res_block_size`): instead of a plain residual stream, each layer
 reads a softmax-weighted mix of block snapshots ("bank") and the running block sum ("prefix"),
 both before attention and before the MLP; every `attn_res_block_size` layers the prefix is
-frozen into the bank and restarts (K3_MODEL.md §1f).
+frozen into the bank and restarts (model/K3_MODEL.md §1f).
 """
 
 from __future__ import annotations

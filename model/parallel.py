@@ -93,7 +93,7 @@ def _on_callers_stream(options: Any) -> Any:
 
 
 # Made once: the process groups read their options, never change them, and an eager TP step makes two
-# collectives a layer (building each call's options took ~0.4 us on this host: ~75 us an eager K3 step, 93 layers).
+# collectives a layer (building each call's options every call adds up over K3's 93 layers: docs/BENCHMARKS.md).
 _ALL_REDUCE = _on_callers_stream(dist.AllreduceOptions())
 _GATHER_TO_0 = _on_callers_stream(dist.GatherOptions())
 _GATHER_TO_0.rootRank = 0

@@ -1,26 +1,17 @@
-"""The gRPC control plane between a prefill rank (client) and a decode rank (server).
-
-Only small control messages travel here; MLA KV and KDA state move over the transfer backend.
-One `DecodeControlServer` per decode rank; each prefill rank holds one `DecodeControlClient` per
-decode rank it writes to. Schema: transfer/proto/transfer.proto.
+"""The gRPC control plane between a prefill rank (client) and a decode rank (server); schema
+transfer/proto/transfer.proto. Only small control messages travel here; MLA KV and KDA state move over the
+transfer backend.
 
     prefill rank (DecodeControlClient)             decode rank (DecodeControlServer -> handler)
-    handshake(agent, layout_json, tp)      --->    refused unless compat hashes match
-                                           <---    HandshakeInfo(decode agent, layout, tp)
+    handshake(agent, layout_json, tp)      --->    HandshakeInfo, refused unless compat hashes match
     reserve(request_id, num_tokens, lease) --->    Reservation(block_ids, slot_id, deadline)
-      ... one-sided writes, polled DONE on this rank ...
     transfer_ready(request_id, rank, ...)  --->    checksums verified once all ranks reported
     heartbeat(request_ids, sender)         --->    leases extended; unknown ids come back
     abort(request_id, reason)              --->    reservation freed
 
-Every decode rank answers `handshake` with its own agent and layout; only decode rank 0 answers
-the rest (a TP decode engine's ranks > 0 refuse them): TransferReady of every prefill rank goes
-to rank 0, carrying checksums keyed "<decode rank>/<region>", and rank 0 verifies all ranks.
-
-Failure is never silent: every `ok = false` answer and every failed or timed-out RPC raises a
-`ControlPlaneError` subclass on the client (`NoCapacityError`: try another replica;
-`PeerUnreachableError`: release pins; `PeerRestartedError`: the regions from the handshake are
-stale, handshake again). Every call carries a deadline, so a dead peer costs at most `timeout_s`.
+Every decode rank answers `handshake`; only decode rank 0 answers the rest. Every `ok = false` answer and every
+failed or timed-out RPC raises a `ControlPlaneError` subclass on the client; every call carries a deadline.
+Who answers what and why: docs/design/control_plane.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Which bytes go from which prefill rank to which decode rank, for any TP sizes P and D.
 
-MLA latent KV is replicated on every rank; KDA state is sharded by head (ARCHITECTURE.md, "Two
+MLA latent KV is replicated on every rank; KDA state is sharded by head (docs/ARCHITECTURE.md, "Two
 kinds of state"). With H KDA heads, prefill rank s holds heads [s*H/P, (s+1)*H/P) and decode rank
 r holds [r*H/D, (r+1)*H/D). Example P = 4, D = 2, H = 8:
 

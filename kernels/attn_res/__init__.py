@@ -1,5 +1,5 @@
 """K3 attention residuals: each aggregation point mixes the frozen block snapshots ("bank") and the
-current block's partial sum ("prefix") with a per-token softmax (K3_MODEL.md §1f).
+current block's partial sum ("prefix") with a per-token softmax (model/K3_MODEL.md §1f).
 
 `attn_res_aggregate` checks shapes here, then runs `triton_attn_res.py` (one launch, the prefix
 update before and the RMSNorm after included) when every tensor is on CUDA, else the fp32 reference in `naive.py`;

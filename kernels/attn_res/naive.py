@@ -1,4 +1,4 @@
-"""Plain-torch K3 attention-residual aggregation (K3_MODEL.md §1f), fp32 math."""
+"""Plain-torch K3 attention-residual aggregation (model/K3_MODEL.md §1f), fp32 math."""
 
 from __future__ import annotations
 

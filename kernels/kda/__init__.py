@@ -11,14 +11,31 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._backend import gpu_kernels, has_module
+from .._backend import AUTOTUNE_FLUSH_BYTES, gpu_kernels, has_module
 from . import naive
 from .chunk_plan import ChunkPlan, check_checkpoint_offsets, plan_chunks
 
 CHUNK_SIZE = 64  # chunked prefill's default chunk: fla's, and the one the model's batches plan for
+FLA_SUB_CHUNK = 16  # fla's intra-chunk sub-block (`BC` of `chunk_kda_fwd_intra`): fp32 diagonal blocks [T, H, 16]
 last_backend: dict[str, str] = {}  # "chunk_kda" -> "fla" | "naive", "kda_decode" -> "triton" | "naive"
 
-__all__ = ["CHUNK_SIZE", "ChunkPlan", "kda_gate", "chunk_kda", "plan_chunks", "recurrent_kda", "kda_decode"]
+__all__ = ["CHUNK_SIZE", "ChunkPlan", "kda_gate", "chunk_kda", "chunk_kda_workspace_bytes", "plan_chunks",
+           "recurrent_kda", "kda_decode"]
+
+
+def chunk_kda_workspace_bytes(num_tokens: int, num_seqs: int, num_heads: int, head_dim: int, itemsize: int) -> int:
+    """Peak bytes `chunk_kda` allocates inside, on fla's path (`fla_ops.py`, 16-bit q, k, v of `itemsize` bytes),
+    for `num_tokens` tokens of `num_seqs` sequences and `num_heads` heads of K = V = `head_dim`: q, k, v made
+    contiguous, the fp32 in-chunk gate cumsum, w, u, kg, Aqk, then the larger of the intra-chunk Akk with its fp32
+    diagonal blocks [T, H, FLA_SUB_CHUNK] and the chunk-start states h (a CHUNK_SIZE chunk a sequence, one extra),
+    v_new and o; plus the autotuner's flush buffer (`AUTOTUNE_FLUSH_BYTES`) for a new shape. Its arguments, the
+    states passed in and out and its output are the caller's."""
+    T, H, d, b = num_tokens, num_heads, head_dim, itemsize
+    P = H * d
+    num_chunks = -(-T // CHUNK_SIZE) + num_seqs
+    intra = T * H * (CHUNK_SIZE * b + FLA_SUB_CHUNK * 4)
+    inter = num_chunks * H * d * d * b + 2 * T * P * b
+    return T * (6 * P * b + 4 * P + H * CHUNK_SIZE * b) + max(intra, inter) + AUTOTUNE_FLUSH_BYTES
 
 
 def kda_gate(f: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float | None = None) -> Tensor:

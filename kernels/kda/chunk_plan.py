@@ -1,23 +1,15 @@
-"""Index plan of one chunked KDA call, built on the host and sent to the device in ONE non-blocking copy.
-
-fla derives its chunk indices from `cu_seqlens` on the device (`prepare_chunk_indices` calls
-`repeat_interleave`, which reads a sum back), and mid-chunk checkpoints need host offsets: either
-way a `.tolist()` or an implicit read-back drains the GPU queue in the middle of a prefill, and
-every launch after it is exposed. The caller already knows the sequence lengths and checkpoint
-offsets on the host, so everything is validated and computed here from plain lists. The plan depends
-on the batch only: the engine builds it once per step (`ForwardBatch.kda_chunk_plan`) and every KDA
-layer passes the same plan to `chunk_kda` (as vLLM's GDN metadata builder does once per batch):
+"""Index plan of one chunked KDA call, built on the host and sent to the device in ONE non-blocking copy, so no
+read-back drains the GPU queue mid-prefill (fla derives its chunk indices on the device, with a sync). Built
+once per step from plain lists (`ForwardBatch.kda_chunk_plan`), shared by every KDA layer:
 
     packed int64 (each part padded to an even length), one pinned host buffer -> one async copy:
     | cu_seqlens [N+1] | chunk_indices [NT, 2] | chunk_offsets [N+1] | checkpoints [N, 3] |
 
-chunk_indices / chunk_offsets follow fla's format (fla.ops.utils.index): row c of the flattened
-chunk states h is chunk `chunk_indices[c, 1]` of sequence `chunk_indices[c, 0]`, and sequence n
-owns rows chunk_offsets[n] .. chunk_offsets[n+1]-1. Checkpoint row n is sequence n's: for an
-offset p >= 1, the chunk j = (p-1) // C holding it (its first token row, its row in h) and
-m = p - C*j of its tokens before the offset, i.e. the state is h[first_chunk + j] advanced by m
-tokens; for p = -1, m = 0 (the zero state). One row per sequence lets the checkpoint kernel write
-every output row itself, zeros included, so the output needs no zero-fill launch."""
+chunk_indices / chunk_offsets follow fla's format (fla.ops.utils.index). Checkpoint row n is sequence n's: for
+an offset p >= 1, the chunk j = (p-1) // C holding it (its first token row, its row in h) and m = p - C*j of its
+tokens before the offset; for p = -1, m = 0 (the zero state). The formats in full and why one row per
+sequence: docs/design/kda_chunk_plan.md.
+"""
 
 from __future__ import annotations
 

@@ -1,20 +1,12 @@
 """KDA prefill on the GPU through fla (fla-core 0.6.0): chunked, with in-pass checkpoints (decode is our own
-Triton step, triton_decode.py). Inputs arrive validated from `kernels.kda`, with a `ChunkPlan`
-(chunk_plan.py) holding every index on the device already; layouts are fla's ([K, V] states).
+Triton step, triton_decode.py). Inputs arrive validated from `kernels.kda`, with a `ChunkPlan` (chunk_plan.py)
+holding every index on the device already; layouts are fla's ([K, V] states).
 
-Prefill re-assembles fla's inference forward (fla/ops/kda/chunk_fwd.py) from its stages, because a
-mid-chunk checkpoint needs what fla's own call frees (the keys, the in-chunk gate cumsum, v_new):
-
-    l2norm(q, k) -> chunk-local cumsum of g (log2 units) -> intra-chunk WY (w, u, kg, Aqk)
-    -> h kernel: h[c] = state at the START of chunk c (bf16, as fla keeps it), v_new, fp32 final
-    -> output kernel (reads h)
-    -> checkpoints (triton_checkpoint.py): h[j] advanced by the m tokens of chunk j before the offset
-
-With or without checkpoints the same kernels run with the same dtypes (one autotune), and nothing
-reads a device value back: a checkpointed prefill costs one extra small launch (no zero-fill: the
-checkpoint kernel writes the rows without a checkpoint too). Chunk states in bf16 are what fla's
-products see anyway; the checkpoint's decay and in-chunk sum run in fp32 (tests/kernels/test_kda_gpu.py
-bounds a resumed prefill's error by the unsplit one's).
+Prefill re-assembles fla's inference forward (fla/ops/kda/chunk_fwd.py) from its stages, keeping what a
+mid-chunk checkpoint needs (the keys, the in-chunk gate cumsum, v_new); checkpoints (triton_checkpoint.py) are
+the chunk-start state h[j] advanced by the m tokens of chunk j before the offset. With or without checkpoints the
+same kernels run (one autotune) and nothing reads a device value back. The stages, and the precision of a
+checkpoint: docs/design/kda_fla_prefill.md.
 """
 
 from __future__ import annotations

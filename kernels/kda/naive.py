@@ -4,7 +4,7 @@
     o_t = S_t^T (scale q_t)                                   (the state AFTER the update)
 
 `recurrent_kda` walks the tokens (fla naive_recurrent_kda) and is the exact reference;
-`chunk_kda` is the chunked WY form (fla chunk_kda, K3_MODEL.md §2) that GPU kernels follow.
+`chunk_kda` is the chunked WY form (fla chunk_kda, model/K3_MODEL.md §2) that GPU kernels follow.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ error is fp32's: the decayed keys are split into a TF32 head and tail, v_new is 
 so a checkpoint is as exact as a state fla itself would carry across that chunk. A program owns one
 (sequence, head, BK rows, BV columns) tile of the output and writes it whole: the checkpoint, or zeros
 for a sequence without one (m = 0), so the output is allocated empty and the call costs this one
-launch. (An fp32 FMA form with [128, 64] tiles took 120 us at 12 heads on an H200, a quarter of the
-whole prefill; small tiles and 3xTF32 keep it a few us.) No host sync: the torch form of this
-sum costs ~15 small launches, which measured as several percent of an 8K-token prefill."""
+launch. (Small tiles and 3xTF32 keep it a small part of the prefill, where an fp32 FMA form with [128, 64]
+tiles took a quarter of it: docs/BENCHMARKS.md.) No host sync, and one launch where the torch form of this
+sum is ~15 small ones."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ the tile back in place:
 
 Why not fla's kernel: it takes contiguous [B, T, H, *] inputs (the layer's q, k, v are strided views of one
 projection, so every step paid four copies) and tiles the state by 8 columns with one warp, which leaves the
-state stream latency-bound at 16-64 sequences (2.7x the bytes floor at N16 H12 in the first GPU pass).
+state stream latency-bound at 16-64 sequences (well above the bytes floor: docs/BENCHMARKS.md).
 q, k, v may be any [N, H, D] views with a unit inner stride; padding rows of a fixed-shape batch share the
 pad slot (their writes race there and the results are garbage, which nobody reads).
 """
@@ -67,9 +67,8 @@ def supports(q: Tensor, k: Tensor, v: Tensor, g: Tensor, state_pool: Tensor) -> 
 
 def default_block_v(N: int, H: int, V: int) -> tuple[int, int]:
     """(BV, num_warps) by the number of (sequence, head) pairs: the winners of `benchmarks/gpu_kda.py`'s
-    graph-timed sweep on an H200 (2026-11-30, and 2026-12-01: 32 columns on one warp beat two by 4% at N16 H12
-    and N4 H32; K = V = 128): narrow one-warp tiles spread a few heads over more SMs, 64-column four-warp tiles
-    stream the state best from ~400 pairs up."""
+    graph-timed sweep on an H200 (K = V = 128; the timings: docs/BENCHMARKS.md): narrow one-warp tiles spread a
+    few heads over more SMs, 64-column four-warp tiles stream the state best from ~400 pairs up."""
     pairs = N * H
     bv, warps = (16, 1) if pairs < 64 else (32, 1) if pairs < 384 else (64, 4)
     return min(bv, V), warps

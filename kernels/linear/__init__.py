@@ -21,6 +21,9 @@ last_backend: dict[str, str] = {}  # "linear" -> "triton" | "naive"
 
 __all__ = ["linear"]
 
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20
+"""cuBLAS's workspace for one (handle, stream), as torch sizes it on Hopper with `CUBLAS_WORKSPACE_CONFIG` unset
+(4096 KiB x 8; less on older GPUs); cuBLASLt keeps one as large beside it. Made at a stream's first GEMM and kept."""
 MAX_TRITON_ROWS = 16  # rows of x up to which the Triton kernel runs (its widest tile)
 MIN_TRITON_WEIGHT = 1 << 20  # weight elements below which a launch costs more than the stream: cuBLAS
 _TRITON_DTYPES = (torch.bfloat16, torch.float16)

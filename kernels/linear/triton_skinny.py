@@ -1,27 +1,12 @@
-"""x @ weight^T for decode-sized x (T <= 16 rows) on the tensor cores, streaming the weight once.
-
-With a handful of rows the GEMM is a weight stream: N·K weights read once for 2·T·N·K flops. So the
-weight rows take the MMA's M side (swap AB) and the rows of x its N side, padded to BLOCK_T (8 or 16):
-
-    program (n, s)  weight rows [n·BLOCK_N, (n+1)·BLOCK_N), K blocks [s·blocks_per_split, (s+1)·blocks_per_split)
-    K loop          acc[BLOCK_N, BLOCK_T] += w[BLOCK_N, BLOCK_K] · x^T[BLOCK_K, BLOCK_T] in fp32, software
-                    pipelined over num_stages, so each SM keeps several weight tiles in flight
-    padding         weight rows past N and x rows past T are clamped to the last valid one (no masks on
-                    the stream); their outputs are never stored
-
-Split-K, for few weight rows over a long K (MLA's stacked q_a|kv_a|g, 3648 x 7168: 57 tiles of 64 rows for
-132 SMs, split in 2 on the H200; the router's fp32 logits, 896 x 7168, split in 4):
-each split writes its fp32 partial tile to a workspace and takes a ticket from the tile's counter; the
-split that draws the last ticket sums the partials in split order (the same sum whichever finishes
-last), stores the tile and puts the counter back to 0 for the next call. No memset, no second launch,
-no host sync, so the call is CUDA-graph capturable. The counters (one int32 a tile, zeroed once when
-allocated, which cannot happen inside a capture: a split shape runs once eagerly first) live as long as the
-process; launches that share them must not overlap (one stream).
-
-Tiles come from a fixed rule (tile_rule.py), the same on every rank and restart of one device model; the first
-tiling of the rule's order that the device can run is kept per shape. Nothing is timed, so an unsplit shape's
-first call may be captured, provided an eager call already loaded its binary (tiles, BLOCK_T, dtypes, EVEN_K):
-Triton loads a module at a binary's first launch, which a capturing stream forbids."""
+"""x @ weight^T for decode-sized x (T <= 16 rows) on the tensor cores, streaming the weight once: the weight rows
+take the MMA's M side (swap AB), the rows of x its N side, padded to BLOCK_T (8 or 16); padding rows are clamped
+to the last valid one and never stored. For few weight rows over a long K the K blocks are split, and the split
+that draws a tile's last ticket sums the fp32 partials in split order (the same sum whichever finishes last) in
+the same launch: no memset, no second launch, no host sync, so a call is CUDA-graph capturable once an eager
+call of its shape loaded the binary and made its tile counters. Launches that share the counters must not
+overlap (one stream). Tiles come from a fixed rule (tile_rule.py), the same on every rank and restart of one
+device model. The program layout, split-K's tickets and what capture needs: docs/design/linear_skinny.md.
+"""
 
 from __future__ import annotations
 

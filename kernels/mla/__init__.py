@@ -1,5 +1,5 @@
 """MLA attention (NoPE): MHA-form prefill, the paged latent KV cache, absorbed decode, and the LSE merge
-used for split-KV and decode context parallelism (K3_MODEL.md §1c, §6).
+used for split-KV and decode context parallelism (model/K3_MODEL.md §1c, §6).
 
 Paged cache layout (vLLM reshape_and_cache convention), one MLA layer:
 
@@ -17,12 +17,24 @@ from __future__ import annotations
 from torch import Tensor
 
 from .._backend import gpu_kernels, has_module
-from . import naive
+from . import naive, split_rule
 
 last_backend: dict[str, str] = {}  # "mla_decode_paged" / "merge_attn_states" / "write_kv_cache" -> "triton" | "naive",
 # "mla_prefill_attention" -> "sdpa" | "naive"
 
-__all__ = ["mla_prefill_attention", "write_kv_cache", "gather_kv_cache", "mla_decode_paged", "merge_attn_states"]
+__all__ = ["mla_prefill_attention", "write_kv_cache", "gather_kv_cache", "mla_decode_paged", "merge_attn_states",
+           "decode_workspace_bytes"]
+
+
+def decode_workspace_bytes(num_heads: int, latent_dim: int, num_sm: int) -> int:
+    """Most bytes `mla_decode_paged` allocates beside its output on a GPU of `num_sm` SMs, whatever the batch and
+    the context: its split-K partials, fp32 outputs [N, H, splits, L] and LSEs [N, H, splits] (L = `latent_dim`).
+    The splits fill `default_waves` waves of programs (`split_rule.split_plan`: (sequence, head group) pairs x
+    splits <= waves x num_sm, a head group `block_h` heads; one split writes the output directly), counted at the
+    stages of a GPU with the least shared memory, which runs the most waves."""
+    waves = split_rule.default_waves(split_rule.num_stages(num_heads, shared_per_block=0))
+    rows = waves * num_sm * split_rule.block_h(num_heads)  # (sequence, head, split) triples at most
+    return rows * (latent_dim + 1) * 4
 
 
 def _check_cu_seqlens(name: str, cu_seqlens: Tensor, total: int) -> list[int]:

@@ -1,5 +1,5 @@
 """Plain-torch MLA attention (fp32 math): MHA-form prefill, paged latent cache, absorbed decode and
-LSE merge (K3_MODEL.md §1c, §6). LSEs are natural-log throughout."""
+LSE merge (model/K3_MODEL.md §1c, §6). LSEs are natural-log throughout."""
 
 from __future__ import annotations
 

@@ -31,10 +31,9 @@ TWO_PAGES_SHARED_BYTES = 167944  # 5 stages at 16 heads, L 512 + R 64, page 64 (
 def num_stages(num_heads: int, shared_per_block: int) -> int:
     """Pipeline stages of the page loop. The block-table load takes a stage of its own, so 3 stages buffer a page
     once (94 KB of shared memory, two programs an SM) and 5 keep two pages in flight (168 KB, one program an SM).
-    16-head groups run 5 where a block may have that much shared memory (an H100/H200/B200, not an A100): on an
-    H200 (2026-12-01, `gpu_mla.py --sweep`, in graph) one wave of them beat two waves of 3-stage programs at N16
-    ctx8K (46.9 vs 51.0 us: 76% of copy bandwidth) and N16 ctx32K (144.6 vs 154.0). 32-head groups (registers for
-    [32, 512] fp32 sums) keep 2."""
+    16-head groups run 5 where a block may have that much shared memory (an H100/H200/B200, not an A100): one wave
+    of them beat two waves of 3-stage programs on an H200 (`gpu_mla.py --sweep`, in graph; the timings:
+    docs/BENCHMARKS.md). 32-head groups (registers for [32, 512] fp32 sums) keep 2."""
     if block_h(num_heads) == 32:
         return 2
     return 5 if shared_per_block >= TWO_PAGES_SHARED_BYTES else 3

@@ -16,12 +16,22 @@ from torch import Tensor
 
 from k3serve.kernels.mxfp4 import MXFP4Tensor
 
-from .._backend import gpu_kernels, has_module
+from .._backend import AUTOTUNE_FLUSH_BYTES, gpu_kernels, has_module
 from . import naive
 
 last_backend: dict[str, str] = {}  # op name ("select_experts", "situ_glu", ...) -> "triton" | "naive"
 
-__all__ = ["ExpertWeights", "select_experts", "situ_glu", "silu_glu", "fused_experts"]
+__all__ = ["ExpertWeights", "select_experts", "situ_glu", "silu_glu", "fused_experts", "fused_experts_workspace_bytes"]
+
+
+def fused_experts_workspace_bytes(num_tokens: int, top_k: int, hidden: int, intermediate: int, itemsize: int) -> int:
+    """Peak bytes `fused_experts` allocates on the Triton MXFP4 path (`triton_moe.py`) for `num_tokens` tokens of
+    `top_k` picks each, experts of width D = `hidden` and I = `intermediate`, activations of `itemsize` bytes: the
+    tokens' contiguous copy [T, D], the fp32 sum [T, D], h [T * top_k, I], the routing's sort and per-pair weights
+    (int32 keys, int64 order, int32 copies, fp32 weight: 32 B a pair); plus the autotuner's flush buffer
+    (`AUTOTUNE_FLUSH_BYTES`) for a new row bucket. Its arguments and the picks are the caller's."""
+    T, b = num_tokens, itemsize
+    return T * (hidden * (b + 4) + top_k * (intermediate * b + 32)) + AUTOTUNE_FLUSH_BYTES
 
 
 @dataclass(frozen=True)

@@ -5,25 +5,11 @@ expert's weights, B = up to 8 of its token rows (the MMA's N), so the weights ar
     up kernel:   h[pair] = act(x[tok] W1[e]^T, x[tok] W3[e]^T)      bf16, the GLU in the epilogue
     down kernel: out[tok] += topk_weight[pair] · h[pair] W2[e]^T     fp32 atomics (weighting and top-k sum fused)
 
-Where it sits: the GEMV pair (triton_gemv.py) streams an expert's weights once per row on the CUDA cores; the
-tensor-core pair (triton_moe.py) once per 16 rows, upcasting through shared memory. Here the packed bytes go
-from global memory straight into the MMA's operand registers:
-
-  k order   An MMA sums over its k slots, so any one-to-one map of slots to a group's 32 codes, applied to A and
-            B alike, gives the same sum. Lane (r, c) of the pair of k16 MMAs that cover a group holds slots
-            2c + 8j + h (j < 4, h < 2); we give it codes 8c .. 8c + 7 of its rows — one 32-bit word of each
-            packed row, slot (j, h) holding code 8c + j + 4h — and, for B, its token's 8 adjacent activations
-            (one 16-byte load) in the same order. The tensors are laid onto the operand layouts by joins,
-            permutes and reshapes the compiler maps onto the same registers (no shared memory:
-            `tests/kernels/test_moe_gluon_compile.py`).
-  codes     by bit fields, two a register (`_UPCAST`, Marlin's way): each e2m1 code as its exact bf16 value (no
-            scale) in two shifts, two masks and one bf16x2 multiply a pair of codes — a third fewer integer
-            instructions than `gl.fp4_to_fp`'s byte lookups, which had bound the pair (ncu: 81% SM, 42% DRAM).
-  scales    each group's two MMAs accumulate into a zero fragment, which is then scaled by 2^(s-127) on the fp32
-            accumulators (exact for every s <= 254: two normal powers of two; E8M0 255 gives NaN) and added.
-
-Routing (`triton_moe.route` / `route_small`: pairs sorted by expert, starts, counts, active list) is read on the
-device; programs of slots past the number of active experts exit at once: no host sync, graph-capturable.
+The packed bytes go from global memory straight into the MMA's operand registers (no shared memory), the e2m1
+codes upcast by bit fields and each group's E8M0 scale applied exactly to its fp32 partial sums. Routing
+(`triton_moe.route` / `route_small`) is read on the device; programs past the active experts exit at once: no
+host sync, graph-capturable. Where it sits beside the GEMV and tensor-core pairs, the k order, the upcast and
+the scales: docs/design/moe_gluon_mma.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Plain-torch MoE routing, GLU activations and expert evaluation (fp32 math), K3_MODEL.md §1e, §4."""
+"""Plain-torch MoE routing, GLU activations and expert evaluation (fp32 math), model/K3_MODEL.md §1e, §4."""
 
 from __future__ import annotations
 

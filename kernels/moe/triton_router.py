@@ -3,8 +3,8 @@ the torch reference takes ~10. One program routes one token: it holds the row of
 and takes the k largest by repeated max over one int64 key a lane, (the score's bits in an order-keeping
 integer form) << 32 | (BLOCK_E - 1 - id): one reduction a pick, whose winner is the highest score and, among
 equal scores, the lower expert id, the reference's order (`naive.select_experts`). A warp or two hold the row,
-so a pick is shuffles within warps, not a round trip through shared memory (16 picks of 896 experts took
-8 us with a two-value arg-max over four warps). The weights are the picked experts' scores, recomputed
+so a pick is shuffles within warps, not a round trip through shared memory (a two-value arg-max over four
+warps was slower: docs/BENCHMARKS.md). The weights are the picked experts' scores, recomputed
 from their logits after the picks. The sigmoid is torch's formula with IEEE exp and division (not Triton's
 approximate ones), so the scores, and therefore the ids, equal the reference's on CUDA bit for bit.
 

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention layer (K3_MODEL.md §1d): projections, short conv, gate, delta rule, gated norm.
+"""Kimi Delta Attention layer (model/K3_MODEL.md §1d): projections, short conv, gate, delta rule, gated norm.
 
 Per rank it owns H/tp heads. The recurrent state ([H_local, K, V] fp32) and the conv window
 (the last kernel-1 pre-conv inputs of the q, k and v channels, packed as one [3*P_local, W-1]

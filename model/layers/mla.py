@@ -1,4 +1,4 @@
-"""Multi-head latent attention, NoPE (K3_MODEL.md §1c, §6).
+"""Multi-head latent attention, NoPE (model/K3_MODEL.md §1c, §6).
 
 The cache holds, per token, the normalized latent c (kv_lora_rank) and the shared k_pe
 (rope dim, no rotary): replicated on every TP rank. Prefill uses the compute-friendly MHA form

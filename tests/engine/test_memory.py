@@ -15,9 +15,9 @@ import torch
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.cuda_graphs import graphs_enabled
 from k3serve.engine.llm import LLM
-from k3serve.engine.memory import (GRAPH_POOL_SLACK_BYTES, PREFILL_FIXED_BYTES, PoolPlan, cache_sizes,
-                                   decode_activation_bytes, describe_plan, graph_reserve_bytes, max_step_tokens,
-                                   plan_engine_pools, plan_pools, prefill_activation_bytes,
+from k3serve.engine.memory import (PoolPlan, cache_sizes, decode_activation_bytes, describe_plan,
+                                   graph_pool_slack_bytes, graph_reserve_bytes, max_step_tokens, plan_engine_pools,
+                                   plan_pools, prefill_activation_bytes, prefill_fixed_bytes,
                                    prompt_logprobs_slice_bytes, weight_bytes)
 from k3serve.engine.tp_group import NCCL_SWITCH
 from k3serve.model.batch import ModelCache, StaticDecodeInputs
@@ -96,7 +96,7 @@ def test_a_device_budget_loses_the_weights_the_graphs_and_a_prefill_step_first()
     args = EngineArgs(**GRAPHS)
     sizes = cache_sizes(config, 1, torch.bfloat16)
     reserve, prefill = graph_reserve_bytes(config, args), prefill_activation_bytes(config, args)
-    assert reserve > GRAPH_POOL_SLACK_BYTES and prefill > 0
+    assert reserve > graph_pool_slack_bytes(config, 1) and prefill > 0
     usable = _device_budget(config, args, 100)
     plan = plan_engine_pools(config, args, usable)
     assert plan == PoolPlan(num_blocks=100, num_slots=6, block_size=8, pad_slot=True, graph_bytes=reserve,
@@ -156,7 +156,7 @@ def test_the_prefill_reserve_holds_a_prompt_logprobs_slice_not_a_chunks_logits()
                 max_num_batched_tokens=32768, max_adaptive_batched_tokens=32768)
     reserve = prefill_activation_bytes(k3, EngineArgs(**step))
     assert prompt_logprobs_slice_bytes(k3, 8, 2) < 2**29
-    assert 32768 * k3.hidden_size * 2 + prompt_logprobs_slice_bytes(k3, 8, 2) + PREFILL_FIXED_BYTES < reserve
+    assert 32768 * k3.hidden_size * 2 + prompt_logprobs_slice_bytes(k3, 8, 2) + prefill_fixed_bytes(k3, 8) < reserve
     assert 32768 * k3.vocab_size * 4 > reserve
 
     tiny_k3_vocab = dataclasses.replace(preset_config("k3-tiny"), vocab_size=k3.vocab_size)
@@ -164,7 +164,7 @@ def test_the_prefill_reserve_holds_a_prompt_logprobs_slice_not_a_chunks_logits()
                        max_adaptive_batched_tokens=256)
     held = 256 * tiny_k3_vocab.hidden_size * 2 + k3.vocab_size * 4  # the hidden states, the sampled row's logits
     assert prefill_activation_bytes(tiny_k3_vocab, small) == (
-        held + prompt_logprobs_slice_bytes(tiny_k3_vocab, 1, 2) + PREFILL_FIXED_BYTES)
+        held + prompt_logprobs_slice_bytes(tiny_k3_vocab, 1, 2) + prefill_fixed_bytes(tiny_k3_vocab, 1))
 
 
 @pytest.mark.parametrize("preset", ["k3-tiny", "kimi-k3"])

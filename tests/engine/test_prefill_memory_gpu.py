@@ -14,7 +14,7 @@ prompt's whole [4095, vocab] fp32 logits would be 2.7 GB, one prompt-logprobs sl
 takes what `prompt_logprobs_slice_bytes` counts (at least MIN_FRACTION of it) whatever the number of rows.
 
 Lower bound: at least MIN_FRACTION of what a warm step can allocate of the estimate, i.e. without its constants
-that only a first step makes (Triton's 256 MiB autotune flush, 80 MiB of workspaces kept from the first GEMM on):
+that only a first step makes (Triton's autotune flush, the workspaces kept from the first GEMM on):
 an estimate off by 2x (a part counted twice, every token counted per sequence) fails. (Until the KDA conv's
 prefill became one Triton launch, its fp32 reference loop was this step's peak: 698 of 888 MiB on the H200.)
 """
@@ -30,12 +30,13 @@ import torch
 
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.llm_engine import LLMEngine
-from k3serve.engine.memory import (PREFILL_FIXED_BYTES, TRITON_BENCH_FLUSH_BYTES, max_step_tokens,
-                                   prefill_activation_bytes, prompt_logprobs_slice_bytes)
+from k3serve.engine.memory import (max_step_tokens, prefill_activation_bytes, prefill_fixed_bytes,
+                                   prompt_logprobs_slice_bytes)
 from k3serve.engine.runner import ModelRunner
 from k3serve.engine.sampler import PromptScoring
 from k3serve.engine.sampling_params import SamplingParams
 from k3serve.kernels import kda, mla, moe
+from k3serve.kernels._backend import AUTOTUNE_FLUSH_BYTES
 from k3serve.model.batch import ModelCache
 from k3serve.model.config import ModelConfig
 from k3serve.model.model import KimiForCausalLM
@@ -83,7 +84,7 @@ def test_a_prefill_step_stays_within_the_planned_reserve(k3_tiny_gpu_checkpoint:
     growth = _prefill_step_growth(engine, gen, prompt_logprobs)
     assert (kda.last_backend["chunk_kda"], mla.last_backend["mla_prefill_attention"],
             moe.last_backend["fused_experts"]) == ("fla", "sdpa", "triton"), "not the kernels the estimate describes"
-    warm_bound = bound - TRITON_BENCH_FLUSH_BYTES - PREFILL_FIXED_BYTES  # what a warm step can allocate of it
+    warm_bound = bound - AUTOTUNE_FLUSH_BYTES - prefill_fixed_bytes(engine.config, 1)  # what a warm step can allocate of it
     print(f"\nprefill step of {STEP_TOKENS} tokens: peak growth {growth / 2**20:.1f} MiB, estimate "
           f"{bound / 2**20:.1f} MiB ({growth / bound:.2f}; {growth / warm_bound:.2f} of its warm part)")
     assert growth <= bound, f"the step took {growth / 2**20:.1f} MiB, the plan set aside {bound / 2**20:.1f} MiB"
