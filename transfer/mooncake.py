@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._ops import Deadline, RegionIndex, check_ops, coalesce, prefault, tensor_region
+from ._ops import Deadline, HandleTable, RegionIndex, check_ops, coalesce, prefault, tensor_region
 from .backend import AgentInfo, RegionDesc, TransferBackend, TransferError, TransferStatus, WriteOp
 
 log = logging.getLogger(__name__)
@@ -127,9 +127,8 @@ class MooncakeBackend(TransferBackend):
         self._local = RegionIndex()
         self._tensors: dict[str, torch.Tensor] = {}
         self._peers: dict[str, RegionIndex] = {}
-        self._handles: dict[int, _Batch] = {}
+        self._handles: HandleTable[_Batch] = HandleTable()
         self._orphans: list[int] = []  # batch ids of released-but-unfinished handles, reaped later
-        self._next = 1
         self._closed = False
         self._warned_notify = False
 
@@ -188,10 +187,7 @@ class MooncakeBackend(TransferBackend):
                 )
             batch.ids.append(bid)
             batch.done.append(False)
-        handle = self._next
-        self._next += 1
-        self._handles[handle] = batch
-        return handle
+        return self._handles.add(batch)
 
     def poll(self, handle: int) -> TransferStatus:
         batch = self._get(handle)
@@ -224,7 +220,7 @@ class MooncakeBackend(TransferBackend):
         return batch.status
 
     def release(self, handle: int) -> None:
-        batch = self._handles.pop(handle, None)
+        batch = self._handles.pop(handle)
         if batch is not None and batch.status is TransferStatus.PENDING:
             self._orphan_pending(batch)
 
@@ -236,7 +232,7 @@ class MooncakeBackend(TransferBackend):
         if self._closed:
             return
         self._closed = True
-        self._handles.clear()
+        self._handles = HandleTable()
         for region in list(self._local):
             try:
                 self._engine.unregister_memory(region.addr)
@@ -271,10 +267,7 @@ class MooncakeBackend(TransferBackend):
 
     def _get(self, handle: int) -> _Batch:
         self._check_open()
-        try:
-            return self._handles[handle]
-        except KeyError:
-            raise TransferError(f"unknown or released handle {handle}") from None
+        return self._handles.get(handle)
 
     def _check_open(self) -> None:
         if self._closed:

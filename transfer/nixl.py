@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ._ops import Deadline, RegionIndex, check_ops, prefault, tensor_region
+from ._ops import Deadline, HandleTable, RegionIndex, check_ops, prefault, tensor_region
 from .backend import AgentInfo, RegionDesc, TransferBackend, TransferError, TransferStatus, WriteOp
 
 log = logging.getLogger(__name__)
@@ -182,9 +182,8 @@ class NixlBackend(TransferBackend):
         self._reg: dict[str, object] = {}  # name -> nixlRegDList for deregister
         self._peers: dict[str, RegionIndex] = {}
         self._peer_md: dict[str, bytes] = {}
-        self._handles: dict[int, _Xfer] = {}
+        self._handles: HandleTable[_Xfer] = HandleTable()
         self._orphans: list = []  # nixl_xfer_handle still in flight after release()
-        self._next = 1
         self._closed = False
 
     # -- registration / handshake ------------------------------------------------------------
@@ -275,10 +274,7 @@ class NixlBackend(TransferBackend):
             if isinstance(e, TransferError):
                 raise
             raise TransferError(f"NIXL write to {peer!r} ({len(ops)} ops, {nbytes} bytes): {e}") from e
-        handle = self._next
-        self._next += 1
-        self._handles[handle] = xfer
-        return handle
+        return self._handles.add(xfer)
 
     def poll(self, handle: int) -> TransferStatus:
         xfer = self._get(handle)
@@ -322,7 +318,7 @@ class NixlBackend(TransferBackend):
         return xfer.status
 
     def release(self, handle: int) -> None:
-        xfer = self._handles.pop(handle, None)
+        xfer = self._handles.pop(handle)
         if xfer is not None:
             self._drop_reqs(xfer)
 
@@ -344,7 +340,7 @@ class NixlBackend(TransferBackend):
         if self._closed:
             return
         self._closed = True
-        for h in list(self._handles):
+        for h in self._handles.handles():
             self.release(h)
         self._reap_orphans()
         for name, reg in self._reg.items():
@@ -398,10 +394,7 @@ class NixlBackend(TransferBackend):
 
     def _get(self, handle: int) -> _Xfer:
         self._check_open()
-        try:
-            return self._handles[handle]
-        except KeyError:
-            raise TransferError(f"unknown or released handle {handle}") from None
+        return self._handles.get(handle)
 
     def _check_open(self) -> None:
         if self._closed:
