@@ -17,25 +17,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from k3serve.engine.config import EngineArgs
+from k3serve.engine.kv_handoff import CacheView
 from k3serve.model.batch import ModelCache
-from k3serve.model.config import ModelConfig
 from k3serve.transfer.backend import AgentInfo, TransferBackend
 from k3serve.transfer.backends import make_backend
 from k3serve.transfer.checksum import CachedRequest, request_checksums
 from k3serve.transfer.control import HandshakeInfo, InvalidArgumentError, Reservation
-from k3serve.transfer.layout import CacheLayout, HeadSlice, compatibility_hash, register_cache
+from k3serve.transfer.layout import CacheLayout, HeadSlice, register_cache
 from k3serve.transfer.tp_map import RankCache, TPMapping
 
 
-def make_receiver(
-    args: EngineArgs, runner, config: ModelConfig, rank: int, transfer: str, transfer_options: dict | None,
-    prefill_tp: int,
-) -> RankReceiver:
+def make_receiver(view: CacheView, transfer: str, transfer_options: dict | None, prefill_tp: int) -> RankReceiver:
     """This decode rank's transfer agent over its cache shard."""
-    layout = CacheLayout.from_cache(runner.cache, config, tp_rank=rank, tp_size=args.tensor_parallel_size)
-    compat = compatibility_hash(config, args.torch_dtype, args.block_size)
-    return RankReceiver(make_backend(transfer, **(transfer_options or {})), runner.cache, layout, compat, prefill_tp)
+    layout = CacheLayout.from_view(view)
+    backend = make_backend(transfer, **(transfer_options or {}))
+    return RankReceiver(backend, view.cache, layout, layout.compat_hash, prefill_tp)
 
 
 class RankReceiver:

@@ -42,43 +42,22 @@ never gathered into a new tensor up front. Two exact paths compute the same per-
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
 from k3serve.kernels._backend import gpu_kernels, has_module
 from k3serve.model.batch import ModelCache
+from k3serve.transfer.checksum_lanes import _P1, _P2, _R, _SHIFT, Piece, _power_at, _powers
 from k3serve.transfer.layout import CacheLayout, HeadSlice
 from k3serve.transfer.metrics import BoundTransferMetrics
 
-_P1 = 2**31 - 1  # prime: position weights 1..p1-1 are distinct and nonzero
-_P2 = 2**31 - 19  # prime
-_R = 0x5DEECE6E  # a primitive root mod p2: lane-2 weights R^p repeat only after p2 - 1 words
 _R_MINUS_1_INV = pow(_R - 1, -1, _P2)
-_SHIFT = 32769  # int16 word w -> w + 32769 in 1..65536
 _WORD = 2  # bytes
 _ROW = 1024  # words per matrix row: |row sums| < 2^42, exact in float64
 _BATCH_WORDS = 1 << 22  # words per matmul: float64 temporaries of 32 MiB at most
 _MAX_VIEW_WORDS = _P1 - 2
-_DIGIT = 11  # R^q as a product over the three 11-bit digits of q (< 2^33: past any view); _ROW <= 2^_DIGIT
-
-
-class Piece(NamedTuple):  # a NamedTuple: a K3 rank's request makes 162 of them per checksum pass
-    """`count` 16-bit words at word position `offset` of a region's view, read from the contiguous
-    tensor `source` in runs of `run` words: run k starts at word `first + runs[k] * run` of `source`
-    (the last run is cut at `count`). One run (`runs == (0,)`) for a slot's KDA state; a
-    request's MLA blocks for an MLA layer, so neither path gathers them into a new tensor first."""
-
-    region: str
-    source: torch.Tensor
-    first: int
-    count: int
-    offset: int
-    run: int
-    runs: tuple[int, ...] = (0,)
 
 
 @dataclass(frozen=True)
@@ -326,33 +305,6 @@ def _row_sums(batch: list[_Words]) -> tuple[list[_Words], list[int], list[list[i
     return batch, starts, per_piece
 
 
-_POWERS: dict[torch.device, torch.Tensor] = {}
-_POWERS_LOCK = threading.Lock()
-
-
-def _powers(device: torch.device) -> torch.Tensor:
-    """int64 [3, 2^_DIGIT] on `device`: R^(i * 2^(level * _DIGIT)) mod p2 at [level, i], built once per
-    device. The one table of powers of R: both paths read R^q from it (`_power_at`, and the same in the kernel)."""
-    with _POWERS_LOCK:
-        powers = _POWERS.get(device)
-        if powers is None:
-            levels = []
-            for level in range(3):
-                step, power, row = pow(_R, 1 << (level * _DIGIT), _P2), 1, []
-                for _ in range(1 << _DIGIT):
-                    row.append(power)
-                    power = power * step % _P2
-                levels.append(row)
-            powers = _POWERS[device] = torch.tensor(levels, dtype=torch.int64, device=device)
-        return powers
-
-
-def _power_at(q: torch.Tensor, powers: torch.Tensor) -> torch.Tensor:
-    """R^q mod p2 for int64 positions 0 <= q < 2^(3 * _DIGIT): one power of `_powers` a digit of q (each
-    product of two residues < 2^62)."""
-    mask = (1 << _DIGIT) - 1
-    power = powers[0][q & mask] * powers[1][(q >> _DIGIT) & mask] % _P2
-    return power * powers[2][q >> (2 * _DIGIT)] % _P2
 
 
 def _position_weights(powers: torch.Tensor) -> torch.Tensor:

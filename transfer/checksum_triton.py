@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from k3serve.kernels._backend import device_of
-from k3serve.transfer.checksum import _DIGIT, _P1, _P2, _SHIFT, Piece, _powers
+from k3serve.transfer.checksum_lanes import _DIGIT, _P1, _P2, _SHIFT, Piece, _powers
 
 TILE = 1 << 14  # words one program sums
 BLOCK = 1 << 10  # words one step of a program loads
@@ -47,7 +47,7 @@ def _check_bounds() -> None:
 def _piece_lanes_kernel(
     anchor,  # int16 pointer: every word is at anchor + a word offset
     table,  # int64 [num_pieces, COLUMNS] then the run ids: see `piece_lanes`
-    powers,  # int64 [3, 2^DIGIT] (`checksum._powers`): R^i, R^(i * 2^DIGIT), R^(i * 2^(2 * DIGIT)) mod p2
+    powers,  # int64 [3, 2^DIGIT] (`checksum_lanes._powers`): R^i, R^(i * 2^DIGIT), R^(i * 2^(2 * DIGIT)) mod p2
     sums,  # int64 [num_pieces, 2]: lane sums of each piece's tiles (not yet reduced)
     num_pieces,
     SEARCH_STEPS: tl.constexpr,

@@ -28,13 +28,16 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from k3serve.model.batch import ModelCache
 from k3serve.model.config import ModelConfig
 from k3serve.transfer.backend import RegionDesc, TransferBackend
+
+if TYPE_CHECKING:
+    from k3serve.engine.kv_handoff import CacheView
 
 LAYOUT_VERSION = 1  # bump whenever the byte layout of any region changes
 
@@ -246,6 +249,14 @@ class CacheLayout:
             kda_conv=tuple(conv),
             compat_hash=compatibility_hash(config, kv_dtype, cache.block_size),
         )
+
+    @classmethod
+    def from_view(cls, view: CacheView) -> "CacheLayout":
+        """The layout of a rank's cache as the handoff seam shows it, hashed with its engine's dtype and
+        block size (what every peer of that engine must match)."""
+        layout = cls.from_cache(view.cache, view.model_config, view.tp_rank, view.tp_size)
+        compat = compatibility_hash(view.model_config, view.cache_dtype, view.block_size)
+        return dataclasses.replace(layout, compat_hash=compat)
 
     # -- serialization ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -51,7 +51,7 @@ from k3serve.kernels.mxfp4 import MXFP4Tensor
 
 from .._backend import cuda_properties
 
-from .triton_moe import _tanh
+from .triton_common import tanh
 
 _NAN_SCALE = tl.constexpr(255)  # the E8M0 NaN encoding
 PTX = not triton.knobs.runtime.interpret  # inline PTX on the GPU; the interpreter runs plain Triton
@@ -318,7 +318,7 @@ def _up_row(x, w1_words, w1_scales, w3_words, w3_scales, h, sorted_pairs, top_k,
     gate = tl.sum(acc_g, axis=0)
     up = tl.sum(acc_u, axis=0)
     if ACT == 1:  # SiTU-GLU
-        act = beta * _tanh(gate / beta) * tl.sigmoid(gate) * (linear_beta * _tanh(up / linear_beta))
+        act = beta * tanh(gate / beta) * tl.sigmoid(gate) * (linear_beta * tanh(up / linear_beta))
     else:  # SwiGLU
         act = gate * tl.sigmoid(gate) * up
     tl.store(h + row.to(tl.int64) * stride_h + offs_n, act.to(h.dtype.element_ty), mask=n_ok)

@@ -29,6 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .._backend import device_of
+from .triton_common import tanh
 
 ACT_SILU, ACT_SITU = 0, 1
 
@@ -45,11 +46,6 @@ def _upcast(packed_ptrs, scale_ptrs, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexp
     scale = ((s + 6) << 7).to(tl.bfloat16, bitcast=True).to(dtype)  # 2^(s - 127 + 6)
     w = w.reshape(BLOCK_N, BLOCK_K // 32, 32) * scale[:, :, None]
     return w.reshape(BLOCK_N, BLOCK_K)
-
-
-@triton.jit
-def _tanh(x):
-    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
 
 def _configs() -> list[triton.Config]:
@@ -101,7 +97,7 @@ def _up_kernel(
                          BLOCK_N, BLOCK_K, n_ok, xk.dtype)
             acc_u = tl.dot(xk, tl.trans(wu), acc_u)
         if ACT == 1:  # SiTU-GLU
-            act = beta * _tanh(acc_g / beta) * tl.sigmoid(acc_g) * (linear_beta * _tanh(acc_u / linear_beta))
+            act = beta * tanh(acc_g / beta) * tl.sigmoid(acc_g) * (linear_beta * tanh(acc_u / linear_beta))
         else:  # SwiGLU
             act = acc_g * tl.sigmoid(acc_g) * acc_u
         dst = h + (start + rows)[:, None].to(tl.int64) * stride_h + offs_n[None, :]
