@@ -1,16 +1,9 @@
 """One decode rank's part of a handoff: its transfer agent over its cache shard, its answer to a
 prefill rank's handshake, and the checksums of what landed in its shard.
 
-Every rank of a decode engine owns a `RankReceiver` and serves `DecodeControl` on its own
-address, so each prefill rank handshakes with each decode rank and writes straight into its
-shard. Rank 0 (`DecodeWorker`) answers everything; ranks > 0 (`decode.rank.follower_main`) only
-answer handshakes (`HandshakeOnly`). Verification runs on rank 0's engine thread, which asks
-every rank for the checksums of its landed view through the TP group:
-
-    prefill rank s --handshake--> decode rank r      (r's own agent, layout, tp_rank)
-    prefill rank s --writes-----> decode rank r      (ops of the pair (s, r))
-    prefill rank 0 --TransferReady(s, {"r/region": sum})--> decode rank 0
-    decode rank 0: lead(("checksums", ...)); every rank gathers its landed sums; compare per rank
+Every decode rank owns a `RankReceiver` and serves `DecodeControl` on its own address, so each prefill rank
+writes straight into its shard. Rank 0 (`DecodeWorker`) answers everything; ranks > 0 only answer handshakes
+(`HandshakeOnly`). Drawn: docs/design/handoff.md §3.
 """
 
 from __future__ import annotations

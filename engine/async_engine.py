@@ -1,20 +1,13 @@
-"""Streaming engine for servers: `generate()` yields deltas as tokens are produced; `abort()`
-ends the stream with a last delta (finish_reason "abort"). Either that or a consumer that stops
-iterating frees everything the request held.
+"""Streaming engine for servers: `generate()` yields deltas as tokens are produced; `abort()` ends the stream
+with a last delta (finish_reason "abort"). Either that or a consumer that stops iterating frees everything the
+request held.
 
-One background thread owns the `LLMEngine` and is the only one that touches it (but for its thread-safe
-grammar compiler); asyncio callers talk to it through a command queue, and it hands deltas back with
-`call_soon_threadsafe`, once per event loop per step (one wake-up of the loop however many requests the
-step advanced). The thread sleeps on the queue when there is no work, so an idle engine costs no CPU.
-
-A constrained request (structured outputs) whose grammar is not compiled yet does not stall the others while it
-compiles: the engine thread hands the compile to the grammar compiler's threads, keeps the request aside, and adds
-it when the compile's result comes back through the command queue (as vLLM keeps such a request waiting). A
-constraint that does not compile ends the stream with its ValueError; an abort meanwhile leaves nothing behind.
-
-A request's deltas go to its own queue (`generate`, `stream`) or into a `DeltaFeed` shared by many
-requests (`follow`), which hands its consumer everything a step produced as one batch: what a
-decode replica streams to a router in another process (one message per step, not per token).
+One background thread owns the `LLMEngine` and is the only one that touches it (but for its thread-safe grammar
+compiler); callers reach it through a command queue (`call` / `submit`), and it hands deltas back with
+`call_soon_threadsafe`, once per event loop per step. An idle engine sleeps on the queue. A constrained request
+whose grammar is not compiled yet waits aside while it compiles, without stalling the others. A request's
+deltas go to its own queue (`generate`, `stream`) or into a `DeltaFeed` shared by many requests (`follow`),
+which hands its consumer everything a step produced as one batch.
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
 """Byte layout of one rank's cache, as a peer needs it to address writes: `CacheLayout`.
 
-A prefill rank and a decode rank never share memory, only addresses. Before the first write the
-two sides exchange (over the control plane) what each cache looks like, so the sender can turn
-"block 7, tokens 0..63" or "slot 3, heads 4..7" into byte ranges of the receiver's registered
-regions. One region per cache tensor, named by its position in `ModelCache`:
-
-    region name          tensor (one per layer of that kind)          unit      bytes per unit
-    mla.{i}              mla_kv[i]         [num_blocks, block_size, L+R] block     block_size*(L+R)*itemsize
-    kda_recurrent.{j}    kda_recurrent[j]  [num_slots, H_local, K, V]    slot      H_local*K*V*4 (fp32)
-    kda_conv.{j}         kda_conv[j]       [num_slots, 3*P_local, W-1]   slot      3*P_local*(W-1)*itemsize
-
-    (i counts MLA layers, j counts KDA layers, both from 0 in model order; P_local = H_local*K)
-
-Within a KDA slot everything is row-major, so a head range of the recurrent state is one
-contiguous byte range, and a conv slot is three sub-blocks (q, k, v) of P_local channels each:
-
-    kda_conv slot:  | q: P_local rows of W-1 | k: P_local rows of W-1 | v: P_local rows of W-1 |
-
-Layouts are plain frozen dataclasses that round-trip through `to_dict()`/`from_dict()` (JSON),
-and carry `compat_hash`: two engines may exchange state only if their hashes are equal (same
-state-shaping model config, cache dtype, block size, layout version).
+One region per cache tensor, named by its position in `ModelCache` (`mla.{i}` per MLA layer: blocks;
+`kda_recurrent.{j}` and `kda_conv.{j}` per KDA layer: slots, a conv slot three q|k|v sub-blocks). A layout is a
+frozen dataclass that round-trips through JSON (the handshake carries it) and carries `compat_hash`: two engines
+may exchange state only if their hashes are equal. The region table: docs/design/handoff.md §5.
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
 """Mooncake Transfer Engine backend: one-sided writes over TCP (CPU hosts) or RDMA / NVLink (GPU hosts).
 
-Setup per host (the package is chosen per host and imported lazily, only when this backend is made):
-
-    CPU host:      pip install mooncake-transfer-engine-non-cuda==0.3.13.post1
-                   apt-get install -y libibverbs1        (linked even when RDMA is not used)
-    CUDA 13 host:  pip install mooncake-transfer-engine-cuda13  (+ libibverbs1, ibverbs-providers)
-
-The CUDA builds fail to import on a host without a GPU driver, so a CPU host must use the
-`-non-cuda` package.
-
-Addressing: metadata "P2PHANDSHAKE" (no metadata server); each engine listens on an RPC port
-chosen at initialize() and a peer is addressed as "host:rpc_port" (AgentInfo.endpoint).
-
-Non-blocking: write() submits one Mooncake request per (coalesced) op with
-`transfer_submit_write` and returns at once; poll() calls `transfer_check_status`, which never
-waits (1 done, 0 pending, -1 failed, -2 timed out). The blocking `get_batch_transfer_status`
-and the `*_sync_*` calls (which spin a core) are not used. Mooncake frees a request's batch as
-soon as transfer_check_status reports it done or failed, and a second check of a freed batch
-would read freed memory: this class caches each request's final state and never checks it again.
-
-Notifications: Mooncake's Python API has no completion notification to the target for
-`transfer_submit_write`. `notify` is therefore ignored (`supports_notify` is False): the
-sender learns completion from poll() and tells the receiver over the control plane (gRPC),
-which the engine does for every backend anyway.
+The package is imported lazily (`INSTALL_HINT` says which one a host needs). A peer is "host:rpc_port"
+(P2P handshake, no metadata server). write() submits and returns at once; poll() never waits, and checks a
+Mooncake request no more once it reported a final state (Mooncake has freed it then). No completion
+notification (`supports_notify` False): completion goes over the control plane. Setup and reasoning:
+docs/design/handoff.md §7.
 """
 
 from __future__ import annotations
