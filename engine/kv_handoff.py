@@ -119,7 +119,9 @@ class KVHandoff:
         self.pins = PoolPins(llm.scheduler.block_pool, llm.scheduler.state_pool)  # engine thread
 
     # ---- requests (event loop, unless said) -----------------------------------------------------------
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestDelta]:
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestDelta]:
         """The request's deltas until it finishes (`AsyncEngine.generate`)."""
         return self._engine.generate(GenerateRequest(request_id, prompt_token_ids, params))
 

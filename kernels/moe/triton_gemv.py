@@ -200,14 +200,13 @@ def route_kernel(topk_ids, num_pairs, expert_start, num_local, sorted_pairs, exp
 
 
 def configs_up() -> list[triton.Config]:
-    """(BLOCK_N, warps, PREFETCH, programs per SM), BLOCK_K 512: the tiles that won, or came within ~3%, at some T
-    of 1-16 on an H200 (benchmarks/results/h200-2026-12-01/moe_variants.log; the others, 4 or 8 columns on one
-    warp without prefetch, 16 columns on 2 warps, and two rows of an expert a weight stream, were 4% or more
-    slower at every T). A warp's lanes cover 16 groups and 2 columns, its warps more columns, and a thread repeats
-    the rest (C = BLOCK_N / (2 warps): 1 to 4), sharing its x over them. PREFETCH 2 keeps twice the bytes in
-    flight for ~0.3 more instructions an element (register moves). Programs per SM = how many fit (registers,
-    sm_90, triton 3.6; benchmarks/moe_gemv_sass.py checks it): a persistent grid must not wait for a second
-    wave."""
+    """(BLOCK_N, warps, PREFETCH, programs per SM), BLOCK_K 512: the tiles that won, or came close, at some T of
+    1-16 on an H200, of a sweep whose other shapes lost at every T (benchmarks/results/h200-2026-12-01/
+    moe_variants.log, docs/BENCHMARKS.md). A warp's lanes cover 16 groups and 2 columns, its warps more columns,
+    and a thread repeats the rest (C = BLOCK_N / (2 warps): 1 to 4), sharing its x over them. PREFETCH 2 keeps
+    twice the bytes in flight for a few more instructions (register moves). Programs per SM = how many fit
+    (registers, sm_90, triton 3.6; benchmarks/moe_gemv_sass.py checks it): a persistent grid must not wait for a
+    second wave."""
     shapes = [(4, 1, 2, 12), (4, 2, 1, 14), (8, 2, 1, 8), (8, 2, 2, 6), (16, 4, 1, 4)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": 512, "PREFETCH": pf, "PROGRAMS_PER_SM": p}, num_warps=w,
                           num_stages=1) for n, w, pf, p in shapes]
