@@ -1,8 +1,10 @@
-"""The handoff seam: the one interface through which prefill and decode workers, and the transfer layer, use an engine.
+"""The handoff seam: the one interface through which the prefill and decode workers and the transfer layer use
+an engine.
 
 Rank 0 of an engine is a `KVHandoff`, ranks > 0 are a `FollowerRank` (`join_follower`). What crosses the seam
 are plain dataclasses: `BoundaryState` (a request's blocks and KDA slot at its prompt boundary) and `CacheView`
-(one rank's cache, as transfer/layout.py addresses it). Every method names its thread:
+(one rank's cache, as transfer/layout.py addresses it); the engine types its signatures use (`TPGroup`,
+`EngineStats`, `DeltaFeed`, `Item`) are named from here too. Every method names its thread:
 
     engine thread   inside a function run by `call` / `submit`, or a hook (checked: elsewhere it raises)
     event loop      the asyncio loop the worker serves on
@@ -111,7 +113,7 @@ class KVHandoff:
         self._group = group
         self._engine = AsyncEngine(args, group, on_finish=self._finished if on_prompt_done else None,
                                    on_abort=on_abort)
-        llm = self._engine.engine
+        llm = self._engine.engine  # read here once, before any step; fixed from now on (any thread)
         self.model_name: str = llm.model_name
         self.num_kda_heads: int = llm.config.kda.num_heads
         self.tp_size: int = group.world_size if group is not None else 1
