@@ -15,7 +15,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Generic, TypeVar
 
-from k3serve.cluster.api.errors import EngineOverloadedError
+from k3serve.cluster.errors import EngineOverloadedError
 
 T = TypeVar("T")
 

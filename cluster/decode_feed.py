@@ -19,7 +19,8 @@ import asyncio
 import uuid
 from typing import TYPE_CHECKING
 
-from k3serve.cluster.replicas import DecodeReplica, ReplicaDiedError
+from k3serve.cluster.errors import ReplicaDiedError
+from k3serve.cluster.replicas import DecodeReplica
 
 if TYPE_CHECKING:
     from k3serve.engine.async_engine import Item

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
 
-from k3serve.cluster.api.errors import EngineOverloadedError
+from k3serve.cluster.errors import ReplicaDiedError
 
 if TYPE_CHECKING:
     from k3serve.engine.llm_engine import EngineStats
@@ -53,10 +53,6 @@ class DecodeReplica(Protocol):
     async def stats(self) -> "EngineStats": ...
 
     async def metrics_text(self) -> str: ...
-
-
-class ReplicaDiedError(EngineOverloadedError):
-    """The replica's process died during the call (answered with 503; Ray restarts the actor)."""
 
 
 def _process_gone_errors() -> tuple[type[BaseException], ...]:

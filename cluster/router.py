@@ -18,11 +18,11 @@ import logging
 from typing import AsyncIterator, Sequence
 
 from k3serve.cluster.admission import AdmissionQueue
-from k3serve.cluster.api.errors import EngineOverloadedError
 from k3serve.cluster.decode_feed import DecodeFeed, RequestDeltas
+from k3serve.cluster.errors import ReplicaDiedError, ReplicaUnavailableError
 from k3serve.cluster.metrics import IngressMetrics
 from k3serve.cluster.replica_metrics import ReplicaMetricsCollector
-from k3serve.cluster.replicas import DecodeReplica, PrefillReplica, ReplicaDiedError
+from k3serve.cluster.replicas import DecodeReplica, PrefillReplica
 from k3serve.decode.worker import UnknownFeedError
 from k3serve.engine.async_engine import GenerateRequest
 from k3serve.engine.outputs import RequestDelta
@@ -36,10 +36,6 @@ log = logging.getLogger(__name__)
 
 AFFINITY_TOKENS = 256  # prompts that share their first tokens go to the same prefill replica
 AFFINITY_SLACK = 2  # ... unless it has this many more requests in flight than the least loaded
-
-
-class ReplicaUnavailableError(EngineOverloadedError):
-    """No healthy replica could serve the request (answered with 503)."""
 
 
 class DisaggregatedRouter:

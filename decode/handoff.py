@@ -1,41 +1,30 @@
 """One decode rank's part of a handoff: its transfer agent over its cache shard, its answer to a
 prefill rank's handshake, and the checksums of what landed in its shard.
 
-Every rank of a decode engine owns a `RankReceiver` and serves `DecodeControl` on its own
-address, so each prefill rank handshakes with each decode rank and writes straight into its
-shard. Rank 0 (`DecodeWorker`) answers everything; ranks > 0 (`decode.rank.follower_main`) only
-answer handshakes (`HandshakeOnly`). Verification runs on rank 0's engine thread, which asks
-every rank for the checksums of its landed view through the TP group:
-
-    prefill rank s --handshake--> decode rank r      (r's own agent, layout, tp_rank)
-    prefill rank s --writes-----> decode rank r      (ops of the pair (s, r))
-    prefill rank 0 --TransferReady(s, {"r/region": sum})--> decode rank 0
-    decode rank 0: lead(("checksums", ...)); every rank gathers its landed sums; compare per rank
+Every decode rank owns a `RankReceiver` and serves `DecodeControl` on its own address, so each prefill rank
+writes straight into its shard. Rank 0 (`DecodeWorker`) answers everything; ranks > 0 only answer handshakes
+(`HandshakeOnly`). Drawn: docs/design/handoff.md §3.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from k3serve.engine.config import EngineArgs
+from k3serve.engine.kv_handoff import CacheView
 from k3serve.model.batch import ModelCache
-from k3serve.model.config import ModelConfig
 from k3serve.transfer.backend import AgentInfo, TransferBackend
 from k3serve.transfer.backends import make_backend
 from k3serve.transfer.checksum import CachedRequest, request_checksums
 from k3serve.transfer.control import HandshakeInfo, InvalidArgumentError, Reservation
-from k3serve.transfer.layout import CacheLayout, HeadSlice, compatibility_hash, register_cache
+from k3serve.transfer.layout import CacheLayout, HeadSlice, register_cache
 from k3serve.transfer.tp_map import RankCache, TPMapping
 
 
-def make_receiver(
-    args: EngineArgs, runner, config: ModelConfig, rank: int, transfer: str, transfer_options: dict | None,
-    prefill_tp: int,
-) -> RankReceiver:
+def make_receiver(view: CacheView, transfer: str, transfer_options: dict | None, prefill_tp: int) -> RankReceiver:
     """This decode rank's transfer agent over its cache shard."""
-    layout = CacheLayout.from_cache(runner.cache, config, tp_rank=rank, tp_size=args.tensor_parallel_size)
-    compat = compatibility_hash(config, args.torch_dtype, args.block_size)
-    return RankReceiver(make_backend(transfer, **(transfer_options or {})), runner.cache, layout, compat, prefill_tp)
+    layout = CacheLayout.from_view(view)
+    backend = make_backend(transfer, **(transfer_options or {}))
+    return RankReceiver(backend, view.cache, layout, layout.compat_hash, prefill_tp)
 
 
 class RankReceiver:

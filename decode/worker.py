@@ -1,32 +1,13 @@
-"""Decode worker: reserves room for a request, receives its prompt state, continues from token 1.
+"""Decode worker: reserves room for a request, receives its prompt state, continues from its first token.
 
-    ingress                 decode worker                                prefill worker(s)
-    admit(id, prompt) --->  reserve blocks + 1 KDA slot (lease) ------>  (address + reservation)
-    stream(id)        <...  (nothing yet)                                writes MLA KV + KDA state
-                                                                         into every decode rank
-                            TransferReady(id, rank, first token, sums) <-- one per prefill rank
-                            all ranks in: verify checksums of the landed bytes on every decode rank
-                              ok   -> engine.add_prefilled_request: decode from the first token
-                              bad  -> fail the request loudly, free the reservation, count it
-    deltas            <---  continuous batching with every other request
-                            (per request, or per step for all the requests of one feed)
-
-A router follows its requests through one feed (`feed(feed_id)`, then `admit(..., feed=feed_id)`):
-one long-lived stream that yields, per engine step, the deltas of all of them, so a step costs one
-cross-process message, not one per request. A feed that ends (its router left, or cancelled it)
-aborts the requests it still carries.
-
-The control plane (gRPC `DecodeControl`) is served by this object; every operation that touches
-the engine's pools or cache runs on the engine thread (`AsyncEngine.submit`), so the scheduler
-never races a handler. A reservation that is never completed (prefill died, client left) is
-freed when its lease runs out, when the request is aborted, or when the stream is abandoned.
-
-A TP engine spans several processes: this object is rank 0 (scheduler, sampler, API, the full
-control plane); the other ranks run `decode.rank.follower_main`: each holds a model and cache
-shard, its own transfer agent, and a control server that answers only handshakes (prefill ranks
-write straight into every decode rank). The engine's address is the list of its ranks' control
-addresses, rank order (`addresses()`). Verification asks every rank for the checksums of its
-landed shard through the TP group (`decode.handoff`).
+The ingress admits a request (a reservation of blocks and one KDA slot, under a lease); prefill ranks write its
+state into every decode rank and report with TransferReady; once all have, rank 0 verifies the landed bytes'
+checksums on every rank and adopts the request (or fails it loudly and frees the reservation). It drives its
+engine through the handoff seam (`KVHandoff`); every pool operation runs on the engine thread, so the scheduler
+never races a gRPC handler. A reservation never completed is freed when its lease runs out, on abort, or when
+its stream is abandoned. A router follows its requests through one feed (`feed`, then `admit(..., feed=...)`):
+per engine step one message with the deltas of all of them. Ranks > 0 run `decode.rank.follower_main`; the
+engine's address is its ranks' control addresses, rank 0 first. The sequence is drawn in docs/design/handoff.md.
 """
 
 from __future__ import annotations
@@ -37,12 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from k3serve.decode.handoff import make_receiver
-from k3serve.engine.async_engine import AsyncEngine, DeltaFeed, Item
 from k3serve.engine.config import EngineArgs
-from k3serve.engine.llm_engine import EngineStats, LLMEngine
+from k3serve.engine.kv_handoff import BoundaryState, DeltaFeed, EngineStats, Item, KVHandoff, TPGroup
 from k3serve.engine.outputs import RequestDelta
 from k3serve.engine.sampling_params import SamplingParams
-from k3serve.engine.tp_group import TPGroup
 from k3serve.transfer.backend import AgentInfo
 from k3serve.transfer.checksum import combine_request_checksums, mismatched_regions, split_rank_checksums
 from k3serve.transfer.control import (
@@ -55,7 +34,7 @@ from k3serve.transfer.control import (
     UnknownRequestError,
 )
 from k3serve.transfer.metrics import transfer_metrics
-from k3serve.transfer.tp_map import RankCache, sending_ranks
+from k3serve.transfer.tp_map import sending_ranks
 
 
 class HandoffFailedError(RuntimeError):
@@ -71,7 +50,7 @@ class UnknownFeedError(RuntimeError):
 class _Pending:
     """A reservation waiting for its handoff."""
 
-    reservation: Reservation
+    state: BoundaryState  # where the handoff lands
     deadline: float  # monotonic
     prompt_token_ids: list[int] | None = None
     params: SamplingParams | None = None
@@ -94,15 +73,12 @@ class DecodeWorker:
         group: TPGroup | None = None,
     ) -> None:
         self.name = name
-        self.group = group
-        self.decode_tp = group.world_size if group else 1
-        self.engine = AsyncEngine(args, group=group)
-        self.engine.on_abort = self._on_engine_abort
-        core = self.engine.engine
+        self.handoff = KVHandoff(args, group, on_abort=self._on_engine_abort)
+        self.decode_tp = self.handoff.tp_size
         self.lease_seconds = lease_seconds
         self.verify_checksums = verify_checksums
         self.prefill_tp = prefill_tp
-        self.metrics = transfer_metrics().bind(model=core.model_name, role="decode")
+        self.metrics = transfer_metrics().bind(model=self.handoff.model_name, role="decode")
         self._lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}
         self._streams: dict[str, AsyncIterator[RequestDelta]] = {}  # admitted, not yet followed
@@ -111,11 +87,10 @@ class DecodeWorker:
         self.receiver = self.server = None
         try:
             self._expected_ranks = self._sources(prefill_tp)
-            self.receiver = make_receiver(args, core.runner, core.config, 0, transfer, transfer_options, prefill_tp)
-            self.layout, self.regions, self.compat_hash = (self.receiver.layout, self.receiver.regions,
-                                                           self.receiver.compat_hash)
+            self.receiver = make_receiver(self.handoff.cache_view, transfer, transfer_options, prefill_tp)
+            self.compat_hash = self.receiver.compat_hash
             self.server = DecodeControlServer(self, self.compat_hash, host=host).start()
-            self.control_addresses: tuple[str, ...] = self.engine.submit(self._gather_addresses).result()
+            self.control_addresses: tuple[str, ...] = self.handoff.submit(self._gather_addresses).result()
         except BaseException:
             self.shutdown()  # releases the followers too: none is left waiting for rank 0
             raise
@@ -132,16 +107,13 @@ class DecodeWorker:
         """Every rank's control address, rank order: what a `HandoffTarget` names."""
         return self.control_addresses
 
-    def _gather_addresses(self, e: LLMEngine) -> tuple[str, ...]:
+    def _gather_addresses(self) -> tuple[str, ...]:
         """Engine thread, once: each rank's control server address (followers started theirs)."""
-        if self.group is None:
-            return (self.server.address,)
-        self.group.lead(("addresses",))
-        return tuple(self.group.gather(self.server.address))
+        return tuple(self.handoff.on_all_ranks("addresses", (), lambda: self.server.address))
 
     def _sources(self, prefill_tp: int) -> set[int]:
         """Prefill ranks that write into some rank of this decode engine, for a prefill pool of TP P."""
-        heads = self.engine.engine.config.kda.num_heads
+        heads = self.handoff.num_kda_heads
         for what, tp in (("prefill", prefill_tp), ("decode", self.decode_tp)):
             if heads % tp:
                 raise ValueError(f"{what} TP {tp} does not divide the model's {heads} KDA heads")
@@ -161,23 +133,23 @@ class DecodeWorker:
             raise InvalidArgumentError(f"request {request_id!r} is already being admitted here")
         self._admitting[request_id] = False
         try:
-            grammar = await self.engine.grammar(params.structured_outputs)
-            reservation = await self.engine.call(lambda e: self._reserve(e, request_id, len(prompt_token_ids)))
+            grammar = await self.handoff.grammar(params.structured_outputs)
+            reservation = await self.handoff.call(lambda: self._reserve(request_id, len(prompt_token_ids)))
         finally:
             aborted = self._admitting.pop(request_id)
         if aborted:  # `abort_request` found nothing to free yet: the reservation goes now
-            await self.engine.abort(request_id)
+            await self.handoff.abort(request_id)
             raise UnknownRequestError(f"request {request_id!r} was aborted during its admission")
         with self._lock:
             pending = self._pending.get(request_id)
             if pending is not None:
                 pending.prompt_token_ids, pending.params, pending.grammar = list(prompt_token_ids), params, grammar
         if feed is None:
-            self._streams[request_id] = self.engine.stream(request_id)
+            self._streams[request_id] = self.handoff.stream(request_id)
         elif feed in self._feeds:  # checked after the await: the feed may have ended meanwhile
-            self.engine.follow(request_id, self._feeds[feed])
+            self.handoff.follow(request_id, self._feeds[feed])
         else:
-            await self.engine.abort(request_id)  # frees the reservation
+            await self.handoff.abort(request_id)  # frees the reservation
             raise UnknownFeedError(f"decode worker {self.name} serves no feed {feed!r}")
         return reservation
 
@@ -203,7 +175,7 @@ class DecodeWorker:
         finally:
             del self._feeds[feed_id]
             for request_id in list(feed.request_ids):
-                await self.engine.abort(request_id)
+                await self.handoff.abort(request_id)
 
     async def abort_request(self, request_id: str) -> None:
         if request_id in self._admitting:
@@ -211,11 +183,11 @@ class DecodeWorker:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             await stream.aclose()
-        await self.engine.abort(request_id)
+        await self.handoff.abort(request_id)
 
     async def stats(self) -> EngineStats:
         self._expire_leases()
-        return await self.engine.call(lambda e: e.stats(num_reserved=len(self._pending)))
+        return await self.handoff.call(lambda: self.handoff.stats(num_reserved=len(self._pending)))
 
     async def metrics_text(self) -> str:
         """This process's k3serve metrics (transfer counters, pins), for the ingress to re-export."""
@@ -226,7 +198,7 @@ class DecodeWorker:
     def shutdown(self) -> None:
         if self.server is not None:
             self.server.stop(grace=1.0)
-        self.engine.shutdown()  # stops the followers too (rank 0 announces "stop")
+        self.handoff.shutdown()  # stops the followers too
         if self.receiver is not None:
             self.receiver.close()
 
@@ -235,7 +207,7 @@ class DecodeWorker:
         return self.receiver.handshake(peer, layout_json, tp_size, tp_rank)
 
     def reserve(self, request_id: str, num_tokens: int, lease_seconds: float) -> Reservation:
-        return self.engine.submit(lambda e: self._reserve(e, request_id, num_tokens, lease_seconds)).result()
+        return self.handoff.submit(lambda: self._reserve(request_id, num_tokens, lease_seconds)).result()
 
     def transfer_ready(
         self, request_id: str, from_rank: int, first_token_id: int, num_tokens: int, checksums: dict[str, str]
@@ -257,10 +229,10 @@ class DecodeWorker:
         if pending.params is None or len(pending.prompt_token_ids or ()) != num_tokens:
             self._fail(request_id, HandoffFailedError(f"handoff of {request_id!r} does not match what was admitted"))
             raise InvalidArgumentError(f"request {request_id!r}: {num_tokens} tokens, admitted {pending.prompt_token_ids!r:.40}")
-        self.engine.submit(lambda e: self._adopt(e, request_id, pending)).result()
+        self.handoff.submit(lambda: self._adopt(request_id, pending)).result()
 
     def abort(self, request_id: str, reason: str) -> None:
-        self.engine.submit(lambda e: self._drop_reservation(e, request_id, HandoffFailedError(reason))).result()
+        self.handoff.submit(lambda: self._drop_reservation(request_id, HandoffFailedError(reason))).result()
 
     def heartbeat(self, request_ids: list[str], sender: str) -> list[str]:
         now = time.monotonic()
@@ -276,50 +248,46 @@ class DecodeWorker:
         return unknown
 
     # ---- engine thread ---------------------------------------------------------------------------
-    def _reserve(self, e: LLMEngine, request_id: str, num_tokens: int, lease_seconds: float | None = None) -> Reservation:
+    def _reserve(self, request_id: str, num_tokens: int, lease_seconds: float | None = None) -> Reservation:
         with self._lock:
-            if request_id in self._pending or request_id in e.scheduler.requests:
+            if request_id in self._pending or self.handoff.has_request(request_id):
                 raise InvalidArgumentError(f"request {request_id!r} is already here")
-        held = e.reserve(num_tokens)
-        if held is None:
-            raise NoCapacityError(f"no capacity for {num_tokens} tokens: {e.scheduler.block_pool.num_free_blocks} free blocks, "
-                                  f"{e.scheduler.state_pool.num_free} free slots")
+        state = self.handoff.reserve(request_id, num_tokens)
+        if state is None:
+            free = self.handoff.stats()
+            raise NoCapacityError(f"no capacity for {num_tokens} tokens: {free.num_free_blocks} free blocks, "
+                                  f"{free.num_free_slots} free slots")
         lease = lease_seconds or self.lease_seconds
-        reservation = Reservation(tuple(held[0]), held[1], time.time() + lease)
         with self._lock:
-            self._pending[request_id] = _Pending(reservation, time.monotonic() + lease)
-        return reservation
+            self._pending[request_id] = _Pending(state, time.monotonic() + lease)
+        return Reservation(state.block_ids, state.slot_id, time.time() + lease)
 
-    def _adopt(self, e: LLMEngine, request_id: str, pending: _Pending) -> None:
+    def _adopt(self, request_id: str, pending: _Pending) -> None:
         with self._lock:
             if self._pending.pop(request_id, None) is None:
                 raise UnknownRequestError(f"request {request_id!r} was aborted during its handoff")
-        res = pending.reservation
+        state = pending.state
         if self.verify_checksums:
-            bad = self._verify(res, len(pending.prompt_token_ids), pending.shares)
+            bad = self._verify(state, len(pending.prompt_token_ids), pending.shares)
             if bad:
-                e.cancel_reservation(list(res.block_ids), res.slot_id)
+                self.handoff.cancel(state)
                 error = ChecksumMismatchError(f"request {request_id!r}: state corrupted in transfer, regions {bad}")
-                self.engine.fail(request_id, HandoffFailedError(str(error)))
+                self.handoff.fail(request_id, HandoffFailedError(str(error)))
                 raise error
         try:
-            e.add_prefilled_request(request_id, pending.prompt_token_ids, pending.first_token_id, pending.params,
-                                    list(res.block_ids), res.slot_id, pending.grammar)
+            self.handoff.adopt(state, pending.prompt_token_ids, pending.first_token_id, pending.params,
+                               pending.grammar)
         except ValueError as error:  # refused before it took the reservation: free it, end the stream
-            e.cancel_reservation(list(res.block_ids), res.slot_id)
-            self.engine.fail(request_id, error)
+            self.handoff.cancel(state)
+            self.handoff.fail(request_id, error)
             raise
 
-    def _verify(self, res: Reservation, num_tokens: int, shares: dict[int, dict[int, dict[str, str]]]) -> list[str]:
+    def _verify(self, state: BoundaryState, num_tokens: int, shares: dict[int, dict[int, dict[str, str]]]) -> list[str]:
         """Engine thread: every decode rank checksums its landed shard (one gather through the TP
         group); each is compared with the sum of what the prefill ranks sent it. Returns the
         mismatched "<decode rank>/<region>" names (or why a rank could not tell); [] = intact."""
-        args = (tuple(res.block_ids), res.slot_id, num_tokens)
-        if self.group is None:
-            landed = [self.receiver.landed_checksums(*args)]
-        else:
-            self.group.lead(("checksums", *args))
-            landed = self.group.gather(self.receiver.landed_checksums(*args))
+        args = (state.block_ids, state.slot_id, num_tokens)
+        landed = self.handoff.on_all_ranks("checksums", args, lambda: self.receiver.landed_checksums(*args))
         bad = []
         for r, got in enumerate(landed):
             if not isinstance(got, dict):
@@ -329,21 +297,21 @@ class DecodeWorker:
             bad += [f"{r}/{name}" for name in mismatched_regions(expected, got, self.metrics)]
         return bad
 
-    def _drop_reservation(self, e: LLMEngine, request_id: str, error: BaseException) -> bool:
+    def _drop_reservation(self, request_id: str, error: BaseException) -> bool:
         with self._lock:
             pending = self._pending.pop(request_id, None)
         if pending is None:
             return False
-        e.cancel_reservation(list(pending.reservation.block_ids), pending.reservation.slot_id)
-        self.engine.fail(request_id, error)
+        self.handoff.cancel(pending.state)
+        self.handoff.fail(request_id, error)
         return True
 
     def _on_engine_abort(self, request_id: str) -> None:
         """Engine thread, after any abort (incl. an abandoned stream): free a pending reservation."""
-        self._drop_reservation(self.engine.engine, request_id, HandoffFailedError("aborted"))
+        self._drop_reservation(request_id, HandoffFailedError("aborted"))
 
     def _fail(self, request_id: str, error: BaseException) -> None:
-        self.engine.submit(lambda e: self._drop_reservation(e, request_id, error))
+        self.handoff.submit(lambda: self._drop_reservation(request_id, error))
 
     def _expire_leases(self) -> None:
         now = time.monotonic()
@@ -352,9 +320,6 @@ class DecodeWorker:
         for rid in expired:
             self.metrics.lease_expired()
             self._fail(rid, HandoffFailedError(f"request {rid!r}: no handoff within its lease"))
-
-    def _rank_cache(self) -> RankCache:
-        return RankCache(self.layout, self.regions)
 
     @property
     def backend(self):

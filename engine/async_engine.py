@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.llm_engine import LLMEngine
 from k3serve.engine.outputs import RequestDelta, RequestFailedError
+from k3serve.engine.request import Request
 from k3serve.engine.tp_group import TPGroup
 from k3serve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -100,13 +101,19 @@ def _deliver(batch: list[tuple[_Sink, str, Item]]) -> None:
 
 
 class AsyncEngine:
-    def __init__(self, args: EngineArgs | None = None, group: TPGroup | None = None, **engine_args: Any) -> None:
-        self.engine = LLMEngine(args if args is not None else EngineArgs.from_kwargs(**engine_args), group)
+    def __init__(
+        self, args: EngineArgs | None = None, group: TPGroup | None = None,
+        on_finish: Callable[[Request], None] | None = None, on_abort: Callable[[str], None] | None = None,
+        **engine_args: Any,
+    ) -> None:
+        """`on_finish`: the scheduler's hook (`Scheduler.on_finish`); `on_abort(request_id)`: after every abort.
+        Both run on the engine thread."""
+        self.engine = LLMEngine(args if args is not None else EngineArgs.from_kwargs(**engine_args), group, on_finish)
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._streams: dict[str, _Sink] = {}  # where each followed request's deltas go
         self._lock = threading.Lock()
         self._error: BaseException | None = None
-        self.on_abort: Callable[[str], None] | None = None  # engine thread, after every abort
+        self._on_abort = on_abort
         self._awaiting_grammar: dict[str, GenerateRequest] = {}  # engine thread: added once their grammar is ready
         self._thread = threading.Thread(target=self._run, name="k3serve-engine", daemon=True)
         self._thread.start()
@@ -205,6 +212,10 @@ class AsyncEngine:
         self._commands.put(("stop", None))
         self._thread.join(timeout=30)
 
+    def on_engine_thread(self) -> bool:
+        """Whether the caller runs on the engine thread (inside `call` / `submit`, or a hook)."""
+        return threading.current_thread() is self._thread
+
     def _check_alive(self) -> None:
         if self._error is not None or not self._thread.is_alive():
             raise EngineDeadError(f"the engine thread has stopped: {self._error!r}")
@@ -250,8 +261,8 @@ class AsyncEngine:
                 delta = self.engine.abort_request(arg) if awaiting is None else self._abort_unadmitted(awaiting)
                 if delta is not None:  # ends a consumer still iterating (abort() from elsewhere)
                     self._emit(arg, delta)
-                if self.on_abort is not None:
-                    self.on_abort(arg)
+                if self._on_abort is not None:
+                    self._on_abort(arg)
             elif kind == "call":
                 fn, future = arg
                 if future.set_running_or_notify_cancel():  # a caller that gave up (cancelled) runs nothing

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -86,10 +86,13 @@ class _Tracked:
 
 class LLMEngine:
     """`group`: rank 0's TP group when the engine spans several ranks (the followers run
-    `engine.tp_group.follow_forever`); None for a single-rank engine. On CUDA the start runs one warm-up step and
-    raises `engine.warmup.MemoryPlanError` when it exceeds the memory plan (`warmup`: what it measured)."""
+    `engine.tp_group.follow_forever`); None for a single-rank engine. `on_finish`: the scheduler's hook
+    (`Scheduler.on_finish`, engine thread). On CUDA the start runs one warm-up step and raises
+    `engine.warmup.MemoryPlanError` when it exceeds the memory plan (`warmup`: what it measured)."""
 
-    def __init__(self, args: EngineArgs, group: TPGroup | None = None) -> None:
+    def __init__(
+        self, args: EngineArgs, group: TPGroup | None = None, on_finish: Callable[[Request], None] | None = None
+    ) -> None:
         self.args = args
         torch.manual_seed(args.seed)
         self.model_dir = resolve_model_dir(args.model, args.seed, args.model_cache_dir)
@@ -123,6 +126,7 @@ class LLMEngine:
             block_pool,
             state_pool,
             PrefixCache(block_pool, state_pool) if args.enable_prefix_caching else None,
+            on_finish,
         )
         self.sampler = Sampler(eos_token_id=self.tokenizer.eos_token_id)
         self.structured_outputs = StructuredOutputs(self.tokenizer, self.config.vocab_size,

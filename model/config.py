@@ -105,10 +105,6 @@ class ModelConfig:
         """Values per token per MLA layer in the latent cache: c (kv_lora_rank) + k_pe (rope dim)."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
-    @property
-    def kda_proj_size(self) -> int:
-        return self.kda.num_heads * self.kda.head_dim
-
     def check_tp(self, tp_size: int) -> None:
         """Raise unless every sharded dimension splits evenly over `tp_size` ranks."""
         checks = {

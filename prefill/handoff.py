@@ -1,18 +1,9 @@
 """One prefill rank's part of a handoff: its writes into the decode reservation, and their checksums.
 
-Every rank of a prefill engine owns a `RankSender` over its own cache shard and transfer agent.
-For each request, all ranks push together (rank 0 announces the job through the TP group): each
-rank handshakes once with every rank of the decode engine (each answers with its own agent,
-layout and rank), computes its share of the writes from the TP mapping, posts one batch per
-decode rank it writes to, checksums what it sent, per decode rank, while the writes are in flight
-(the source is pinned: nothing writes it, and reading it beside the backend is safe), then waits
-until all have landed. Rank 0 gathers the checksums and reports to decode rank 0, which verifies
-for all ranks:
-
-    prefill rank s                            decode engine (D ranks)
-    handshake(addresses[r]) for r < D  --->   rank r: its agent, layout, tp_rank r
-    write ops(s, r) for every r with ops ->   rank r's cache shard
-    checksums {r: sums of view(s, r)}  --->   (gathered by prefill rank 0) TransferReady -> rank 0
+Every rank of a prefill engine owns a `RankSender` over its own cache shard and transfer agent; all ranks push
+a request together (rank 0 announces it). A rank handshakes once with every decode rank, posts one batch of
+TP-mapped writes per decode rank it feeds, checksums what it sent while they fly (the source is pinned), and
+waits until all have landed; rank 0 gathers the sums for decode rank 0. Drawn: docs/design/handoff.md §3.
 """
 
 from __future__ import annotations

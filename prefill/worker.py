@@ -1,18 +1,9 @@
-"""Prefill worker: runs a prompt, samples the first token, pushes the state into a decode reservation.
+"""Prefill worker: runs a prompt to its first token and pushes its boundary state into a decode reservation.
 
-    prefill(request, target)                                    decode worker
-      engine: chunked prefill (adaptive budget, in-pass KDA checkpoints), first token sampled
-      scheduler.on_finish -> pin the request's blocks + slot (lease)   <- before they are released
-      every TP rank: its share of the writes into every decode rank (TP mapping), wait until
-      landed, checksum it per decode rank
-      TransferReady(rank, first token, checksums) per rank   ------->  decode rank 0: verify every
-                                                                        decode rank, adopt, decode
-      unpin: the boundary state may be reused only now
-
-A TP engine spans several processes: this object is rank 0 (scheduler, sampler, API); the other
-ranks run `prefill.rank.follower_main` and perform every step and every handoff that rank 0
-announces. If a handoff fails, its pin is NOT released early: a write that may still land keeps
-its memory until the lease expires.
+It drives its engine through the handoff seam (`KVHandoff`): the seam reports each finished prompt's boundary
+state, which is pinned under a lease until every rank's writes are confirmed; every rank of a TP engine pushes
+its share (`prefill.handoff`), and decode rank 0 verifies and adopts. A failed handoff keeps its pin until the
+lease ends: a write that may still land keeps its memory. The sequence is drawn in docs/design/handoff.md.
 """
 
 from __future__ import annotations
@@ -22,19 +13,16 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from k3serve.engine.async_engine import AsyncEngine, GenerateRequest
 from k3serve.engine.config import EngineArgs
-from k3serve.engine.llm_engine import EngineStats, LLMEngine
+from k3serve.engine.kv_handoff import BoundaryState, CacheView, EngineStats, KVHandoff, TPGroup
 from k3serve.engine.outputs import RequestDelta, TokenLogprobs
-from k3serve.engine.request import Request
 from k3serve.engine.sampling_params import SamplingParams
-from k3serve.engine.tp_group import TPGroup
 from k3serve.prefill.handoff import HandoffJob, RankSender, RankShare
 from k3serve.transfer.backend import TransferError
 from k3serve.transfer.backends import make_backend
 from k3serve.transfer.checksum import flatten_rank_checksums
 from k3serve.transfer.control import Reservation
-from k3serve.transfer.layout import CacheLayout, compatibility_hash
+from k3serve.transfer.layout import CacheLayout
 from k3serve.transfer.metrics import transfer_metrics
 from k3serve.transfer.pins import PinManager
 
@@ -68,11 +56,10 @@ class PrefillResult:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # of the prompt tokens, if asked (echo)
 
 
-def make_sender(args: EngineArgs, runner, config, rank: int, transfer: str, transfer_options: dict | None) -> RankSender:
+def make_sender(view: CacheView, transfer: str, transfer_options: dict | None) -> RankSender:
     """This rank's transfer agent over its cache shard."""
-    layout = CacheLayout.from_cache(runner.cache, config, tp_rank=rank, tp_size=args.tensor_parallel_size)
-    compat = compatibility_hash(config, args.torch_dtype, args.block_size)
-    return RankSender(make_backend(transfer, **(transfer_options or {})), runner.cache, layout, compat)
+    layout = CacheLayout.from_view(view)
+    return RankSender(make_backend(transfer, **(transfer_options or {})), view.cache, layout, layout.compat_hash)
 
 
 class PrefillWorker:
@@ -86,38 +73,30 @@ class PrefillWorker:
         group: TPGroup | None = None,
     ) -> None:
         self.name = name
-        self.group = group
-        self.engine = AsyncEngine(args, group=group)
-        core = self.engine.engine
         self.lease_seconds = lease_seconds
-        self.sender = make_sender(args, core.runner, core.config, 0, transfer, transfer_options)
-        self.metrics = transfer_metrics().bind(model=core.model_name, role="prefill")
-        self.pins = PinManager(core.scheduler.block_pool, core.scheduler.state_pool, metrics=self.metrics)
-        self._held: dict[str, tuple[list[int], int]] = {}  # request id -> pinned (blocks, slot); engine thread
-        self.engine.submit(self._install_hold).result()
+        self.handoff = KVHandoff(args, group, on_prompt_done=self._hold)
+        self.sender = make_sender(self.handoff.cache_view, transfer, transfer_options)
+        self.metrics = transfer_metrics().bind(model=self.handoff.model_name, role="prefill")
+        self.pins = PinManager(self.handoff.pins, metrics=self.metrics)  # engine thread
+        self._held: dict[str, BoundaryState] = {}  # request id -> its pinned boundary state; engine thread
 
     # ---- the boundary state stays pinned from the end of the prompt until the handoff is done ------
-    def _install_hold(self, e: LLMEngine) -> None:
-        e.scheduler.on_finish = self._hold
-
-    def _hold(self, req: Request) -> None:
-        """Engine thread, as the scheduler finishes a request and before it releases anything."""
-        if req.slot_id is None or req.finish_reason == "abort" or req.num_computed_tokens != req.num_prompt_tokens:
-            return
-        ranks = range(self.group.world_size if self.group else 1)
-        self.pins.pin(req.request_id, req.block_ids, [req.slot_id], ranks, self.lease_seconds)
-        self._held[req.request_id] = (list(req.block_ids), req.slot_id)
+    def _hold(self, state: BoundaryState) -> None:
+        """Engine thread, as the engine finishes a prompt and before it frees anything."""
+        self.pins.pin(state.request_id, state.block_ids, [state.slot_id], range(self.handoff.tp_size),
+                      self.lease_seconds)
+        self._held[state.request_id] = state
 
     def _release(self, request_id: str, reason: str | None) -> None:
         """Unpin after every rank confirmed (reason None), or at once when nothing was posted."""
-        def release(e: LLMEngine) -> None:
+        def release() -> None:
             self._held.pop(request_id, None)
             if reason is None:
-                for rank in range(self.group.world_size if self.group else 1):
+                for rank in range(self.handoff.tp_size):
                     self.pins.confirm(request_id, rank)
             else:
                 self.pins.abort(request_id, reason)
-        self.engine.submit(release)
+        self.handoff.submit(release)
 
     # ---- the request ------------------------------------------------------------------------
     async def prefill(
@@ -127,19 +106,19 @@ class PrefillWorker:
         start = time.perf_counter()
         last: RequestDelta | None = None
         first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-        async for delta in self.engine.generate(GenerateRequest(request_id, prompt_token_ids, first_only)):
+        async for delta in self.handoff.generate(request_id, prompt_token_ids, first_only):
             last = delta
         prefill_seconds = time.perf_counter() - start
         first = last.new_token_ids[0]
-        held = await self.engine.call(lambda e: self._held.get(request_id))
+        held = await self.handoff.call(lambda: self._held.get(request_id))
         if last.finish_reason != "length" or params.max_tokens == 1 or held is None:
             if held is not None:
                 self._release(request_id, "finished at the first token")
             return PrefillResult(first, True, last, len(prompt_token_ids), prefill_seconds, 0.0, 0)
-        job = HandoffJob(request_id, target.decode_addresses, tuple(held[0]), held[1], target.reservation,
-                         len(prompt_token_ids))
+        job = HandoffJob(request_id, target.decode_addresses, held.block_ids, held.slot_id, target.reservation,
+                         held.num_tokens)
         t0 = time.perf_counter()
-        shares = await self.engine.call(lambda e: self._push_all(job))
+        shares = await self.handoff.call(lambda: self._push_all(job))
         errors = [s.error for s in shares if s.error]
         if errors:  # the pin stays until its lease ends; the router may retry on another replica
             self.metrics.failure("write")
@@ -160,22 +139,19 @@ class PrefillWorker:
                              num_bytes, last.logprobs, last.prompt_logprobs)
 
     def _push_all(self, job: HandoffJob) -> list[RankShare]:
-        """Engine thread: every rank pushes its share now; rank 0 collects the answers."""
-        if self.group is None:
-            return [self.sender.push(job)]
-        self.group.lead(("handoff", job))
-        return self.group.gather(self.sender.push(job))
+        """Engine thread: every rank pushes its share now (followers: `prefill.rank`); rank 0's gathers them."""
+        return self.handoff.on_all_ranks("handoff", (job,), lambda: self.sender.push(job))
 
     async def abort(self, request_id: str) -> None:
-        await self.engine.abort(request_id)
+        await self.handoff.abort(request_id)
 
     async def stats(self) -> EngineStats:
         """Load and pool usage, for routing and the pool gauges."""
-        def read(e: LLMEngine) -> EngineStats:
+        def read() -> EngineStats:
             self.pins.expire()  # leases of abandoned handoffs end here at the latest
-            return e.stats()
+            return self.handoff.stats()
 
-        return await self.engine.call(read)
+        return await self.handoff.call(read)
 
     async def metrics_text(self) -> str:
         """This process's k3serve metrics (transfer counters, pins), for the ingress to re-export."""
@@ -184,5 +160,5 @@ class PrefillWorker:
         return render_worker_metrics()
 
     def shutdown(self) -> None:
-        self.engine.shutdown()  # stops the followers too (rank 0 announces "stop")
+        self.handoff.shutdown()  # stops the followers too
         self.sender.close()

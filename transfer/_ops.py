@@ -1,17 +1,19 @@
 """Helpers shared by the mooncake and nixl backends: region lookup, op validation and coalescing,
-page pre-faulting and per-handle deadlines. Private to `k3serve.transfer`."""
+page pre-faulting, per-handle deadlines and the table of open handles. Private to `k3serve.transfer`."""
 
 from __future__ import annotations
 
 import bisect
 import time
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 
 from .backend import RegionDesc, TransferError, WriteOp
 
 PAGE = 4096
+T = TypeVar("T")
 
 
 class RegionIndex:
@@ -125,3 +127,30 @@ class Deadline:
 
     def passed(self) -> bool:
         return time.monotonic() > self.at
+
+
+class HandleTable(Generic[T]):
+    """A backend's open write batches by handle (ints from 1, never reused); a handle that was
+    released, or never given out, is a TransferError. Thread: the backend's caller's (not locked)."""
+
+    def __init__(self) -> None:
+        self._items: dict[int, T] = {}
+        self._next = 1
+
+    def add(self, item: T) -> int:
+        handle, self._next = self._next, self._next + 1
+        self._items[handle] = item
+        return handle
+
+    def get(self, handle: int) -> T:
+        try:
+            return self._items[handle]
+        except KeyError:
+            raise TransferError(f"unknown or released handle {handle}") from None
+
+    def pop(self, handle: int) -> T | None:
+        """The batch of `handle`, forgotten; None if it was not open."""
+        return self._items.pop(handle, None)
+
+    def handles(self) -> list[int]:
+        return list(self._items)

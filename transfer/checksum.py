@@ -1,84 +1,31 @@
 """Per-request checksums of transferred state: did the bytes the decode rank runs from arrive intact?
 
-A byte-exact transfer is not proven by a DONE status (a partial write once reported success, a
-slot once moved under a transfer: PD_PRIOR_ART §7.1). So both sides checksum the same thing:
-the DECODE rank's view of the request, region by region:
-
-    region              decode rank r's view (bytes in this order)
-    mla.{i}             token rows 0..num_tokens-1 of the request's blocks (not the block tails)
-    kda_recurrent.{j}   the slot: [H/D heads, K, V]
-    kda_conv.{j}        the slot: q | k | v sub-blocks of (H/D)*K channels, W-1 values each
-
-The checksum is ADDITIVE over byte positions of that view, so a prefill rank can compute its
-share from its own cache, placed at the offsets its bytes take in the decode view, and the
-shares of all sources add up to what the decode rank computes after landing:
-
-    decode r0 view of kda_conv.0   | q: h0 h1 h2 h3 | k: h0 h1 h2 h3 | v: h0 h1 h2 h3 |
-    from s0 (heads 0-1)            | ##### ........ | ##### ........ | ##### ........ |
-    from s1 (heads 2-3)            | ..... ######## | ..... ######## | ..... ######## |
-    combine([s0, s1]) == checksum(view on r0)
-
-The view is read as 16-bit words (every element is >= 2 bytes and every offset in a view is a
-multiple of an element size; odd offsets or lengths are refused). Word w (as int16, shifted to
-v = w + 32769 in 1..65536, so a zero word still counts) at word position p adds two lanes:
-
-    lane 1: v * (p + 1)  mod p1 = 2^31 - 1 (prime)   a single changed word, or two swapped unequal
-                                                     words, ALWAYS change it (views < 4 GiB)
-    lane 2: v * R^p      mod p2 = 2^31 - 19 (prime)  polynomial hash, R a primitive root: the rest
-
-A request's view is described as pieces (`Piece`: words of a cache tensor, in block runs for MLA),
-never gathered into a new tensor up front. Two exact paths compute the same per-piece lanes:
-
-  CPU (and CUDA without triton): cheap because nothing is reduced per element: the pieces' words
-  are placed, row-aligned, into float64 matrices of rows of 1024 words (zero-padded), and one
-  matmul X @ [1, j+1, R^j & 0xffff, R^j >> 16] a batch gives four exact integer sums per row
-  (every product and partial sum stays far below 2^53, so any summation order is exact). Rows are
-  folded with their position (lane 1) and R^(row start) (lane 2) in int64, summed per piece, and
-  the piece's offset in the view and the +32769 shift are fixed up with Python ints.
-  CUDA: `checksum_triton`: one kernel reads every piece in place, in int64 with every bound
-  checked, one launch and one host sync for the whole request (the matmul path paid a staging copy,
-  a dozen launches and a sync per 4M-word batch: ~40 ms for a K3 rank's 283 MB on an H200).
+Both sides checksum the decode rank's view of a request, region by region (MLA token rows 0..num_tokens-1 of its
+blocks, its KDA slot's heads of that rank), read as 16-bit words into two lanes mod two primes. The sum is
+additive over byte positions, so each prefill rank checksums its share from its own cache, placed where its
+bytes land in the decode view, and `combine_request_checksums` of the shares equals the landed view's sum.
+Values are exact on every device: the float64 matmul here on CPU, one Triton kernel reading the cache in place
+on CUDA (`checksum_triton.py`). The scheme, drawn: docs/design/handoff.md §6.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
 from k3serve.kernels._backend import gpu_kernels, has_module
 from k3serve.model.batch import ModelCache
+from k3serve.transfer.checksum_lanes import _P1, _P2, _R, _SHIFT, Piece, _power_at, _powers
 from k3serve.transfer.layout import CacheLayout, HeadSlice
 from k3serve.transfer.metrics import BoundTransferMetrics
 
-_P1 = 2**31 - 1  # prime: position weights 1..p1-1 are distinct and nonzero
-_P2 = 2**31 - 19  # prime
-_R = 0x5DEECE6E  # a primitive root mod p2: lane-2 weights R^p repeat only after p2 - 1 words
 _R_MINUS_1_INV = pow(_R - 1, -1, _P2)
-_SHIFT = 32769  # int16 word w -> w + 32769 in 1..65536
 _WORD = 2  # bytes
 _ROW = 1024  # words per matrix row: |row sums| < 2^42, exact in float64
 _BATCH_WORDS = 1 << 22  # words per matmul: float64 temporaries of 32 MiB at most
 _MAX_VIEW_WORDS = _P1 - 2
-_DIGIT = 11  # R^q as a product over the three 11-bit digits of q (< 2^33: past any view); _ROW <= 2^_DIGIT
-
-
-class Piece(NamedTuple):  # a NamedTuple: a K3 rank's request makes 162 of them per checksum pass
-    """`count` 16-bit words at word position `offset` of a region's view, read from the contiguous
-    tensor `source` in runs of `run` words: run k starts at word `first + runs[k] * run` of `source`
-    (the last run is cut at `count`). One run (`runs == (0,)`) for a slot's KDA state; a
-    request's MLA blocks for an MLA layer, so neither path gathers them into a new tensor first."""
-
-    region: str
-    source: torch.Tensor
-    first: int
-    count: int
-    offset: int
-    run: int
-    runs: tuple[int, ...] = (0,)
 
 
 @dataclass(frozen=True)
@@ -226,7 +173,7 @@ def _piece(
 
 
 def _checksum_pieces(pieces: list[Piece]) -> dict[str, str]:
-    """Sum every piece's lanes into its region's (see the module docstring for the scheme)."""
+    """Sum every piece's lanes into its region's (the scheme: docs/design/handoff.md §6)."""
     return _fold(pieces, _lanes(pieces))
 
 
@@ -326,33 +273,6 @@ def _row_sums(batch: list[_Words]) -> tuple[list[_Words], list[int], list[list[i
     return batch, starts, per_piece
 
 
-_POWERS: dict[torch.device, torch.Tensor] = {}
-_POWERS_LOCK = threading.Lock()
-
-
-def _powers(device: torch.device) -> torch.Tensor:
-    """int64 [3, 2^_DIGIT] on `device`: R^(i * 2^(level * _DIGIT)) mod p2 at [level, i], built once per
-    device. The one table of powers of R: both paths read R^q from it (`_power_at`, and the same in the kernel)."""
-    with _POWERS_LOCK:
-        powers = _POWERS.get(device)
-        if powers is None:
-            levels = []
-            for level in range(3):
-                step, power, row = pow(_R, 1 << (level * _DIGIT), _P2), 1, []
-                for _ in range(1 << _DIGIT):
-                    row.append(power)
-                    power = power * step % _P2
-                levels.append(row)
-            powers = _POWERS[device] = torch.tensor(levels, dtype=torch.int64, device=device)
-        return powers
-
-
-def _power_at(q: torch.Tensor, powers: torch.Tensor) -> torch.Tensor:
-    """R^q mod p2 for int64 positions 0 <= q < 2^(3 * _DIGIT): one power of `_powers` a digit of q (each
-    product of two residues < 2^62)."""
-    mask = (1 << _DIGIT) - 1
-    power = powers[0][q & mask] * powers[1][(q >> _DIGIT) & mask] % _P2
-    return power * powers[2][q >> (2 * _DIGIT)] % _P2
 
 
 def _position_weights(powers: torch.Tensor) -> torch.Tensor:

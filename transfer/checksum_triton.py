@@ -1,24 +1,9 @@
 """The lanes of `transfer/checksum.py`'s pieces on CUDA, in one Triton launch and one host sync.
 
-The float64-matmul path pays, per 4M-word batch, an int16 -> float64 staging copy, a dozen small
-launches and a host sync, plus a gather copy of every MLA layer's blocks: ~40 ms for one K3 rank's
-283 MB on an H200. Here one program sums one tile of <= TILE words of one piece, read IN PLACE from
-the cache tensor (an MLA piece is a list of block runs; no gather), and atomically adds its two lanes,
-already reduced and placed at the tile's view position, into its piece's pair of int64 sums. The host
-builds one small int64 table (one copy in), and reads the pieces' sums back (one copy out, the only sync).
-
-Pieces live in different tensors, so the kernel addresses every word relative to one int16 anchor
-tensor of the same device (an address difference in words; every piece starts on a 2-byte boundary).
-
-Exact integer arithmetic, every bound checked (v = w + 32769 <= 2^16, j < TILE = 2^14, view
-position q0 of the tile's first word < 2^31, BLOCK = 2^10 words a step):
-    sum v                      <= 2^30                     (int32 lane accumulators <= 2^20)
-    sum v * (j + 1)            <= 2^16 * 2^27 = 2^43       (each product <= 2^30: int32)
-    lane 1 = q0 * sum v + sum v * (j + 1) < 2^61 + 2^43, then mod p1
-    per step: sum v * R^i over i < BLOCK <= 2^10 * 2^47 = 2^57, mod p2, then * R^(step start) < 2^62
-    R^q0 = R^(c0) * R^(c1 * 2^11) * R^(c2 * 2^22) from three 2048-entry tables (q0 = c2 c1 c0 in
-    11-bit digits), each product of two residues < 2^62.
-Every tile's lanes are < 2^31 and a piece has fewer tiles than words (< 2^31), so the int64 sums never overflow.
+One program sums one tile of <= TILE words of one piece, read in place from the cache tensor (no gather), and
+atomically adds its two lanes, reduced and placed at the tile's view position, into its piece's int64 sums.
+Exact: the integer bounds that TILE and BLOCK must keep (`_check_bounds`) are derived in
+docs/design/handoff.md §6.
 """
 
 from __future__ import annotations
@@ -30,7 +15,7 @@ import triton
 import triton.language as tl
 
 from k3serve.kernels._backend import device_of
-from k3serve.transfer.checksum import _DIGIT, _P1, _P2, _SHIFT, Piece, _powers
+from k3serve.transfer.checksum_lanes import _DIGIT, _P1, _P2, _SHIFT, Piece, _powers
 
 TILE = 1 << 14  # words one program sums
 BLOCK = 1 << 10  # words one step of a program loads
@@ -38,7 +23,7 @@ _COLUMNS = 7  # int64 per piece in the table (see `piece_lanes`)
 
 
 def _check_bounds() -> None:
-    """The exact-integer bounds of the module docstring hold only for these sizes (tests shrink them)."""
+    """The exact-integer bounds (docs/design/handoff.md §6) hold only for these sizes (tests shrink them)."""
     if not (TILE <= 1 << 14 and TILE % BLOCK == 0 and BLOCK < 1 << _DIGIT):
         raise ValueError(f"TILE {TILE} / BLOCK {BLOCK} break the kernel's int32/int64 bounds")
 
@@ -47,7 +32,7 @@ def _check_bounds() -> None:
 def _piece_lanes_kernel(
     anchor,  # int16 pointer: every word is at anchor + a word offset
     table,  # int64 [num_pieces, COLUMNS] then the run ids: see `piece_lanes`
-    powers,  # int64 [3, 2^DIGIT] (`checksum._powers`): R^i, R^(i * 2^DIGIT), R^(i * 2^(2 * DIGIT)) mod p2
+    powers,  # int64 [3, 2^DIGIT] (`checksum_lanes._powers`): R^i, R^(i * 2^DIGIT), R^(i * 2^(2 * DIGIT)) mod p2
     sums,  # int64 [num_pieces, 2]: lane sums of each piece's tiles (not yet reduced)
     num_pieces,
     SEARCH_STEPS: tl.constexpr,

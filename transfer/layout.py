@@ -1,25 +1,9 @@
 """Byte layout of one rank's cache, as a peer needs it to address writes: `CacheLayout`.
 
-A prefill rank and a decode rank never share memory, only addresses. Before the first write the
-two sides exchange (over the control plane) what each cache looks like, so the sender can turn
-"block 7, tokens 0..63" or "slot 3, heads 4..7" into byte ranges of the receiver's registered
-regions. One region per cache tensor, named by its position in `ModelCache`:
-
-    region name          tensor (one per layer of that kind)          unit      bytes per unit
-    mla.{i}              mla_kv[i]         [num_blocks, block_size, L+R] block     block_size*(L+R)*itemsize
-    kda_recurrent.{j}    kda_recurrent[j]  [num_slots, H_local, K, V]    slot      H_local*K*V*4 (fp32)
-    kda_conv.{j}         kda_conv[j]       [num_slots, 3*P_local, W-1]   slot      3*P_local*(W-1)*itemsize
-
-    (i counts MLA layers, j counts KDA layers, both from 0 in model order; P_local = H_local*K)
-
-Within a KDA slot everything is row-major, so a head range of the recurrent state is one
-contiguous byte range, and a conv slot is three sub-blocks (q, k, v) of P_local channels each:
-
-    kda_conv slot:  | q: P_local rows of W-1 | k: P_local rows of W-1 | v: P_local rows of W-1 |
-
-Layouts are plain frozen dataclasses that round-trip through `to_dict()`/`from_dict()` (JSON),
-and carry `compat_hash`: two engines may exchange state only if their hashes are equal (same
-state-shaping model config, cache dtype, block size, layout version).
+One region per cache tensor, named by its position in `ModelCache` (`mla.{i}` per MLA layer: blocks;
+`kda_recurrent.{j}` and `kda_conv.{j}` per KDA layer: slots, a conv slot three q|k|v sub-blocks). A layout is a
+frozen dataclass that round-trips through JSON (the handshake carries it) and carries `compat_hash`: two engines
+may exchange state only if their hashes are equal. The region table: docs/design/handoff.md §5.
 """
 
 from __future__ import annotations
@@ -28,13 +12,16 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from k3serve.model.batch import ModelCache
 from k3serve.model.config import ModelConfig
 from k3serve.transfer.backend import RegionDesc, TransferBackend
+
+if TYPE_CHECKING:
+    from k3serve.engine.kv_handoff import CacheView
 
 LAYOUT_VERSION = 1  # bump whenever the byte layout of any region changes
 
@@ -246,6 +233,14 @@ class CacheLayout:
             kda_conv=tuple(conv),
             compat_hash=compatibility_hash(config, kv_dtype, cache.block_size),
         )
+
+    @classmethod
+    def from_view(cls, view: CacheView) -> "CacheLayout":
+        """The layout of a rank's cache as the handoff seam shows it, hashed with its engine's dtype and
+        block size (what every peer of that engine must match)."""
+        layout = cls.from_cache(view.cache, view.model_config, view.tp_rank, view.tp_size)
+        compat = compatibility_hash(view.model_config, view.cache_dtype, view.block_size)
+        return dataclasses.replace(layout, compat_hash=compat)
 
     # -- serialization ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

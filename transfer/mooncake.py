@@ -1,28 +1,10 @@
 """Mooncake Transfer Engine backend: one-sided writes over TCP (CPU hosts) or RDMA / NVLink (GPU hosts).
 
-Setup per host (the package is chosen per host and imported lazily, only when this backend is made):
-
-    CPU host:      pip install mooncake-transfer-engine-non-cuda==0.3.13.post1
-                   apt-get install -y libibverbs1        (linked even when RDMA is not used)
-    CUDA 13 host:  pip install mooncake-transfer-engine-cuda13  (+ libibverbs1, ibverbs-providers)
-
-The CUDA builds fail to import on a host without a GPU driver, so a CPU host must use the
-`-non-cuda` package.
-
-Addressing: metadata "P2PHANDSHAKE" (no metadata server); each engine listens on an RPC port
-chosen at initialize() and a peer is addressed as "host:rpc_port" (AgentInfo.endpoint).
-
-Non-blocking: write() submits one Mooncake request per (coalesced) op with
-`transfer_submit_write` and returns at once; poll() calls `transfer_check_status`, which never
-waits (1 done, 0 pending, -1 failed, -2 timed out). The blocking `get_batch_transfer_status`
-and the `*_sync_*` calls (which spin a core) are not used. Mooncake frees a request's batch as
-soon as transfer_check_status reports it done or failed, and a second check of a freed batch
-would read freed memory: this class caches each request's final state and never checks it again.
-
-Notifications: Mooncake's Python API has no completion notification to the target for
-`transfer_submit_write`. `notify` is therefore ignored (`supports_notify` is False): the
-sender learns completion from poll() and tells the receiver over the control plane (gRPC),
-which the engine does for every backend anyway.
+The package is imported lazily (`INSTALL_HINT` says which one a host needs). A peer is "host:rpc_port"
+(P2P handshake, no metadata server). write() submits and returns at once; poll() never waits, and checks a
+Mooncake request no more once it reported a final state (Mooncake has freed it then). No completion
+notification (`supports_notify` False): completion goes over the control plane. Setup and reasoning:
+docs/design/handoff.md §7.
 """
 
 from __future__ import annotations
@@ -33,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._ops import Deadline, RegionIndex, check_ops, coalesce, prefault, tensor_region
+from ._ops import Deadline, HandleTable, RegionIndex, check_ops, coalesce, prefault, tensor_region
 from .backend import AgentInfo, RegionDesc, TransferBackend, TransferError, TransferStatus, WriteOp
 
 log = logging.getLogger(__name__)
@@ -127,9 +109,8 @@ class MooncakeBackend(TransferBackend):
         self._local = RegionIndex()
         self._tensors: dict[str, torch.Tensor] = {}
         self._peers: dict[str, RegionIndex] = {}
-        self._handles: dict[int, _Batch] = {}
+        self._handles: HandleTable[_Batch] = HandleTable()
         self._orphans: list[int] = []  # batch ids of released-but-unfinished handles, reaped later
-        self._next = 1
         self._closed = False
         self._warned_notify = False
 
@@ -188,10 +169,7 @@ class MooncakeBackend(TransferBackend):
                 )
             batch.ids.append(bid)
             batch.done.append(False)
-        handle = self._next
-        self._next += 1
-        self._handles[handle] = batch
-        return handle
+        return self._handles.add(batch)
 
     def poll(self, handle: int) -> TransferStatus:
         batch = self._get(handle)
@@ -224,7 +202,7 @@ class MooncakeBackend(TransferBackend):
         return batch.status
 
     def release(self, handle: int) -> None:
-        batch = self._handles.pop(handle, None)
+        batch = self._handles.pop(handle)
         if batch is not None and batch.status is TransferStatus.PENDING:
             self._orphan_pending(batch)
 
@@ -236,7 +214,7 @@ class MooncakeBackend(TransferBackend):
         if self._closed:
             return
         self._closed = True
-        self._handles.clear()
+        self._handles = HandleTable()
         for region in list(self._local):
             try:
                 self._engine.unregister_memory(region.addr)
@@ -271,10 +249,7 @@ class MooncakeBackend(TransferBackend):
 
     def _get(self, handle: int) -> _Batch:
         self._check_open()
-        try:
-            return self._handles[handle]
-        except KeyError:
-            raise TransferError(f"unknown or released handle {handle}") from None
+        return self._handles.get(handle)
 
     def _check_open(self) -> None:
         if self._closed:

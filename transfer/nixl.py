@@ -1,35 +1,10 @@
 """NIXL backend (UCX): one-sided writes between agents, with a notification to the target.
 
-Setup (any host; the wheels bundle UCX and import without a GPU or CUDA libraries):
-
-    pip install --no-deps nixl-cu13==1.5.1     (CUDA 13 hosts and CPU hosts; or nixl-cu12)
-
-`--no-deps` matters: nixl-cu13 declares `torch` and pip would pull a CUDA torch; its other
-dependency, numpy, must be present. The package is imported as `nixl_cu13._api` (then
-`nixl_cu12._api`, then `nixl._api`), lazily: `import nixl` would import torch-heavy paths and
-the `nixl` 1.5.2 meta-package pins unpublished backends.
-
-UCX environment defaults (set only when unset, before the agent is created):
-    UCX_TCP_NODELAY=y      whenever UCX may use TCP (UCX_TLS unset, "all", or naming tcp):
-                           without it small writes over TCP take milliseconds (Nagle).
-    ucx_error_handling_mode=none (UCX backend parameter) when UCX_TLS names only intra-host
-                           transports (e.g. "shm,self"), which cannot run with the default
-                           peer error handling.
-Progress thread: the agent's UCX progress thread sleeps `progress_delay_us` (default 100 us)
-between rounds. The Python wrapper hard-codes 0 (`pthrDelay = 0`): its progress thread then
-busy-polls a whole core even when idle (measured: an idle serving actor at 87% CPU), which on a
-small host starves the engines. The thread itself must stay on: without it a target is never
-notified. 100 us adds at most that to a notification; `progress_delay_us=0` restores the
-busy-poll for hosts with cores to spare.
-
-The target reads notifications with get_notifications() -> [(sender agent, payload)], the shape
-LocalBackend uses. Target buffers are pre-faulted at register() (one byte per page rewritten with its own value):
-the first transfer into fresh memory otherwise pays the page faults.
-
-Notifications: write(..., notify=msg) delivers `msg` to the target agent after every op of the
-batch has landed. A batch that mixes memory kinds
-(DRAM and VRAM) becomes several NIXL requests; the message is then sent with send_notif once
-all of them are done (from poll()).
+Install with `pip install --no-deps nixl-cu13==1.5.1` (or nixl-cu12); imported lazily. UCX defaults are set
+only when unset (TCP_NODELAY when TCP may be used; no peer error handling for intra-host-only transports), and
+the progress thread sleeps `progress_delay_us` between rounds instead of busy-polling a core.
+`write(..., notify=msg)` delivers `msg` once every op of the batch landed (a batch of mixed memory kinds sends
+it from poll()); the target reads `get_notifications()`. Setup and reasoning: docs/design/handoff.md §7.
 """
 
 from __future__ import annotations
@@ -44,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ._ops import Deadline, RegionIndex, check_ops, prefault, tensor_region
+from ._ops import Deadline, HandleTable, RegionIndex, check_ops, prefault, tensor_region
 from .backend import AgentInfo, RegionDesc, TransferBackend, TransferError, TransferStatus, WriteOp
 
 log = logging.getLogger(__name__)
@@ -182,9 +157,8 @@ class NixlBackend(TransferBackend):
         self._reg: dict[str, object] = {}  # name -> nixlRegDList for deregister
         self._peers: dict[str, RegionIndex] = {}
         self._peer_md: dict[str, bytes] = {}
-        self._handles: dict[int, _Xfer] = {}
+        self._handles: HandleTable[_Xfer] = HandleTable()
         self._orphans: list = []  # nixl_xfer_handle still in flight after release()
-        self._next = 1
         self._closed = False
 
     # -- registration / handshake ------------------------------------------------------------
@@ -275,10 +249,7 @@ class NixlBackend(TransferBackend):
             if isinstance(e, TransferError):
                 raise
             raise TransferError(f"NIXL write to {peer!r} ({len(ops)} ops, {nbytes} bytes): {e}") from e
-        handle = self._next
-        self._next += 1
-        self._handles[handle] = xfer
-        return handle
+        return self._handles.add(xfer)
 
     def poll(self, handle: int) -> TransferStatus:
         xfer = self._get(handle)
@@ -322,7 +293,7 @@ class NixlBackend(TransferBackend):
         return xfer.status
 
     def release(self, handle: int) -> None:
-        xfer = self._handles.pop(handle, None)
+        xfer = self._handles.pop(handle)
         if xfer is not None:
             self._drop_reqs(xfer)
 
@@ -344,7 +315,7 @@ class NixlBackend(TransferBackend):
         if self._closed:
             return
         self._closed = True
-        for h in list(self._handles):
+        for h in self._handles.handles():
             self.release(h)
         self._reap_orphans()
         for name, reg in self._reg.items():
@@ -398,10 +369,7 @@ class NixlBackend(TransferBackend):
 
     def _get(self, handle: int) -> _Xfer:
         self._check_open()
-        try:
-            return self._handles[handle]
-        except KeyError:
-            raise TransferError(f"unknown or released handle {handle}") from None
+        return self._handles.get(handle)
 
     def _check_open(self) -> None:
         if self._closed:

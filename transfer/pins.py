@@ -1,25 +1,12 @@
-"""`PinManager`: holds a request's boundary state pinned while its async writes are in flight.
+"""`PinManager`: holds a request's boundary state pinned, under a lease, while its async writes are in flight.
 
-From the moment a transfer is posted until every sending rank has confirmed its writes, the
-request's MLA blocks and KDA slots must not be reused, even if the request itself finished or
-was aborted (a reused slot is how decode ends up serving freed state with HTTP 200, PD_PRIOR_ART
-§7.1). The pools enforce "pinned => never handed out"; this class decides when to unpin, and
-makes sure every path unpins exactly once:
-
-    pin(req, blocks, slots, expected_ranks={0,1,2,3}, lease_seconds=30)
-     |   BlockPool.pin(blocks), StatePool.pin(slot) for each slot       deadline = now + 30
-     |
-     +-- confirm(req, 0) .. confirm(req, 3)   all expected ranks in  -> release("done")
-     +-- heartbeat(req)                       deadline = now + lease_seconds
-     +-- abort(req, reason)                                          -> release(reason)
-     +-- peer_lost(peer)   every lease naming that peer              -> release("peer_lost")
-     +-- expire(now)       every lease past its deadline             -> release("lease_expired")
-
-    release: BlockPool.unpin(blocks), StatePool.unpin(slot) ..., forget the lease. A second
-    release of the same request finds no lease and does nothing.
-
-One manager per engine (the pools are per engine; all TP ranks share block and slot ids). The
-clock is injectable so tests drive time by hand.
+From the moment a transfer is posted until every sending rank has confirmed its writes, the request's MLA
+blocks and KDA slots must not be reused, even if the request itself finished or was aborted (a reused slot is
+how decode ends up serving freed state with HTTP 200, PD_PRIOR_ART §7.1). The pools enforce "pinned => never
+handed out" (through the seam's `StatePins`); this class decides when to unpin, exactly once per lease: when
+every expected rank confirmed, on abort, when a peer is lost, or when the lease expires. The lease lifecycle is
+drawn in docs/design/handoff.md. One manager per engine (all TP ranks share block and slot ids), called on
+its engine thread; the clock is injectable so tests drive time by hand.
 """
 
 from __future__ import annotations
@@ -27,10 +14,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from k3serve.engine.block_pool import BlockPool
-from k3serve.engine.state_pool import StatePool
 from k3serve.transfer.metrics import BoundTransferMetrics, transfer_metrics
+
+
+class StatePins(Protocol):
+    """What pins an engine's blocks and slots (`engine.kv_handoff.PoolPins`)."""
+
+    def pin(self, block_ids: Sequence[int], slot_ids: Sequence[int]) -> None:
+        """All or nothing: raises (a bad id) with nothing pinned."""
+
+    def unpin(self, block_ids: Sequence[int], slot_ids: Sequence[int]) -> None: ...
 
 
 @dataclass
@@ -55,14 +50,9 @@ class Lease:
 
 class PinManager:
     def __init__(
-        self,
-        block_pool: BlockPool,
-        state_pool: StatePool,
-        clock: Callable[[], float] = time.monotonic,
-        metrics: BoundTransferMetrics | None = None,
+        self, pins: StatePins, clock: Callable[[], float] = time.monotonic, metrics: BoundTransferMetrics | None = None
     ) -> None:
-        self.block_pool = block_pool
-        self.state_pool = state_pool
+        self.pins = pins
         self.clock = clock
         self.metrics = metrics if metrics is not None else transfer_metrics().bind()
         self._leases: dict[str, Lease] = {}
@@ -103,20 +93,7 @@ class PinManager:
             raise ValueError("a lease needs at least one expected rank")
         if lease_seconds <= 0:
             raise ValueError(f"lease_seconds must be > 0, got {lease_seconds}")
-        pinned_blocks: list[int] = []
-        pinned_slots: list[int] = []
-        try:  # one id at a time, so a bad id leaves nothing half-pinned
-            for block_id in block_ids:
-                self.block_pool.pin([block_id])
-                pinned_blocks.append(block_id)
-            for slot_id in slot_ids:
-                self.state_pool.pin(slot_id)
-                pinned_slots.append(slot_id)
-        except Exception:
-            for slot_id in reversed(pinned_slots):
-                self.state_pool.unpin(slot_id)
-            self.block_pool.unpin(pinned_blocks)
-            raise
+        self.pins.pin(block_ids, slot_ids)
         now = self.clock()
         lease = Lease(
             request_id=request_id,
@@ -194,8 +171,6 @@ class PinManager:
         lease = self._leases.pop(request_id, None)
         if lease is None:
             return None
-        self.block_pool.unpin(lease.block_ids)
-        for slot_id in reversed(lease.slot_ids):
-            self.state_pool.unpin(slot_id)
+        self.pins.unpin(lease.block_ids, lease.slot_ids)
         self.metrics.pins_changed(-len(lease.block_ids), -len(lease.slot_ids))
         return lease

@@ -5,8 +5,9 @@
     EngineOverloadedError                         raise it in a backend to answer 503
 """
 
+from k3serve.cluster.errors import EngineOverloadedError
+
 from .app import build_app
 from .engine_client import EngineClient
-from .errors import EngineOverloadedError
 
 __all__ = ["build_app", "EngineClient", "EngineOverloadedError"]

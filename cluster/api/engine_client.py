@@ -4,7 +4,7 @@ A colocated `AsyncEngine`, a prefill/decode router or a remote replica all serve
 OpenAI routes as long as they implement this protocol. Contract:
 
 - `generate` yields `RequestDelta`s until one has `finished=True`. It raises `ValueError` for a
-  request the backend cannot serve and `EngineOverloadedError` (cluster/api/errors.py) when it has
+  request the backend cannot serve and `EngineOverloadedError` (cluster/errors.py) when it has
   no capacity, both before the first delta.
 - Closing the iterator early (client gone) must free the request; the ingress also calls
   `abort(request_id)`, which must be harmless for an unknown or finished id.

@@ -11,10 +11,6 @@ from typing import Mapping
 from fastapi.responses import JSONResponse
 
 
-class EngineOverloadedError(RuntimeError):
-    """Raised by an EngineClient that cannot take the request now (answered with 503)."""
-
-
 class APIError(Exception):
     """An error with its HTTP status, raised anywhere in request handling."""
 

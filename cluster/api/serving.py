@@ -32,7 +32,9 @@ from k3serve.engine.sampling_params import SamplingParams
 from k3serve.cluster.metrics import RequestTimer
 
 from .engine_client import EngineClient
-from .errors import APIError, EngineOverloadedError, bad_request, error_body
+from k3serve.cluster.errors import EngineOverloadedError
+
+from .errors import APIError, bad_request, error_body
 from .fanout import FanOut
 from .forced_tool_choice import forced_call_stream
 from .formatting import ChatFormatter, Choices, CompletionFormatter, Formatter

@@ -1,43 +1,12 @@
 """MXFP4 (w4a16) routed experts for decode, when each expert has only a few rows: GEMV on the CUDA cores.
 
-With 1-5 rows per expert a tensor-core tile of 16 rows is mostly padding, and converting the upcast
-weights into the operand layout costs more than the math. Here a tile = (active expert, BLOCK_N output
-columns[, a 1/SPLIT_K share of the reduction: down projection]); its program takes the expert's rows one at
-a time, keeping fp32 accumulators for the row and streaming the tile's packed weights once per row:
-
-    words  [4, G, BLOCK_N] int32, G = BLOCK_K/32 MX groups: a thread loads one MX group (16 bytes, one
-           scale) of each of its C columns (Triton puts the lanes on the groups first, so a thread repeats
-           columns); the blocks PREFETCH ahead are loaded, raw, before this block's math
-    x      a thread's 32 activations of a group are loaded (16 bytes at a time) and converted once, for its
-           C columns and, in the up kernel, both gate and up
-    dots   one FMA per code; the 4 words of a group are summed in the thread and scaled once; the sum over
-           the groups waits until the end of the tile
-
-Persistent programs: a launch has as many programs as fit on the SMs (`programs`, PROGRAMS_PER_SM); they
-walk the tiles of the experts hit, whose number comes from the routing on the device. No program of an idle
-expert slot is launched (the grid used to be every slot an expert could take: at T = 1 most of 16 idle),
-and the grid, known on the host, keeps the call CUDA-graph capturable without a host sync.
-
-Decode (`_decode_word`): an fp16 pair (codes i and i + 4 of a word, one per 16-bit half) with each code's
-magnitude bits at 9..11 and its sign at 15 is exactly code · 2^-14 (the +-0.5 codes are fp16 subnormals,
-which the fp16 -> fp32 conversion keeps; no fp32 subnormal is ever formed); 12 integer ops build the 4
-pairs of a word. The E8M0 scale 2^(s-127) times 2^14 is applied as two normal fp32 powers of two,
-2^((s>>1)-56) · 2^(s-(s>>1)-57), exact for every s in [0, 254]; s = 255 (E8M0 NaN) yields NaN.
-
-PTX (on the GPU; Triton's interpreter runs the same math in plain Triton, and test_moe_gemv_ptx.py executes
-the PTX on CPU): the decode, the scale bytes and the activations. Loads issued as inline asm are no layout
-anchors for Triton, so each thread loads exactly what it multiplies (no shared-memory exchange, no barrier
-in the K loop) and x comes 16 bytes at a time; and the decoded fp16 halves go straight to fp32 (plain
-Triton lets LLVM pair halves of different columns first, one PRMT more per pair).
-
-The up kernel zeroes out, fuses the GLU and writes h [pairs, I] in fp32; the down kernel weights by the
-top-k weight and adds into out fp32 [T, D] with atomics (which also sum the split-K shares). Routing
-(`route_kernel`: triton_moe.route in one program) and both kernels take no host sync.
-
-Cost on sm_90 (ptxas of triton 3.6, the SASS of the K loop, benchmarks/moe_gemv_sass.py): 4.2-4.5
-instructions per weight element (4.7-4.9 with PREFETCH 2 or one column a thread), of which 1.5 decode, 1
-fp16 -> fp32, 1 FMA; the kernels before this design took 6.4 (up) and 6.0 (down). At 4 warp-instructions per
-clock per SM the issue limit is then ~90% of H200 HBM bandwidth (it was ~62%).
+A tile = (active expert, BLOCK_N output columns[, a 1/SPLIT_K share of the reduction: down projection]); its
+program takes the expert's rows one at a time with fp32 accumulators, streaming the tile's packed weights once
+per row. Persistent programs (`programs`) walk the tiles of the experts hit; the grid is known on the host, so
+the call is CUDA-graph capturable without a host sync. The up kernel fuses the GLU and writes h [pairs, I] fp32;
+the down kernel weights by the top-k weight and adds into out [T, D] fp32 with atomics. The decode of the E2M1
+codes and E8M0 scales runs as inline PTX on the GPU (plain Triton in the interpreter). Design:
+docs/design/moe_kernels.md.
 """
 
 from __future__ import annotations
@@ -51,7 +20,7 @@ from k3serve.kernels.mxfp4 import MXFP4Tensor
 
 from .._backend import cuda_properties
 
-from .triton_moe import _tanh
+from .triton_common import tanh
 
 _NAN_SCALE = tl.constexpr(255)  # the E8M0 NaN encoding
 PTX = not triton.knobs.runtime.interpret  # inline PTX on the GPU; the interpreter runs plain Triton
@@ -231,14 +200,13 @@ def route_kernel(topk_ids, num_pairs, expert_start, num_local, sorted_pairs, exp
 
 
 def configs_up() -> list[triton.Config]:
-    """(BLOCK_N, warps, PREFETCH, programs per SM), BLOCK_K 512: the tiles that won, or came within ~3%, at some T
-    of 1-16 on an H200 (benchmarks/results/h200-2026-12-01/moe_variants.log; the others, 4 or 8 columns on one
-    warp without prefetch, 16 columns on 2 warps, and two rows of an expert a weight stream, were 4% or more
-    slower at every T). A warp's lanes cover 16 groups and 2 columns, its warps more columns, and a thread repeats
-    the rest (C = BLOCK_N / (2 warps): 1 to 4), sharing its x over them. PREFETCH 2 keeps twice the bytes in
-    flight for ~0.3 more instructions an element (register moves). Programs per SM = how many fit (registers,
-    sm_90, triton 3.6; benchmarks/moe_gemv_sass.py checks it): a persistent grid must not wait for a second
-    wave."""
+    """(BLOCK_N, warps, PREFETCH, programs per SM), BLOCK_K 512: the tiles that won, or came close, at some T of
+    1-16 on an H200, of a sweep whose other shapes lost at every T (benchmarks/results/h200-2026-12-01/
+    moe_variants.log, docs/BENCHMARKS.md). A warp's lanes cover 16 groups and 2 columns, its warps more columns,
+    and a thread repeats the rest (C = BLOCK_N / (2 warps): 1 to 4), sharing its x over them. PREFETCH 2 keeps
+    twice the bytes in flight for a few more instructions (register moves). Programs per SM = how many fit
+    (registers, sm_90, triton 3.6; benchmarks/moe_gemv_sass.py checks it): a persistent grid must not wait for a
+    second wave."""
     shapes = [(4, 1, 2, 12), (4, 2, 1, 14), (8, 2, 1, 8), (8, 2, 2, 6), (16, 4, 1, 4)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": 512, "PREFETCH": pf, "PROGRAMS_PER_SM": p}, num_warps=w,
                           num_stages=1) for n, w, pf, p in shapes]
@@ -318,7 +286,7 @@ def _up_row(x, w1_words, w1_scales, w3_words, w3_scales, h, sorted_pairs, top_k,
     gate = tl.sum(acc_g, axis=0)
     up = tl.sum(acc_u, axis=0)
     if ACT == 1:  # SiTU-GLU
-        act = beta * _tanh(gate / beta) * tl.sigmoid(gate) * (linear_beta * _tanh(up / linear_beta))
+        act = beta * tanh(gate / beta) * tl.sigmoid(gate) * (linear_beta * tanh(up / linear_beta))
     else:  # SwiGLU
         act = gate * tl.sigmoid(gate) * up
     tl.store(h + row.to(tl.int64) * stride_h + offs_n, act.to(h.dtype.element_ty), mask=n_ok)

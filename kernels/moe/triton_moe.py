@@ -1,22 +1,11 @@
-"""MXFP4 (w4a16) routed experts in Triton: two grouped GEMMs over the local experts that have tokens.
+"""MXFP4 (w4a16) routed experts in Triton: two grouped GEMMs over the local experts that have tokens (prefill).
 
-    routing (torch, no host sync): (token, k) pairs sorted by local expert -> starts, counts, active list
     up kernel:   h[pair] = act(x[tok] W1[e]^T, x[tok] W3[e]^T)     bf16, GLU fused in the epilogue
-    down kernel: out[tok] += topk_weight[pair] · h[pair] W2[e]^T    fp32 atomics: weighting and the
-                                                                    top-k sum (finalize) fused
-One program = (active expert slot a, BLOCK_N output columns); it loops over the expert's rows in tiles
-of BLOCK_M (decode: one tile) and streams the expert's packed weights once per tile. Programs past the
-number of active experts exit at once, so the grid needs no host sync. BLOCK_N / BLOCK_K / warps /
-stages are autotuned per (bucket of T*k rows, I, D) on first use.
+    down kernel: out[tok] += topk_weight[pair] · h[pair] W2[e]^T    fp32 atomics (weighting and top-k sum fused)
 
-Weights stay packed ([E, out, in/2] uint8, even element in the low nibble; E8M0 scales [E, out, in/32])
-and are upcast in registers: an E2M1 code moves into an e4m3 byte (sign to bit 7, exponent and
-mantissa to bits 4..2), whose value is exactly code · 2^-6, so the hardware fp8 -> bf16 conversion does
-the work; the scale 2^(s-127) · 2^6 is then a bf16 with exponent field s + 6.
-
-These tensor-core kernels serve prefill. Decode batches run the GEMV pair of triton_gemv.py (one row an
-expert) or the Gluon MMA pair of gluon_mma.py (a few rows an expert), routed by one Triton program
-(`route_small`, same outputs as `route`); `fused_experts` picks by the host-known T, `last_path` says which.
+Weights stay packed and are upcast in registers; routing (`route`, `route_small`) takes no host sync.
+`fused_experts` picks this pair, the GEMV pair (`triton_gemv.py`) or the Gluon MMA pair (`gluon_mma.py`) by the
+host-known T; `last_path` says which. Design: docs/design/moe_kernels.md.
 """
 
 from __future__ import annotations
@@ -29,6 +18,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .._backend import device_of
+from .triton_common import tanh
 
 ACT_SILU, ACT_SITU = 0, 1
 
@@ -45,11 +35,6 @@ def _upcast(packed_ptrs, scale_ptrs, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexp
     scale = ((s + 6) << 7).to(tl.bfloat16, bitcast=True).to(dtype)  # 2^(s - 127 + 6)
     w = w.reshape(BLOCK_N, BLOCK_K // 32, 32) * scale[:, :, None]
     return w.reshape(BLOCK_N, BLOCK_K)
-
-
-@triton.jit
-def _tanh(x):
-    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
 
 def _configs() -> list[triton.Config]:
@@ -101,7 +86,7 @@ def _up_kernel(
                          BLOCK_N, BLOCK_K, n_ok, xk.dtype)
             acc_u = tl.dot(xk, tl.trans(wu), acc_u)
         if ACT == 1:  # SiTU-GLU
-            act = beta * _tanh(acc_g / beta) * tl.sigmoid(acc_g) * (linear_beta * _tanh(acc_u / linear_beta))
+            act = beta * tanh(acc_g / beta) * tl.sigmoid(acc_g) * (linear_beta * tanh(acc_u / linear_beta))
         else:  # SwiGLU
             act = acc_g * tl.sigmoid(acc_g) * acc_u
         dst = h + (start + rows)[:, None].to(tl.int64) * stride_h + offs_n[None, :]
@@ -205,7 +190,7 @@ def route_small(topk_ids: Tensor, expert_start: int, num_local: int) -> tuple[Te
     return pairs, starts, counts, active, num_active
 
 
-GEMV_MAX_TOKENS = 8  # tokens up to here: the GEMV kernels (see fused_experts for the measurement)
+GEMV_MAX_TOKENS = 8  # tokens up to here: the GEMV kernels (measured: docs/BENCHMARKS.md)
 MMA_MAX_TOKENS = 192  # then up to here the Gluon MMA kernels (gluon_mma.py); past it (prefill) the tensor-core pair
 ROUTE_SMALL_MAX_PAIRS = 1024  # T * top_k up to here: routing in one program (decode, either kernel pair)
 
@@ -218,11 +203,7 @@ def fused_experts(x: Tensor, weights, topk_weights: Tensor, topk_ids: Tensor, ac
 
     path None picks from the host-known T: "gemv" (triton_gemv.py, CUDA cores) while T <= GEMV_MAX_TOKENS, then
     "mma" (gluon_mma.py, tensor cores, weights read once per 8 rows) while T <= MMA_MAX_TOKENS, else "dot" (the
-    tensor-core kernels above, for prefill). Measured on an H200 (2026-12-01, K3 EP rank, in graph,
-    benchmarks/gpu_moe_mma.sh): with one row an expert the GEMV pair wins (T1 36 vs 107 us for mma, T4 79 vs
-    127); at T16 (1.1 rows an expert) they tie (305 vs 312); with more rows mma wins: T64 717 us (GEMV 1117, dot
-    1353), T192 1099 (dot 1912). In the 12-layer decode step, whose router gives the hit experts 3-4 rows each,
-    mma from 9 tokens took batch 16 from 5.27 to 4.28 ms and batch 64 from 10.90 to 8.03 ms."""
+    tensor-core kernels above, for prefill). The thresholds' measurements: docs/BENCHMARKS.md."""
     global last_path
     if path not in (None, "gemv", "mma", "dot"):
         raise ValueError(f"path must be None, 'gemv', 'mma' or 'dot', got {path!r}")

@@ -42,7 +42,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from k3serve.cluster.api import build_app
-from k3serve.cluster.api.errors import EngineOverloadedError
+from k3serve.cluster.errors import EngineOverloadedError
 from k3serve.cluster.config import ServeConfig
 from k3serve.cluster.metrics import IngressMetrics
 from k3serve.cluster.router import DisaggregatedRouter

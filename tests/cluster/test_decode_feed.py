@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from k3serve.cluster.replicas import ReplicaDiedError
+from k3serve.cluster.errors import ReplicaDiedError
 from k3serve.cluster.router import DisaggregatedRouter
 from k3serve.decode.worker import DecodeWorker
 from k3serve.engine.async_engine import GenerateRequest

@@ -130,7 +130,8 @@ def test_the_prefill_engine_still_caches_prefixes(served) -> None:
     deployment, url = served
     (prefill,) = deployment.client.prefill
     prompt = "A prompt long enough to fill two blocks of sixteen tokens, sent twice to the same prefill engine."
-    hits = lambda: asyncio.run(prefill.engine.call(lambda e: e.scheduler.prefix_cache.num_hits))  # noqa: E731
+    hits = lambda: asyncio.run(prefill.handoff._engine.call(  # noqa: E731
+        lambda e: e.scheduler.prefix_cache.num_hits))
     before = hits()
     for _ in range(2):
         response = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 2}, timeout=60)

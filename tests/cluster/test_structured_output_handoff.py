@@ -73,11 +73,14 @@ def serve(workers, tiny_checkpoint: Path, requests: list[tuple[str, SamplingPara
 
 
 def assert_decode_idle(decode: DecodeWorker) -> None:
-    def held(e):
-        return (e.scheduler.num_running, e.scheduler.num_waiting, len(decode._pending),
-                e.scheduler.block_pool.num_used, e.scheduler.state_pool.num_used, e.structured_outputs.num_matchers)
+    engine = decode.handoff._engine.engine  # white box: the matchers are no stats of the seam
 
-    assert decode.engine.submit(held).result(timeout=10) == (0, 0, 0, 0, 0, 0)
+    def held():
+        s = decode.handoff.stats(num_reserved=len(decode._pending))
+        return (s.num_running, s.num_waiting, s.num_reserved, s.block_usage, s.slot_usage,
+                engine.structured_outputs.num_matchers)
+
+    assert decode.handoff.submit(held).result(timeout=10) == (0, 0, 0, 0, 0, 0)
 
 
 def text_of(deltas) -> str:
@@ -116,12 +119,13 @@ def test_admission_compiles_off_the_engine_thread_and_an_abort_meanwhile_leaves_
     abort comes as a call of its own, not as the admission's cancellation)."""
     _, decode = workers
     held = HeldCompile()
-    decode.engine.engine.structured_outputs.compiler.on_compile = held
+    compiler = decode.handoff._engine.engine.structured_outputs.compiler  # white box: the test's compile hook
+    compiler.on_compile = held
 
     async def admit_then_abort():
         admission = asyncio.create_task(decode.admit("aborted", PROMPT, constrained(regex="[cd]{4}")))
         await held.wait_started()
-        answered = await asyncio.wait_for(decode.engine.call(lambda e: len(decode._pending)), 10)
+        answered = await asyncio.wait_for(decode.handoff.call(lambda: len(decode._pending)), 10)
         await decode.abort_request("aborted")
         held.release()
         with pytest.raises(UnknownRequestError, match="aborted during its admission"):
@@ -131,12 +135,12 @@ def test_admission_compiles_off_the_engine_thread_and_an_abort_meanwhile_leaves_
     try:
         assert asyncio.run(asyncio.wait_for(admit_then_abort(), 30)) == 0, "reserved before its grammar was ready"
     finally:
-        decode.engine.engine.structured_outputs.compiler.on_compile = None
+        compiler.on_compile = None
     assert_decode_idle(decode)
 
 
 def test_the_decode_engine_checks_the_handed_off_token_against_the_constraint(workers, tiny_checkpoint):
-    """Adoption straight into the decode engine (what `DecodeWorker._adopt` does once the state landed): an
+    """Adoption straight through the handoff seam (what `DecodeWorker._adopt` does once the state landed): an
     allowed first token is continued under the constraint, a rejected one fails its request and frees its
     reservation."""
     _, decode = workers
@@ -144,13 +148,13 @@ def test_the_decode_engine_checks_the_handed_off_token_against_the_constraint(wo
     allowed, rejected = tokenizer.encode("a")[0], tokenizer.encode("c")[0]
 
     async def adopt(request_id: str, first_token_id: int):
-        stream = decode.engine.stream(request_id)
+        handoff = decode.handoff
+        stream = handoff.stream(request_id)
 
-        def add(e):
-            block_ids, slot_id = e.reserve(len(PROMPT))
-            e.add_prefilled_request(request_id, PROMPT, first_token_id, constrained(regex=REGEX), block_ids, slot_id)
+        def add():
+            handoff.adopt(handoff.reserve(request_id, len(PROMPT)), PROMPT, first_token_id, constrained(regex=REGEX))
 
-        await decode.engine.call(add)
+        await handoff.call(add)
         try:
             return [d async for d in stream]
         except RequestFailedError as e:

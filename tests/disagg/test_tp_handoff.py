@@ -163,7 +163,7 @@ async def _rank_0_address_alone_is_refused(p: Pair) -> None:
         await p.prefill.prefill("only-rank-0", PROMPTS[1], GREEDY, target)
     await p.decode.abort_request("only-rank-0")  # what the router does when the prefill fails
     # a failed handoff keeps its pin until the lease ends (a write might still land): end it now
-    assert await p.prefill.engine.call(lambda e: p.prefill.pins.expire(float("inf"))) == ["only-rank-0"]
+    assert await p.prefill.handoff.call(lambda: p.prefill.pins.expire(float("inf"))) == ["only-rank-0"]
     assert await p.idle() == before
 
 

@@ -1,7 +1,8 @@
 """PinManager spec: a request's blocks and slots stay pinned from the moment its writes are posted
 until every expected rank confirmed, or it is aborted, its peer is lost, or its lease expires;
-every path unpins exactly once, and a pinned block or slot is never handed out again. Every test
-ends with empty pools, no lease and zero pin gauges."""
+every path unpins exactly once, and a pinned block or slot is never handed out again. The pins go
+through the handoff seam's `PoolPins` over real pools. Every test ends with empty pools, no lease and
+zero pin gauges."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from _transfer_setup import BLOCK_SIZE, byte_equal, close, connect, fill_random_bytes, make_side, tiny_config
 from k3serve.engine.block_pool import BlockPool
+from k3serve.engine.kv_handoff import PoolPins
 from k3serve.engine.state_pool import StatePool
 from k3serve.model.batch import ModelCache
 from k3serve.transfer.backend import TransferStatus
@@ -58,7 +60,7 @@ class Engine:
 def engine(metrics: BoundTransferMetrics, registry: CollectorRegistry) -> Iterator[Engine]:
     clock = Clock()
     blocks, slots = BlockPool(num_blocks=8, block_size=BLOCK_SIZE), StatePool(num_slots=3)
-    eng = Engine(blocks, slots, PinManager(blocks, slots, clock=clock, metrics=metrics), clock, metrics, registry)
+    eng = Engine(blocks, slots, PinManager(PoolPins(blocks, slots), clock=clock, metrics=metrics), clock, metrics, registry)
     yield eng
     assert eng.pins.num_leases == 0 and eng.pins.num_pinned_blocks == 0 and eng.pins.num_pinned_slots == 0
     blocks.check_empty()
