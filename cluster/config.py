@@ -16,6 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from k3serve.cluster.ingress_limits import IngressLimits
 from k3serve.engine.host_ip import check_host_ip
 
 # The admission queue's default length, in rounds of the decode pool (decode_replicas x max_num_seqs):
@@ -28,6 +29,8 @@ QUEUE_ROUNDS = 8
 # Where `ServeConfig.load` finds the API key when neither the file nor a flag gives one: a secret need not
 # sit in a YAML file or on a command line (which `ps` shows); a Kubernetes Secret arrives this way.
 API_KEY_ENV = "K3SERVE_API_KEY"
+
+_LIMITS = IngressLimits()  # the defaults of the ingress limits (cluster/ingress_limits.py)
 
 
 class ServeConfig(BaseModel):
@@ -85,6 +88,21 @@ class ServeConfig(BaseModel):
         None, description="IP every Ray worker binds its servers on and advertises to peers (one node only); "
         "default: $K3SERVE_HOST_IP of the worker's node, else Ray's node IP (cluster/node_address.py)",
     )
+    # ingress limits
+    max_request_body_bytes: int = Field(
+        _LIMITS.max_request_body_bytes, gt=0, description="a request body beyond it gets 413, unread")
+    max_stop_sequences: int = Field(_LIMITS.max_stop_sequences, gt=0, description="stop strings a request may give")
+    max_stop_sequence_chars: int = Field(_LIMITS.max_stop_sequence_chars, gt=0, description="characters of one stop string")
+    max_logit_bias_entries: int = Field(_LIMITS.max_logit_bias_entries, gt=0, description="logit_bias entries a request may give")
+    header_timeout_seconds: float = Field(
+        _LIMITS.header_timeout_seconds, gt=0, description="a connection whose request headers take longer (from its "
+        "start or its last response) gets 408 and is closed")
+    keep_alive_timeout_seconds: float = Field(
+        _LIMITS.keep_alive_timeout_seconds, gt=0, description="an idle keep-alive connection is closed after it")
+    max_connections: int = Field(
+        _LIMITS.max_connections, gt=0, description="open connections to the ingress; one more gets 503 and is closed")
+    max_header_bytes: int = Field(
+        _LIMITS.max_header_bytes, gt=0, description="request line and headers; more gets 431 and the connection closed")
 
     @field_validator("api_key")
     @classmethod
@@ -144,6 +162,10 @@ class ServeConfig(BaseModel):
         if self.max_queued_requests is not None:
             return self.max_queued_requests
         return QUEUE_ROUNDS * self.decode_replicas * self.max_num_seqs
+
+    def ingress_limits(self) -> IngressLimits:
+        """The `# ingress limits` fields, as the ingress takes them."""
+        return IngressLimits(**{name: getattr(self, name) for name in IngressLimits.__dataclass_fields__})
 
     def engine_kwargs(self) -> dict[str, Any]:
         """EngineArgs of every engine in the deployment."""

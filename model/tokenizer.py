@@ -72,7 +72,9 @@ class _HFBackend:
         self._bytes: list[bytes] | None = None
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: only it releases the GIL while it encodes, so a long prompt tokenized on the
+        # ingress's worker thread leaves its event loop running (cluster/api/prepare_lane.py)
+        return self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

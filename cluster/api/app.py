@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
@@ -35,15 +36,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from k3serve.cluster.ingress_limits import IngressLimits
 from k3serve.cluster.metrics import IngressMetrics, RequestTimer
 from k3serve.engine.structured_output import ConstraintCompileError
 
 from .auth import BearerKeyAuth
+from .body_limit import BODY_BYTES, BodyLimit
 from .drain import Drain, DrainGate, count_cut_with
 from .engine_client import EngineClient
 from .errors import APIError, error_response
 from .fanout import FanOut
+from .prepare_lane import PrepareLane
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, _SamplingFields
+from .request_limits import RequestLimits
 from .serving import (
     STATUS_CLIENT_GONE,
     Prepared,
@@ -70,20 +75,25 @@ class ClientGone(Exception):
 
 
 def build_app(client: EngineClient, metrics: IngressMetrics | None = None, reasoning_parser: str = "kimi",
-              api_key: str | None = None) -> FastAPI:
+              api_key: str | None = None, limits: IngressLimits | None = None) -> FastAPI:
     """`reasoning_parser`: "kimi" returns a thinking model's reasoning apart on chat (reasoning.py), "none" not.
-    `api_key`: the bearer key every /v1 route requires (None: all open); a refusal counts as a 401 error."""
+    `api_key`: the bearer key every /v1 route requires (None: all open); a refusal counts as a 401 error.
+    `limits`: what one request may send (the defaults of IngressLimits when None); the connection limits among
+    them are the server's to apply (connection_guard.py)."""
     if reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {reasoning_parser!r}")
     if api_key == "":
         raise ValueError("api_key is empty: every request would pass with 'Bearer ' (None serves without a key)")
     metrics = metrics if metrics is not None else IngressMetrics(model_name=client.model_name)
     app = FastAPI(title="k3serve", summary="OpenAI-compatible ingress of k3serve")
+    limits = limits if limits is not None else IngressLimits()
     app.state.client, app.state.metrics = client, metrics
     _install_error_handlers(app, metrics)
+    app.add_middleware(BodyLimit, max_bytes=limits.max_request_body_bytes, on_refused=metrics.count_error)
     if api_key is not None:
         app.add_middleware(BearerKeyAuth, api_key=api_key, on_refused=metrics.count_error)
     app.state.drain = drain = Drain()
+    guard = _Guard(RequestLimits(limits, client.tokenizer, client.max_model_len), PrepareLane())
     app.add_middleware(DrainGate, drain=drain, on_refused=metrics.count_error)  # outermost: refuses before auth
 
     @app.get("/health")
@@ -110,22 +120,31 @@ def build_app(client: EngineClient, metrics: IngressMetrics | None = None, reaso
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return await _serve(raw, client, metrics, lambda: prepare_completion(body, client), body)
+        return await _serve(raw, client, metrics, guard, lambda: prepare_completion(body, client), body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await _serve(raw, client, metrics, lambda: prepare_chat(body, client, reasoning_parser), body)
+        return await _serve(raw, client, metrics, guard, lambda: prepare_chat(body, client, reasoning_parser), body)
 
     return app
 
 
-async def _serve(raw: Request, client: EngineClient, metrics: IngressMetrics,
+@dataclass(frozen=True)
+class _Guard:
+    """What keeps one request's size off the event loop: its cheap checks, then where its prepare runs."""
+
+    limits: RequestLimits
+    lane: PrepareLane
+
+
+async def _serve(raw: Request, client: EngineClient, metrics: IngressMetrics, guard: _Guard,
                  prepare: Callable[[], Prepared], body: _SamplingFields) -> Response:
     timer = metrics.start_request()
     count_cut_with(raw.scope, timer.fail)  # a drain cut counts once, as its 503, stream or not
     kind = None  # of the request's structured output constraint, once its shape passed
     try:
-        prep = prepare()
+        guard.limits.check(body)  # before the prompt is rendered or tokenized
+        prep = await guard.lane.run(prepare, raw.scope[BODY_BYTES])
         kind = constraint_kind(body)
         if kind is not None:
             metrics.count_structured_output(kind)
