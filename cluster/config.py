@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from k3serve.cluster.ingress_limits import IngressLimits
+from k3serve.cluster.room_watch import STALL_SECONDS
 from k3serve.engine.host_ip import check_host_ip
 
 # The admission queue's default length, in rounds of the decode pool (decode_replicas x max_num_seqs):
@@ -103,6 +104,10 @@ class ServeConfig(BaseModel):
         _LIMITS.max_connections, gt=0, description="open connections to the ingress; one more gets 503 and is closed")
     max_header_bytes: int = Field(
         _LIMITS.max_header_bytes, gt=0, description="request line and headers; more gets 431 and the connection closed")
+    admission_stall_seconds: float = Field(
+        STALL_SECONDS, gt=0, description="disaggregated: a decode replica whose room has been held this long by "
+        "reservations that do not move (none handed off, nothing admitted) cannot admit work: /health is 503 "
+        "(degraded) while every one is so, and replicas_healthy does not count it")
 
     @field_validator("api_key")
     @classmethod
@@ -130,7 +135,7 @@ class ServeConfig(BaseModel):
             raise ValueError("colocated mode runs one engine with decode_tp=1")
         if self.mode == "disaggregated" and max(self.prefill_tp, self.decode_tp) > 1 and self.transfer == "local":
             raise ValueError("prefill_tp or decode_tp > 1 runs ranks in separate processes: use transfer mooncake or nixl")
-        queue_fields = {"max_queued_requests", "queue_timeout_seconds"} & self.model_fields_set
+        queue_fields = {"max_queued_requests", "queue_timeout_seconds", "admission_stall_seconds"} & self.model_fields_set
         if self.mode == "colocated" and queue_fields:
             raise ValueError(f"{', '.join(sorted(queue_fields))}: the disaggregated ingress's admission queue; "
                              "colocated mode queues in its engine's scheduler")

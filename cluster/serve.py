@@ -102,7 +102,8 @@ def _router(config: ServeConfig, prefill: list, decode: list, engine_kwargs: dic
     vocab_size = ModelConfig.from_dir(engine_kwargs["model"]).vocab_size
     router = DisaggregatedRouter(prefill, decode, tokenizer, name, config.max_model_len, vocab_size, metrics,
                                  max_queued_requests=config.queue_capacity,
-                                 queue_timeout_seconds=config.queue_timeout_seconds)
+                                 queue_timeout_seconds=config.queue_timeout_seconds,
+                                 admission_stall_seconds=config.admission_stall_seconds)
     return router, metrics
 
 

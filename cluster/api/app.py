@@ -44,7 +44,7 @@ from .auth import BearerKeyAuth
 from .body_limit import BODY_BYTES, BodyLimit
 from .drain import Drain, DrainGate, count_cut_with
 from .engine_client import EngineClient
-from .errors import APIError, error_response
+from .errors import APIError, EngineOverloadedError, error_response
 from .fanout import FanOut
 from .prepare_lane import PrepareLane
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, _SamplingFields
@@ -104,7 +104,8 @@ def build_app(client: EngineClient, metrics: IngressMetrics | None = None, reaso
             await client.check_health()
         except Exception as e:
             logger.warning("health check failed: %r", e)
-            return error_response(APIError(503, f"unhealthy: {type(e).__name__}"))
+            shown = str(e) if isinstance(e, EngineOverloadedError) else type(e).__name__  # as to_api_error shows it
+            return error_response(APIError(503, f"unhealthy: {shown}"))
         return Response(status_code=200)
 
     @app.get("/v1/models")
