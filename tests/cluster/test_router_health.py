@@ -4,8 +4,8 @@ model, transfer "local") and a real router, stats refreshed by the test (/health
 - A decode replica that dies has its gauges dropped and marked stale at the first refresh that fails, and
   replicas_healthy stops counting it: no phantom `num_requests_running` of its last value.
 - A decode pool whose every KDA slot is held by reservations that do not move (Reserve calls on the control plane,
-  never handed off) cannot admit work: /health answers 503 "degraded" naming it, replicas_healthy counts 0
-  decode replicas; once the reservations go, both are green again.
+  never handed off) cannot admit work: /health answers 503 "degraded" naming it (`k3serve status` shows why),
+  replicas_healthy counts 0 decode replicas; once the reservations go, both are green again.
 - A pool full of requests that are running is busy, not degraded: /health stays 200.
 """
 
@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 from k3serve.cluster.api import build_app
 from k3serve.cluster.metrics import IngressMetrics
 from k3serve.cluster.router import DisaggregatedRouter, PoolDegradedError, ReplicaUnavailableError
+from k3serve.cluster.status import print_status
 from k3serve.decode.worker import DecodeWorker
 from k3serve.engine.async_engine import GenerateRequest
 from k3serve.engine.config import EngineArgs
@@ -30,6 +31,7 @@ from k3serve.model.config import ModelConfig
 from k3serve.model.tokenizer import Tokenizer
 from k3serve.prefill.worker import PrefillWorker
 
+from _api_harness import serve_ingress
 from test_api import assert_error
 from test_decode_feed import ENGINE_ARGS, PROMPTS, _wait_decode_idle
 
@@ -70,6 +72,7 @@ async def routing(prefill, decode, tiny_checkpoint: Path):
     app = build_app(router, metrics)
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ingress") as http:
+            http.app = app
             yield router, http
     finally:
         await router.close()
@@ -121,14 +124,15 @@ async def _check_the_death_is_seen(router: DisaggregatedRouter, http: httpx.Asyn
     assert_error(await http.get("/health"), 503, message="no healthy decode replica")
 
 
-async def test_a_pool_held_by_unmoving_reservations_is_degraded_until_they_go(prefill, decode, tiny_checkpoint):
+async def test_a_pool_held_by_unmoving_reservations_is_degraded_until_they_go(prefill, decode, tiny_checkpoint,
+                                                                              capsys):
     async with routing(prefill, decode, tiny_checkpoint) as (router, http):
         assert (await http.get("/health")).status_code == 200
         squatters = ["squatter-0", "squatter-1"]
         for rid in squatters:  # what a Reserve call on the control plane does (decode.reserve is its handler)
             await asyncio.to_thread(decode.reserve, rid, 16, 60.0)
         try:
-            await _check_degraded_until_freed(router, http, decode, squatters)
+            await _check_degraded_until_freed(router, http, decode, squatters, capsys)
         finally:
             for rid in squatters:
                 with contextlib.suppress(Exception):  # freed already
@@ -137,7 +141,7 @@ async def test_a_pool_held_by_unmoving_reservations_is_degraded_until_they_go(pr
 
 
 async def _check_degraded_until_freed(router: DisaggregatedRouter, http: httpx.AsyncClient, decode: DecodeWorker,
-                                      squatters: list[str]) -> None:
+                                      squatters: list[str], capsys) -> None:
     assert (await http.get("/health")).status_code == 200  # full, but not for long yet
     await asyncio.sleep(STALL_S + 0.1)
     assert_error(await http.get("/health"), 503,
@@ -147,6 +151,11 @@ async def _check_degraded_until_freed(router: DisaggregatedRouter, http: httpx.A
     assert gauge(router, "replicas_healthy", pool="decode") == 0  # it answers, but cannot admit
     assert gauge(router, "replicas_healthy", pool="prefill") == 1
     assert gauge(router, "replica_stats_stale", pool="decode", replica="decode-0") == 0  # its stats are fresh
+    async with serve_ingress(http.app) as port:  # `k3serve status` says why
+        assert await asyncio.to_thread(print_status, f"http://127.0.0.1:{port}") == 1
+    shown = capsys.readouterr().out
+    assert "unhealthy (503: unhealthy: degraded: no decode replica can admit a request: decode-0" in shown, shown
+    assert 'k3serve:replicas_healthy{model_name="k3-tiny",pool="decode"} 0.0' in shown, shown
 
     for rid in squatters:
         await asyncio.to_thread(decode.abort, rid, "the test frees its reservations")
