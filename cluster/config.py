@@ -92,7 +92,7 @@ class ServeConfig(BaseModel):
     # ingress limits
     max_request_body_bytes: int = Field(
         _LIMITS.max_request_body_bytes, gt=0, description="a request body beyond it gets 413, unread")
-    max_stop_sequences: int = Field(_LIMITS.max_stop_sequences, gt=0, description="stop strings a request may give")
+    max_stop_sequences: int = Field(_LIMITS.max_stop_sequences, gt=0, description="stop strings a request may give (and stop_token_ids)")
     max_stop_sequence_chars: int = Field(_LIMITS.max_stop_sequence_chars, gt=0, description="characters of one stop string")
     max_logit_bias_entries: int = Field(_LIMITS.max_logit_bias_entries, gt=0, description="logit_bias entries a request may give")
     header_timeout_seconds: float = Field(

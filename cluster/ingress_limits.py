@@ -6,7 +6,8 @@ serve YAML's keys of the same names); `ServeConfig.ingress_limits()` gives the d
 its field, so a client (or an operator reading the log) knows which bound it met:
 
     max_request_body_bytes    413 beyond it, read or announced (cluster/api/body_limit.py)
-    max_stop_sequences        400 naming `stop`: each stop string is searched for at every generated token
+    max_stop_sequences        400 naming `stop` (or `stop_token_ids`, bounded alike): each stop string is
+                              searched for at every generated token, each stop id looked up
     max_stop_sequence_chars   400 naming `stop`: ... and held back while the text ends with a prefix of it
     max_logit_bias_entries    400 naming `logit_bias`: each entry is applied to every step's logits
     header_timeout_seconds    408 and close: a connection's request headers, from its start or its last response

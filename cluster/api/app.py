@@ -12,8 +12,13 @@ With an `api_key`, every /v1 route answers 401 unless the request carries `Autho
 get 503 and /health 503, while those in flight run on (or are aborted with a clear end past the drain timeout).
 
 Every error is OpenAI's error JSON with its status: 400 bad parameters (pydantic validation
-included, never 422), 404 another model id, 503 overloaded or dead backend, 500 anything else
-(generic message; the traceback goes to the log only).
+included, never 422; text that is not valid Unicode; a bound of `IngressLimits` exceeded, named), 413 a body
+over `max_request_body_bytes` (body_limit.py), 404 another model id, 503 overloaded or dead backend, 500
+anything else (generic message; the traceback goes to the log only).
+
+No request's size stalls the event loop the others share (docs/design/ingress_limits.md): its cheap checks run
+first (request_limits.py: stop lists, logit_bias, a prompt too long in characters for the context), then its chat
+template and tokenization, on a worker thread when its body is large (prepare_lane.py).
 
 A request asks for one choice or several (`n`, a batch of prompts on /v1/completions): each is an
 engine request of its own (serving.py, fanout.py), and they succeed, fail and are aborted together.

@@ -6,7 +6,8 @@ logged at debug level. The extras that would change it, features k3serve does no
 (the deprecated `functions`, tools on /v1/completions, suffix, best_of, chat echo), are refused
 with a 400 naming the field unless their value asks for nothing (`NOT_IMPLEMENTED`, the one table
 of them): answering 200 with something other than what was asked would be silently wrong. Range checks that the OpenAI API states live here; everything
-`SamplingParams` validates is left to it (its ValueError becomes a 400).
+`SamplingParams` validates is left to it (its ValueError becomes a 400). Every string of a request, at any depth,
+must be valid Unicode: a lone surrogate is a 400 naming its path (unicode_check.py).
 
 Chat takes OpenAI's `tools` (functions only; a wrong shape is a 400 naming `tools`) with
 `tool_choice` "auto" (the default), "none", "required" or a named function (the last two force calls:

@@ -2,6 +2,7 @@
 tokenized, each cheap (lengths only) and each naming what it bounds.
 
     stop            at most `max_stop_sequences` strings of at most `max_stop_sequence_chars` characters
+    stop_token_ids  at most `max_stop_sequences` ids
     logit_bias      at most `max_logit_bias_entries` entries
     prompt text     a prompt that cannot fit the context is refused before it costs a tokenization:
 
@@ -33,6 +34,9 @@ class RequestLimits:
     def check(self, body: _SamplingFields) -> None:
         """APIError 400 naming the field and the limit it exceeds."""
         self._check_stop(body.stop)
+        ids, most = len(body.stop_token_ids or ()), self.limits.max_stop_sequences
+        if ids > most:  # each generated token is looked up in the list
+            raise bad_request(f"stop_token_ids has {ids} ids, more than max_stop_sequences ({most})", "stop_token_ids")
         entries, most = len(body.logit_bias or ()), self.limits.max_logit_bias_entries
         if entries > most:
             raise bad_request(f"logit_bias has {entries} entries, more than max_logit_bias_entries ({most})",

@@ -78,6 +78,8 @@ LIMITED = {  # id: (route, payload, param, the limit the message names)
                          "more than max_stop_sequences (32)"),
     "stop-string-too-long": ("/v1/completions", {"prompt": PROMPT, "stop": ["ok", "y" * 257]}, "stop",
                              "stop string 1 has 257 characters, more than max_stop_sequence_chars (256)"),
+    "stop_token_ids-33": ("/v1/completions", {"prompt": PROMPT, "stop_token_ids": list(range(33))}, "stop_token_ids",
+                          "33 ids, more than max_stop_sequences (32)"),
     "logit_bias-entries": (CHAT, {"messages": HI, "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias",
                            "1025 entries, more than max_logit_bias_entries (1024)"),
     "prompt-over-context-chars": ("/v1/completions", {"prompt": words(14337)}, "prompt", "max_prompt_chars"),
@@ -101,7 +103,7 @@ async def test_requests_at_the_limits_are_served(client):
     max_prompt_chars passes the character bound and meets the exact check, in tokens."""
     app = build_app(client, IngressMetrics(CollectorRegistry(), model_name=client.model_name),
                     limits=IngressLimits(max_logit_bias_entries=512))
-    at_limits = {"messages": HI, "max_tokens": 2, "stop": ["z" * 256] * 32,
+    at_limits = {"messages": HI, "max_tokens": 2, "stop": ["z" * 256] * 32, "stop_token_ids": list(range(32)),
                  "logit_bias": {str(i): 0.5 for i in range(512)}}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ingress") as h:
         r = await h.post(CHAT, json=at_limits)
