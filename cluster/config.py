@@ -92,9 +92,12 @@ class ServeConfig(BaseModel):
     # ingress limits
     max_request_body_bytes: int = Field(
         _LIMITS.max_request_body_bytes, gt=0, description="a request body beyond it gets 413, unread")
-    max_stop_sequences: int = Field(_LIMITS.max_stop_sequences, gt=0, description="stop strings a request may give (and stop_token_ids)")
-    max_stop_sequence_chars: int = Field(_LIMITS.max_stop_sequence_chars, gt=0, description="characters of one stop string")
-    max_logit_bias_entries: int = Field(_LIMITS.max_logit_bias_entries, gt=0, description="logit_bias entries a request may give")
+    max_stop_sequences: int = Field(
+        _LIMITS.max_stop_sequences, gt=0, description="stop strings a request may give (and stop_token_ids)")
+    max_stop_sequence_chars: int = Field(
+        _LIMITS.max_stop_sequence_chars, gt=0, description="characters of one stop string")
+    max_logit_bias_entries: int = Field(
+        _LIMITS.max_logit_bias_entries, gt=0, description="logit_bias entries a request may give")
     header_timeout_seconds: float = Field(
         _LIMITS.header_timeout_seconds, gt=0, description="a connection whose request headers take longer (from its "
         "start or its last response) gets 408 and is closed")
@@ -135,7 +138,8 @@ class ServeConfig(BaseModel):
             raise ValueError("colocated mode runs one engine with decode_tp=1")
         if self.mode == "disaggregated" and max(self.prefill_tp, self.decode_tp) > 1 and self.transfer == "local":
             raise ValueError("prefill_tp or decode_tp > 1 runs ranks in separate processes: use transfer mooncake or nixl")
-        queue_fields = {"max_queued_requests", "queue_timeout_seconds", "admission_stall_seconds"} & self.model_fields_set
+        queue_fields = {"max_queued_requests", "queue_timeout_seconds",
+                        "admission_stall_seconds"} & self.model_fields_set
         if self.mode == "colocated" and queue_fields:
             raise ValueError(f"{', '.join(sorted(queue_fields))}: the disaggregated ingress's admission queue; "
                              "colocated mode queues in its engine's scheduler")

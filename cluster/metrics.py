@@ -14,7 +14,8 @@ Queue, prefill and handoff times are only known to the serving layer, which repo
 `observe_queue_time` and friends (the disaggregated router's queue time: arrival to a decode
 reservation, which its prefill waits for, or to leaving its admission queue without one: timed out,
 cancelled); it also sets the per-(pool, replica) gauges with
-`set_pool_stats` (dropped, and `k3serve:replica_stats_stale` set, by `mark_stale` when a refresh fails), and with `set_ingress_queue` the requests its admission queue holds, as
+`set_pool_stats` (dropped, and `k3serve:replica_stats_stale` set, by `mark_stale` when a refresh
+fails), and with `set_ingress_queue` the requests its admission queue holds, as
 `k3serve:num_requests_waiting{pool="ingress", replica="router"}` (on the pools dashboard and in
 `k3serve status` beside the replicas' queues). Structured outputs: the app counts each request with a constraint
 by its kind (`count_structured_output`: json, json_object, regex, choice, grammar, or tool_choice for a forced tool

@@ -33,7 +33,8 @@ def print_status(base_url: str, api_key: str | None = None) -> int:
     names = [m["id"] for m in json.loads(models or b"{}").get("data", [])]
     if models_status == 401:
         names = ["? (401: give the server's key: --api-key or $K3SERVE_API_KEY)"]
-    print(f"{base}: {'healthy' if health == 200 else _unhealthy(health, health_body)}; models: {', '.join(names) or '-'}")
+    state = "healthy" if health == 200 else _unhealthy(health, health_body)
+    print(f"{base}: {state}; models: {', '.join(names) or '-'}")
     for line in metrics.decode().splitlines():
         if line.startswith(_GAUGES):
             print(f"  {line}")

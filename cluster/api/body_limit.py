@@ -3,8 +3,9 @@
 A body that announces more (Content-Length) is refused before a byte of it is read; one sent in chunks is read
 up to the limit and refused at the first chunk beyond it. A body within the limit is read whole here, then handed
 to the app as it came (its messages replayed, then the client's channel as it is: the routes still see the
-client's disconnect), its size in the scope (`BODY_BYTES`). Pure ASGI, as auth.py and drain.py: the refusal is OpenAI's error JSON, naming the limit,
-with `Connection: close` (the rest of the body is not read, so the connection cannot carry another request).
+client's disconnect), its size in the scope (`BODY_BYTES`). Pure ASGI, as auth.py and drain.py: the refusal is
+OpenAI's error JSON, naming the limit, with `Connection: close` (the rest of the body is not read, so the
+connection cannot carry another request).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from k3serve.cluster.ingress_limits import IngressLimits
 from k3serve.model.tokenizer import Tokenizer
 
 from .errors import bad_request
-from .protocol import ChatCompletionRequest, CompletionRequest, TextPart, _SamplingFields
+from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
 
 
 class RequestLimits:
@@ -66,11 +66,11 @@ class RequestLimits:
                 f"Please reduce the length of the {what}.", what)
 
 
-def _rendered_chars(message) -> int:
+def _rendered_chars(message: ChatMessage) -> int:
     """Characters of `message` that the chat template renders as they are: its content, its calls' arguments."""
     content = message.content
     if isinstance(content, str):
         chars = len(content)
     else:
-        chars = sum(len(part.text or "") for part in content or () if isinstance(part, TextPart))
+        chars = sum(len(part.text or "") for part in content or ())
     return chars + sum(len(call.function.arguments) for call in message.tool_calls or ())

@@ -25,20 +25,24 @@ class LoneSurrogate:
                 "text must be valid Unicode (send a whole surrogate pair, or the character itself)")
 
 
-def find_lone_surrogate(data: Any, loc: tuple[str | int, ...] = ()) -> LoneSurrogate | None:
+def find_lone_surrogate(data: Any) -> LoneSurrogate | None:
     """The first lone surrogate in `data` (dicts, lists, strings as json.loads makes them; anything else has no
-    text), depth first in document order; None when every string is valid Unicode."""
-    if isinstance(data, str):
-        return _in_text(data, loc, in_key=False)
-    if isinstance(data, dict):
-        for key, value in data.items():
-            found = (_in_text(key, loc, in_key=True) if isinstance(key, str) else None) or \
-                find_lone_surrogate(value, (*loc, key))
-            if found is not None:
-                return found
-    elif isinstance(data, (list, tuple)):
-        for i, value in enumerate(data):
-            found = find_lone_surrogate(value, (*loc, i))
+    text), depth first in document order; None when every string is valid Unicode. Iterative: a body nested as
+    deep as the JSON decoder allows costs no recursion here."""
+    todo: list[tuple[Any, tuple[str | int, ...]]] = [(data, ())]
+    while todo:
+        value, loc = todo.pop()
+        if isinstance(value, str):
+            texts = [(value, False)]
+        elif isinstance(value, dict):  # its keys now, its values in turn
+            texts = [(key, True) for key in value if isinstance(key, str)]
+            todo.extend((v, (*loc, k)) for k, v in reversed(value.items()))
+        else:
+            texts = []
+            if isinstance(value, (list, tuple)):
+                todo.extend((v, (*loc, i)) for i, v in reversed(list(enumerate(value))))
+        for text, in_key in texts:
+            found = _in_text(text, loc, in_key)
             if found is not None:
                 return found
     return None
