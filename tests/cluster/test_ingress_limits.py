@@ -201,8 +201,8 @@ async def test_a_10_mb_prompt_is_refused_at_once_and_stalls_no_one(app):
         big = {"messages": [{"role": "user", "content": words(10 * 2**20)}], "max_tokens": 2}
         r, big_s, canary_s = await _canaries_during(port, big)
     assert_error(r, 400, param="messages", message="max_prompt_chars")
-    assert big_s < 2.0, big_s  # reading and parsing 10 MB; tokenizing it would take several seconds
-    assert max(canary_s) < 2.0, canary_s
+    assert big_s < 3.0, big_s  # reading and parsing 10 MB; tokenizing it takes several seconds
+    assert max(canary_s) < 3.0, canary_s
 
 
 async def test_a_prompt_that_fits_is_tokenized_off_the_event_loop(client, metrics):
