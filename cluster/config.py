@@ -21,6 +21,8 @@ import yaml
 from pydantic import ConfigDict, Field, SecretStr, create_model, field_validator, model_validator
 
 from k3serve.engine.config import EngineArgs, engine_arg_docs
+from k3serve.cluster.ingress_limits import IngressLimits
+from k3serve.cluster.room_watch import STALL_SECONDS
 from k3serve.engine.host_ip import check_host_ip
 
 # The admission queue's default length, in rounds of the decode pool (decode_replicas x its max_num_seqs):
@@ -33,6 +35,8 @@ QUEUE_ROUNDS = 8
 # Where `ServeConfig.load` finds the API key when neither the file nor a flag gives one: a secret need not
 # sit in a YAML file or on a command line (which `ps` shows); a Kubernetes Secret arrives this way.
 API_KEY_ENV = "K3SERVE_API_KEY"
+
+_LIMITS = IngressLimits()  # the defaults of the ingress limits (cluster/ingress_limits.py)
 
 Pool = Literal["prefill", "decode", "colocated"]
 POOLS = ("prefill", "decode")
@@ -124,6 +128,28 @@ class ServeConfig(EngineOptions):
         None, description="IP every Ray worker binds its servers on and advertises to peers (one node only); "
         "default: $K3SERVE_HOST_IP of the worker's node, else Ray's node IP (cluster/node_address.py)",
     )
+    # ingress limits
+    max_request_body_bytes: int = Field(
+        _LIMITS.max_request_body_bytes, gt=0, description="a request body beyond it gets 413, unread")
+    max_stop_sequences: int = Field(
+        _LIMITS.max_stop_sequences, gt=0, description="stop strings a request may give (and stop_token_ids)")
+    max_stop_sequence_chars: int = Field(
+        _LIMITS.max_stop_sequence_chars, gt=0, description="characters of one stop string")
+    max_logit_bias_entries: int = Field(
+        _LIMITS.max_logit_bias_entries, gt=0, description="logit_bias entries a request may give")
+    header_timeout_seconds: float = Field(
+        _LIMITS.header_timeout_seconds, gt=0, description="a connection whose request headers take longer (from its "
+        "start or its last response) gets 408 and is closed")
+    keep_alive_timeout_seconds: float = Field(
+        _LIMITS.keep_alive_timeout_seconds, gt=0, description="an idle keep-alive connection is closed after it")
+    max_connections: int = Field(
+        _LIMITS.max_connections, gt=0, description="open connections to the ingress; one more gets 503 and is closed")
+    max_header_bytes: int = Field(
+        _LIMITS.max_header_bytes, gt=0, description="request line and headers; more gets 431 and the connection closed")
+    admission_stall_seconds: float = Field(
+        STALL_SECONDS, gt=0, description="disaggregated: a decode replica whose room has been held this long by "
+        "reservations that do not move (none handed off, nothing admitted) cannot admit work: /health is 503 "
+        "(degraded) while every one is so, and replicas_healthy does not count it")
 
     @field_validator("api_key")
     @classmethod
@@ -151,7 +177,8 @@ class ServeConfig(EngineOptions):
             raise ValueError("colocated mode runs one engine with decode_tp=1")
         if self.mode == "disaggregated" and max(self.prefill_tp, self.decode_tp) > 1 and self.transfer == "local":
             raise ValueError("prefill_tp or decode_tp > 1 runs ranks in separate processes: use transfer mooncake or nixl")
-        queue_fields = {"max_queued_requests", "queue_timeout_seconds"} & self.model_fields_set
+        queue_fields = {"max_queued_requests", "queue_timeout_seconds",
+                        "admission_stall_seconds"} & self.model_fields_set
         if self.mode == "colocated" and queue_fields:
             raise ValueError(f"{', '.join(sorted(queue_fields))}: the disaggregated ingress's admission queue; "
                              "colocated mode queues in its engine's scheduler")
@@ -214,3 +241,7 @@ class ServeConfig(EngineOptions):
             values.update({name: getattr(self, name) for name in DECODE_ENGINE_ARGS})
         tp = {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(pool, 1)
         return EngineArgs(**values, tensor_parallel_size=tp)
+
+    def ingress_limits(self) -> IngressLimits:
+        """The `# ingress limits` fields, as the ingress takes them."""
+        return IngressLimits(**{name: getattr(self, name) for name in IngressLimits.__dataclass_fields__})

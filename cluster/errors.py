@@ -12,5 +12,9 @@ class ReplicaUnavailableError(EngineOverloadedError):
     """No healthy replica could serve the request."""
 
 
+class PoolDegradedError(ReplicaUnavailableError):
+    """The decode replicas answer, but none can admit a request (`cluster/room_watch.py`)."""
+
+
 class ReplicaDiedError(EngineOverloadedError):
     """The replica's process died during the call (Ray restarts the actor)."""

@@ -14,7 +14,8 @@ Queue, prefill and handoff times are only known to the serving layer, which repo
 `observe_queue_time` and friends (the disaggregated router's queue time: arrival to a decode
 reservation, which its prefill waits for, or to leaving its admission queue without one: timed out,
 cancelled); it also sets the per-(pool, replica) gauges with
-`set_pool_stats`, and with `set_ingress_queue` the requests its admission queue holds, as
+`set_pool_stats` (dropped, and `k3serve:replica_stats_stale` set, by `mark_stale` when a refresh
+fails), and with `set_ingress_queue` the requests its admission queue holds, as
 `k3serve:num_requests_waiting{pool="ingress", replica="router"}` (on the pools dashboard and in
 `k3serve status` beside the replicas' queues), and with `set_engine_settings` each replica's engine settings as
 `k3serve:engine_config_info` (value 1, the settings in its labels, as vLLM's `cache_config_info`). Structured outputs: the app counts each request with a constraint
@@ -94,12 +95,17 @@ class IngressMetrics:
         self.structured_output_refusals = Counter("k3serve:structured_output_refusals", "Requests refused (400) "
                                                   "because their structured output constraint does not compile, by "
                                                   "kind.", ("model_name", "kind"), registry=reg)
-        self.replicas_healthy = Gauge("k3serve:replicas_healthy", "Replicas of a pool answering health checks.",
+        self.replicas_healthy = Gauge("k3serve:replicas_healthy", "Replicas of a pool answering health checks and "
+                                      "able to admit work (a decode replica whose room reservations have held, "
+                                      "unmoving, for admission_stall_seconds is not counted).",
                                       ("model_name", "pool"), registry=reg)
         self.engine_config = Gauge("k3serve:engine_config_info", "1 for each replica's engine; its labels: the "
                                    "settings the engine runs with (blocks and slots as its pools were made).",
                                    POOL_LABELS + ENGINE_SETTINGS, registry=reg)
         self._engine_settings: dict[tuple[str, str], tuple[str, ...]] = {}  # (pool, replica) -> its labels now
+        self.stats_stale = Gauge("k3serve:replica_stats_stale", "1 while a replica's last stats refresh failed: its "
+                                 "other per-replica series are dropped until it answers again.", POOL_LABELS,
+                                 registry=reg)
         for series in (self.ttft, self.itl, self.tpot, self.e2e, self.queue_time, self.prefill_time,
                        self.handoff_time, self.prompt_tokens, self.generation_tokens):
             series.labels(model_name)  # exported from the start, at 0
@@ -131,11 +137,19 @@ class IngressMetrics:
 
     def set_pool_stats(self, pool: str, replica: str, num_running: int, num_waiting: int,
                        kv_block_usage: float, kda_slot_usage: float) -> None:
+        """A replica's fresh stats (its stale mark cleared)."""
         labels = (self.model_name, pool, str(replica))
         self.running.labels(*labels).set(num_running)
         self.waiting.labels(*labels).set(num_waiting)
         self.kv_block_usage.labels(*labels).set(kv_block_usage)
         self.kda_slot_usage.labels(*labels).set(kda_slot_usage)
+        self.stats_stale.labels(*labels).set(0)
+
+    def mark_stale(self, pool: str, replica: str) -> None:
+        """A replica's stats refresh failed: its gauges go (a dead replica runs nothing; its last values would be
+        phantoms) and it is marked stale."""
+        self.remove_replica(pool, replica)
+        self.stats_stale.labels(self.model_name, pool, str(replica)).set(1)
 
     def set_engine_settings(self, pool: str, replica: str, settings: dict[str, str]) -> None:
         """The replica's one `engine_config_info` series, replacing its previous one (a restarted replica's
@@ -155,8 +169,9 @@ class IngressMetrics:
         self.replicas_healthy.labels(self.model_name, pool).set(num_healthy)
 
     def remove_replica(self, pool: str, replica: str) -> None:
+        """Every per-replica series of `replica` goes (its stale mark too)."""
         labels = (self.model_name, pool, str(replica))
-        for gauge in (self.running, self.waiting, self.kv_block_usage, self.kda_slot_usage):
+        for gauge in (self.running, self.waiting, self.kv_block_usage, self.kda_slot_usage, self.stats_stale):
             try:
                 gauge.remove(*labels)
             except KeyError:

@@ -6,7 +6,10 @@ blocks), the next one on NoCapacity, or queued (`cluster/admission.py`) while al
 replica picked by load with prefix affinity pushes the prompt state into the reservation, retried once on
 another replica if it fails before the decode side adopted the request; (3) its deltas streamed from the
 decode replica's feed (`cluster/decode_feed.py`). Client gone or any failure: abort on both sides. Replica stats
-are refreshed in the background for routing and the pool gauges. The steps in full: docs/design/router.md.
+are refreshed in the background for routing and the pool gauges. A replica whose refresh fails has its series
+dropped and is marked stale at once; /health is 503 while a pool has no replica answering, or while every decode
+replica's room is held by reservations that do not move (`cluster/room_watch.py`). The steps in full:
+docs/design/router.md.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ from typing import AsyncIterator, Sequence
 
 from k3serve.cluster.admission import AdmissionQueue
 from k3serve.cluster.decode_feed import DecodeFeed, RequestDeltas
-from k3serve.cluster.errors import ReplicaDiedError, ReplicaUnavailableError
+from k3serve.cluster.errors import PoolDegradedError, ReplicaDiedError, ReplicaUnavailableError
 from k3serve.cluster.metrics import IngressMetrics
 from k3serve.cluster.replica_metrics import ReplicaMetricsCollector
 from k3serve.cluster.replicas import DecodeReplica, PrefillReplica
+from k3serve.cluster.room_watch import STALL_SECONDS, RoomWatch
 from k3serve.decode.worker import UnknownFeedError
 from k3serve.engine.async_engine import GenerateRequest
 from k3serve.engine.outputs import RequestDelta
@@ -51,10 +55,13 @@ class DisaggregatedRouter:
         refresh_seconds: float = 0.25,
         max_queued_requests: int | None = None,
         queue_timeout_seconds: float | None = None,
+        admission_stall_seconds: float = STALL_SECONDS,
     ) -> None:
         """vocab_size: the model's (config.json), which the engines check ids against.
         max_queued_requests / queue_timeout_seconds bound the admission queue (None: no bound,
-        as the colocated engine's scheduler queues); `k3serve serve` passes ServeConfig's."""
+        as the colocated engine's scheduler queues); admission_stall_seconds: how long a decode
+        replica's room may stay held by unmoving reservations before it counts as unable to admit
+        (`cluster/room_watch.py`); `k3serve serve` passes ServeConfig's."""
         self.prefill, self.decode = list(prefill), list(decode)
         self.tokenizer, self.model_name, self.max_model_len = tokenizer, model_name, max_model_len
         self.vocab_size = vocab_size
@@ -64,7 +71,8 @@ class DisaggregatedRouter:
         self._decode_stats: dict[str, object] = {}
         self._inflight: dict[str, int] = {r.name: 0 for r in self.prefill}  # prefill requests in flight
         self._decoding: dict[str, int] = {r.name: 0 for r in self.decode}  # admitted here, not yet ended
-        self._healthy: dict[str, bool] = {}
+        self._healthy: dict[str, bool] = {}  # answered its last stats call
+        self._room = RoomWatch(admission_stall_seconds)
         self._feeds: dict[str, DecodeFeed] = {r.name: DecodeFeed(r) for r in self.decode}
         self._refresher: asyncio.Task | None = None
         self.admission: AdmissionQueue[tuple[DecodeReplica, HandoffTarget, RequestDeltas]] = AdmissionQueue(
@@ -75,11 +83,16 @@ class DisaggregatedRouter:
 
     # ---- EngineClient ---------------------------------------------------------------------------
     async def check_health(self) -> None:
-        """Healthy once every pool has at least one replica answering."""
+        """Healthy once every pool has at least one replica answering, and a decode replica that
+        can admit work; otherwise ReplicaUnavailableError, saying which (`PoolDegradedError` when
+        the decode replicas answer but every one is stalled)."""
         await self._refresh()
         for pool, replicas in (("prefill", self.prefill), ("decode", self.decode)):
             if not any(self._healthy.get(r.name) for r in replicas):
                 raise ReplicaUnavailableError(f"no healthy {pool} replica")
+        stalls = [self._room.stall(r.name) for r in self.decode if self._healthy.get(r.name)]
+        if all(stalls):
+            raise PoolDegradedError(f"degraded: no decode replica can admit a request: {'; '.join(stalls)}")
 
     async def abort(self, request_id: str) -> None:
         """The stream's own cleanup aborts on both sides; nothing is left to do by id."""
@@ -144,6 +157,7 @@ class DisaggregatedRouter:
             try:
                 target, deltas = await self._admit_on(replica, rid, prompt_ids, params)
                 admitted = True  # generate() uncounts it when the request ends
+                self._room.clear(replica.name)  # it had room
                 return replica, target, deltas
             except NoCapacityError:
                 full = True
@@ -230,25 +244,42 @@ class DisaggregatedRouter:
             self.admission.wake()
 
     async def _refresh(self) -> None:
+        """Every replica's stats and worker metrics. One that fails either call is unhealthy at
+        once, its stats forgotten and its series dropped (marked stale): a dead replica's last
+        values would read as requests still running there."""
         async def refresh(pool: str, r) -> None:
             try:
                 stats = await asyncio.wait_for(r.stats(), 5.0)
-                if pool == "decode":
-                    self._decode_stats[r.name] = stats
-                self._healthy[r.name] = True
-                if self.metrics is not None:
-                    self.metrics.set_pool_stats(
-                        pool, r.name, stats.num_running, stats.num_waiting, stats.block_usage, stats.slot_usage
-                    )
-                    self.metrics.set_engine_settings(pool, r.name, stats.settings)
-                    self.replica_metrics.update(r.name, await asyncio.wait_for(r.metrics_text(), 5.0))
-            except Exception:
+                text = await asyncio.wait_for(r.metrics_text(), 5.0) if self.metrics is not None else ""
+            except Exception as e:
+                if self._healthy.get(r.name, True):
+                    log.warning("%s replica %s failed its stats refresh: %r", pool, r.name, e)
                 self._healthy[r.name] = False
+                self._decode_stats.pop(r.name, None)
+                self._room.clear(r.name)
+                if self.metrics is not None:
+                    self.metrics.mark_stale(pool, r.name)
+                    self.replica_metrics.remove(r.name)
+                return
+            self._healthy[r.name] = True
+            if pool == "decode":
+                self._decode_stats[r.name] = stats
+                self._room.observe(r.name, stats)
+            if self.metrics is not None:
+                self.metrics.set_pool_stats(
+                    pool, r.name, stats.num_running, stats.num_waiting, stats.block_usage, stats.slot_usage
+                )
+                self.metrics.set_engine_settings(pool, r.name, stats.settings)
+                self.replica_metrics.update(r.name, text)
 
         await asyncio.gather(*(refresh("prefill", r) for r in self.prefill), *(refresh("decode", r) for r in self.decode))
         if self.metrics is not None:
             for pool, replicas in (("prefill", self.prefill), ("decode", self.decode)):
-                self.metrics.set_replicas_healthy(pool, sum(bool(self._healthy.get(r.name)) for r in replicas))
+                self.metrics.set_replicas_healthy(pool, sum(self._can_serve(r.name) for r in replicas))
+
+    def _can_serve(self, replica: str) -> bool:
+        """It answers, and (a decode replica) is not stalled."""
+        return bool(self._healthy.get(replica)) and self._room.stall(replica) is None
 
     async def close(self) -> None:
         if self._refresher is not None:

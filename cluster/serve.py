@@ -102,7 +102,8 @@ def _router(config: ServeConfig, prefill: list, decode: list, model_dir: str, na
     vocab_size = ModelConfig.from_dir(model_dir).vocab_size
     router = DisaggregatedRouter(prefill, decode, tokenizer, name, config.max_model_len, vocab_size, metrics,
                                  max_queued_requests=config.queue_capacity,
-                                 queue_timeout_seconds=config.queue_timeout_seconds)
+                                 queue_timeout_seconds=config.queue_timeout_seconds,
+                                 admission_stall_seconds=config.admission_stall_seconds)
     return router, metrics
 
 
@@ -382,8 +383,14 @@ def _ingress_server(app: Any, config: ServeConfig) -> tuple[Any, _GracefulStop]:
     them (tests drive the drain through these)."""
     import uvicorn
 
+    from k3serve.cluster.api.connection_guard import guarded_protocol
+
+    limits = config.ingress_limits()
     server = _uvicorn_server_class()(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                                    timeout_graceful_shutdown=_ABORT_GRACE_S))
+                                                    timeout_graceful_shutdown=_ABORT_GRACE_S,
+                                                    http=guarded_protocol(limits),
+                                                    timeout_keep_alive=limits.keep_alive_timeout_seconds,
+                                                    h11_max_incomplete_event_size=limits.max_header_bytes))
     return server, _GracefulStop(app.state.drain, server, config.drain_timeout_seconds)
 
 
@@ -397,7 +404,7 @@ def run(config: ServeConfig) -> int:
         api_key = config.api_key.get_secret_value() if config.api_key is not None else None
         app = build_app(deployment.client, deployment.metrics, reasoning_parser=config.reasoning_parser,
                         api_key=api_key, tool_call_parser=config.tool_call_parser,
-                        enable_auto_tool_choice=config.enable_auto_tool_choice)
+                        enable_auto_tool_choice=config.enable_auto_tool_choice, limits=config.ingress_limits())
         server, stop = _ingress_server(app, config)
 
         async def main() -> None:

@@ -79,7 +79,9 @@ class _HFBackend:
         self._special_spelling = re.compile("|".join(map(re.escape, names))) if names else None
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: only it releases the GIL while it encodes, so a long prompt tokenized on the
+        # ingress's worker thread leaves its event loop running (cluster/api/prepare_lane.py)
+        return self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_plain(self, text: str) -> list[int]:
         """`text` as ordinary tokens even where it spells a special token: such a spelling is encoded as two

@@ -12,8 +12,13 @@ With an `api_key`, every /v1 route answers 401 unless the request carries `Autho
 get 503 and /health 503, while those in flight run on (or are aborted with a clear end past the drain timeout).
 
 Every error is OpenAI's error JSON with its status: 400 bad parameters (pydantic validation
-included, never 422), 404 another model id, 503 overloaded or dead backend, 500 anything else
-(generic message; the traceback goes to the log only).
+included, never 422; text that is not valid Unicode; a bound of `IngressLimits` exceeded, named), 413 a body
+over `max_request_body_bytes` (body_limit.py), 404 another model id, 503 overloaded or dead backend, 500
+anything else (generic message; the traceback goes to the log only).
+
+No request's size stalls the event loop the others share (docs/design/ingress_limits.md): its cheap checks run
+first (request_limits.py: stop lists, logit_bias, a prompt too long in characters for the context), then its chat
+template and tokenization, on a worker thread when its body is large (prepare_lane.py).
 
 A request asks for one choice or several (`n`, a batch of prompts on /v1/completions): each is an
 engine request of its own (serving.py, fanout.py), and they succeed, fail and are aborted together.
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
@@ -35,16 +41,21 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from k3serve.cluster.errors import EngineOverloadedError
+from k3serve.cluster.ingress_limits import IngressLimits
 from k3serve.cluster.metrics import IngressMetrics, RequestTimer
 from k3serve.engine.structured_output import ConstraintCompileError
 
 from .auth import BearerKeyAuth
+from .body_limit import BODY_BYTES, BodyLimit
 from .drain import Drain, DrainGate, count_cut_with
 from .engine_client import EngineClient
 from .errors import APIError, error_response
 from .fanout import FanOut
 from .parsers import chat_parsers
+from .prepare_lane import PrepareLane
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, _SamplingFields
+from .request_limits import RequestLimits
 from .serving import (
     STATUS_CLIENT_GONE,
     Prepared,
@@ -69,21 +80,26 @@ class ClientGone(Exception):
 
 
 def build_app(client: EngineClient, metrics: IngressMetrics | None = None, reasoning_parser: str = "auto",
-              api_key: str | None = None, tool_call_parser: str = "auto", enable_auto_tool_choice: bool = True
-              ) -> FastAPI:
+              api_key: str | None = None, tool_call_parser: str = "auto", enable_auto_tool_choice: bool = True,
+              limits: IngressLimits | None = None) -> FastAPI:
     """`reasoning_parser` / `tool_call_parser`: the chat output parsers by vLLM's names ("auto": the checkpoint's
     format; parsers.py), `enable_auto_tool_choice` as vLLM's flag. `api_key`: the bearer key every /v1 route
-    requires (None: all open); a refusal counts as a 401 error. ValueError for an unknown parser name."""
+    requires (None: all open); a refusal counts as a 401 error. `limits`: what one request may send (the defaults
+    of IngressLimits when None); the connection limits among them are the server's to apply (connection_guard.py).
+    ValueError for an unknown parser name."""
     parsers = chat_parsers(client.tokenizer.chat_format, reasoning_parser, tool_call_parser, enable_auto_tool_choice)
     if api_key == "":
         raise ValueError("api_key is empty: every request would pass with 'Bearer ' (None serves without a key)")
     metrics = metrics if metrics is not None else IngressMetrics(model_name=client.model_name)
     app = FastAPI(title="k3serve", summary="OpenAI-compatible ingress of k3serve")
+    limits = limits if limits is not None else IngressLimits()
     app.state.client, app.state.metrics = client, metrics
     _install_error_handlers(app, metrics)
+    app.add_middleware(BodyLimit, max_bytes=limits.max_request_body_bytes, on_refused=metrics.count_error)
     if api_key is not None:
         app.add_middleware(BearerKeyAuth, api_key=api_key, on_refused=metrics.count_error)
     app.state.drain = drain = Drain()
+    guard = _Guard(RequestLimits(limits, client.tokenizer, client.max_model_len), PrepareLane())
     app.add_middleware(DrainGate, drain=drain, on_refused=metrics.count_error)  # outermost: refuses before auth
 
     @app.get("/health")
@@ -94,7 +110,8 @@ def build_app(client: EngineClient, metrics: IngressMetrics | None = None, reaso
             await client.check_health()
         except Exception as e:
             logger.warning("health check failed: %r", e)
-            return error_response(APIError(503, f"unhealthy: {type(e).__name__}"))
+            shown = str(e) if isinstance(e, EngineOverloadedError) else type(e).__name__  # as to_api_error shows it
+            return error_response(APIError(503, f"unhealthy: {shown}"))
         return Response(status_code=200)
 
     @app.get("/v1/models")
@@ -110,22 +127,31 @@ def build_app(client: EngineClient, metrics: IngressMetrics | None = None, reaso
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return await _serve(raw, client, metrics, lambda: prepare_completion(body, client), body)
+        return await _serve(raw, client, metrics, guard, lambda: prepare_completion(body, client), body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await _serve(raw, client, metrics, lambda: prepare_chat(body, client, parsers), body)
+        return await _serve(raw, client, metrics, guard, lambda: prepare_chat(body, client, parsers), body)
 
     return app
 
 
-async def _serve(raw: Request, client: EngineClient, metrics: IngressMetrics,
+@dataclass(frozen=True)
+class _Guard:
+    """What keeps one request's size off the event loop: its cheap checks, then where its prepare runs."""
+
+    limits: RequestLimits
+    lane: PrepareLane
+
+
+async def _serve(raw: Request, client: EngineClient, metrics: IngressMetrics, guard: _Guard,
                  prepare: Callable[[], Prepared], body: _SamplingFields) -> Response:
     timer = metrics.start_request()
     count_cut_with(raw.scope, timer.fail)  # a drain cut counts once, as its 503, stream or not
     kind = None  # of the request's structured output constraint, once its shape passed
     try:
-        prep = prepare()
+        guard.limits.check(body)  # before the prompt is rendered or tokenized
+        prep = await guard.lane.run(prepare, raw.scope[BODY_BYTES])
         kind = constraint_kind(body)
         if kind is not None:
             metrics.count_structured_output(kind)

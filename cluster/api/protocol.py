@@ -6,7 +6,8 @@ logged at debug level. The extras that would change it, features k3serve does no
 (the deprecated `functions`, tools on /v1/completions, suffix, best_of, chat echo), are refused
 with a 400 naming the field unless their value asks for nothing (`NOT_IMPLEMENTED`, the one table
 of them): answering 200 with something other than what was asked would be silently wrong. Range checks that the OpenAI API states live here; everything
-`SamplingParams` validates is left to it (its ValueError becomes a 400).
+`SamplingParams` validates is left to it (its ValueError becomes a 400). Every string of a request, at any depth,
+must be valid Unicode: a lone surrogate is a 400 naming its path (unicode_check.py).
 
 Chat takes OpenAI's `tools` (functions only; a wrong shape is a 400 naming `tools`) with
 `tool_choice` "auto" (the default), "none", "required" or a named function (the last two force calls:
@@ -34,6 +35,8 @@ from typing import Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from .unicode_check import find_lone_surrogate
 
 logger = logging.getLogger(__name__)
 
@@ -71,11 +74,13 @@ NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def _field_error(model: type[BaseModel], field: str, message: str, value: Any) -> ValidationError:
-    """A validation error located at `field`, raised from a model validator: the 400 then names the field as its
-    `param` (a plain ValueError there is located at the whole body)."""
+def _field_error(model: type[BaseModel], field: str | tuple[str | int, ...], message: str,
+                 value: Any) -> ValidationError:
+    """A validation error located at `field` (a name, or a path into the body), raised from a model validator: the
+    400 then names the field as its `param` (a plain ValueError there is located at the whole body)."""
     error = PydanticCustomError("invalid_field", "{message}", {"message": message})
-    return ValidationError.from_exception_data(model.__name__, [InitErrorDetails(type=error, loc=(field,), input=value)])
+    loc = (field,) if isinstance(field, str) else field
+    return ValidationError.from_exception_data(model.__name__, [InitErrorDetails(type=error, loc=loc, input=value)])
 
 
 # ---- requests ---------------------------------------------------------------------------------
@@ -162,6 +167,16 @@ class _SamplingFields(_Request):
     """An EBNF grammar (xgrammar's dialect, as vLLM's default backend reads it)."""
     structured_outputs: dict[str, Any] | None = None
     """vLLM's newer extra: {"json" | "json_object" | "regex" | "choice" | "grammar": ...}, one key."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_unicode(cls, data: Any) -> Any:
+        """Every string of the body, at any depth (messages, prompt, stop, tools, schemas, keys), is valid Unicode:
+        a lone surrogate is a 400 naming its path (unicode_check.py)."""
+        found = find_lone_surrogate(data)
+        if found is not None:
+            raise _field_error(cls, found.loc, found.message(), None)
+        return data
 
     @model_validator(mode="after")
     def _check_shared(self) -> "_SamplingFields":

@@ -251,8 +251,11 @@ def pools() -> dashboard.Dashboard:
                            "ingress: the disaggregated ingress's admission queue, waiting for a decode replica with "
                            "room. A growing decode or ingress queue means decode lacks KV blocks or KDA slots.",
                            "short", per_replica("k3serve:num_requests_waiting"), width=8))
-        .with_panel(series(ids, "Healthy replicas", "Replicas that can take requests, per pool.", "short", [
+        .with_panel(series(ids, "Healthy replicas", "Replicas that can take requests, per pool (a decode replica "
+                           "whose room unmoving reservations hold does not count); stale: replicas whose last stats "
+                           "refresh failed, their per-replica series dropped.", "short", [
             query(f"sum by (pool) (k3serve:replicas_healthy{{{POOL}}})", "{{pool}}", "A"),
+            query(f"sum by (pool) (k3serve:replica_stats_stale{{{POOL}}})", "{{pool}} stale", "B"),
         ], width=8))
         .with_panel(series(ids, "Ingress queue time", "Arrival to a decode reservation, or to leaving without "
                            "one (timed out, cancelled): the wait in the ingress's admission queue while every "

@@ -1,11 +1,15 @@
-"""Helpers of the ingress tests: the AsyncEngine as an EngineClient, and pool-usage checks."""
+"""Helpers of the ingress tests: the AsyncEngine as an EngineClient, pool-usage checks, and the app served as
+`k3serve serve` serves it."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import AsyncIterator
 
+from k3serve.cluster.config import ServeConfig
+from k3serve.cluster.serve import _ingress_server
 from k3serve.engine.async_engine import AsyncEngine, GenerateRequest
 from k3serve.engine.outputs import RequestDelta
 
@@ -72,3 +76,20 @@ async def wait_pools_free(engine: AsyncEngine, timeout: float = 5.0) -> float:
             return time.monotonic() - start
         await asyncio.sleep(0.01)
     raise AssertionError(f"engine still holds (blocks, slots) = {pool_usage(engine)} after {timeout} s")
+
+
+@contextlib.asynccontextmanager
+async def serve_ingress(app, config: ServeConfig | None = None) -> AsyncIterator[int]:
+    """`app` behind the uvicorn server `k3serve serve` runs (`serve._ingress_server`: the connection guard, the
+    keep-alive timeout) on an ephemeral port of 127.0.0.1, in this event loop; yields the port."""
+    config = config if config is not None else ServeConfig(port=0)
+    server, _ = _ingress_server(app, config)
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        assert not serving.done(), "uvicorn did not start"
+        await asyncio.sleep(0.01)
+    try:
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, 10)
