@@ -220,11 +220,12 @@ def base_token_budget(args: EngineArgs, device_bytes: int | None) -> int:
 def scheduler_config(args: EngineArgs, device_bytes: int | None, eos_token_id: int | None) -> SchedulerConfig:
     """The scheduler's config of an engine run with `args` on a device of `device_bytes` (None: no GPU): the one
     place it is made, every default resolved here (the base budget by `base_token_budget`, the adaptive ceiling
-    twice it)."""
+    twice it, or the base itself under `adaptive_token_budget=False`: a static budget)."""
     base = base_token_budget(args, device_bytes)
     return SchedulerConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=base,
-        max_adaptive_batched_tokens=args.max_adaptive_batched_tokens or 2 * base, max_model_len=args.max_model_len,
+        max_adaptive_batched_tokens=(args.max_adaptive_batched_tokens or 2 * base) if args.adaptive_token_budget else base,
+        max_model_len=args.max_model_len,
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
         kda_checkpoint_mode=args.kda_checkpoint_mode, eos_token_id=eos_token_id,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
