@@ -194,7 +194,7 @@ def decode_activation_bytes(config: ModelConfig, tp_size: int, dtype: torch.dtyp
     moe = 0
     if config.num_experts:
         width = config.routed_expert_hidden_size or hidden
-        shared = config.moe_intermediate_size * config.num_shared_experts // tp_size
+        shared = config.shared_intermediate // tp_size
         top_k = config.num_experts_per_token
         moe = (config.num_experts * 4 + top_k * 16  # router logits fp32, top-k weights and ids
                + width * (2 * b + 4) + top_k * config.moe_intermediate_size * b  # expert input, h, fp32 sum, norm
@@ -395,7 +395,7 @@ def _moe_prefill_bytes(config: ModelConfig, step: StepShape) -> int:
     T, b, hidden = step.num_tokens, step.itemsize, config.hidden_size
     top_k, inter = config.num_experts_per_token, config.moe_intermediate_size
     width = config.routed_expert_hidden_size or hidden
-    shared = inter * config.num_shared_experts // step.tp_size
+    shared = config.shared_intermediate // step.tp_size
     picks = T * top_k * (4 + 8)
     projected = T * ((width if config.routed_expert_hidden_size else 0) + 2 * shared) * b
     router = T * config.num_experts * 4 + picks

@@ -133,9 +133,8 @@ class SparseMoE(Sharded):
         self.experts = RoutedExperts(
             config.num_experts, latent or hidden, config.moe_intermediate_size, config.experts_mxfp4, tp, dtype
         )
-        if config.num_shared_experts:
-            shared = config.moe_intermediate_size * config.num_shared_experts
-            self.shared_experts = DenseMLP(hidden, shared, self.act, tp, dtype, stack_gate_up=False)
+        if config.shared_intermediate:
+            self.shared_experts = DenseMLP(hidden, config.shared_intermediate, self.act, tp, dtype, stack_gate_up=False)
         # the latent down-projection and the shared experts' gate and up all read x: one GEMM
         self._x_proj_sizes = [proj.weight.shape[0] for proj in self._projections_of_x()]
         self.x_proj_weight = stack_rows(None, self._projections_of_x()) if self._x_proj_sizes else None
