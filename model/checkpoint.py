@@ -51,7 +51,7 @@ def make_checkpoint(preset: str | dict, out_dir: str | Path, seed: int = 0, num_
     text["bos_token_id"], text["eos_token_id"] = tokenizer.bos_token_id, tokenizer.eos_token_id
     config = ModelConfig.from_hf_dict(hf)
 
-    shapes = _checkpoint_shapes(config)
+    shapes = checkpoint_shapes(config)
     dev = _weights_device(shapes, device)
     gen = torch.Generator(dev).manual_seed(seed)
     _write_shards(_random_tensors(config, shapes, gen), shapes, out, num_shards)
@@ -79,11 +79,18 @@ def _text_config(hf: dict) -> dict:
     return hf["text_config"] if "text_config" in hf else hf
 
 
-def _checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Every tensor of the checkpoint: name -> (shape, dtype) as stored."""
+def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor of the checkpoint: name -> (shape, dtype) as stored (bf16, the fp32 ones the published
+    checkpoint keeps in fp32, uint8 MXFP4 codes and scales)."""
     with torch.device("meta"):
-        return {name: (tuple(t.tensor.shape), t.tensor.dtype)
-                for name, t in checkpoint_targets(KimiForCausalLM(config)).items()}
+        targets = checkpoint_targets(KimiForCausalLM(config))
+    return {name: (tuple(t.tensor.shape), _stored_dtype(name, t.tensor.dtype)) for name, t in targets.items()}
+
+
+def _stored_dtype(name: str, loaded: torch.dtype) -> torch.dtype:
+    if loaded == torch.uint8:
+        return loaded
+    return torch.float32 if name.endswith(_FP32_SUFFIXES) else torch.bfloat16
 
 
 def _num_params(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> int:
@@ -146,8 +153,7 @@ def _init(name: str, shape: tuple[int, ...], gen: torch.Generator, config: Model
         value = randn(*shape)
     else:  # projections [out, in]
         value = randn(*shape) / math.sqrt(shape[-1])
-    dtype = torch.float32 if name.endswith(_FP32_SUFFIXES) else torch.bfloat16
-    return value.to(dtype)
+    return value.to(_stored_dtype(name, value.dtype))
 
 
 def _write_shards(tensors: Iterator[tuple[str, torch.Tensor]], shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
