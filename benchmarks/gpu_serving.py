@@ -46,6 +46,7 @@ import argparse
 import datetime
 import json
 import random
+import signal
 import statistics
 import sys
 import threading
@@ -324,7 +325,7 @@ def goal_lines(summary: dict, args: argparse.Namespace, floors: dict) -> list[st
                            f"{'met' if r <= 1.05 else 'missed'})")
             if dis and "handoff_ms" in dis:
                 eff = floors["handoff_copy_ms"] / dis["handoff_ms"]
-                out.append(f"- {config} c={c}: handoff {dis['handoff_ms']:.2f} ms for {floors['handoff_mb']:.1f} MB = "
+                out.append(f"- {config} c={c}: handoff {dis['handoff_ms']:.2f} ms for {floors['handoff_mb']:.3g} MB = "
                            f"{100 * eff:.0f}% of a same-bytes device copy ({floors['handoff_copy_ms']:.3f} ms; goal >= "
                            f"70%: {'met' if eff >= 0.7 else 'missed'})")
     return out
@@ -341,7 +342,7 @@ def floor_lines(config: ModelConfig, args: argparse.Namespace, ceil: dict) -> tu
              f"{ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s.",
              f"Prefill floor: {floors['prefill_tflop']:.2f} TFLOP for a {args.prompt_tokens}-token prompt / matmul rate "
              f"= {floors['ttft_floor_ms']:.2f} ms TTFT.",
-             f"Handoff floor: {floors['handoff_mb']:.1f} MB of an {args.prompt_tokens}-token prompt's state (MLA cache + "
+             f"Handoff floor: {floors['handoff_mb']:.3g} MB of an {args.prompt_tokens}-token prompt's state (MLA cache + "
              f"KDA state) as a device copy = {floors['handoff_copy_ms']:.3f} ms."]
     bus, lat = args.allreduce_gbps * 1e9, args.allreduce_latency_us * 1e-6
     tp = K3_RANK_SLICE_TP
@@ -435,13 +436,20 @@ def main() -> int:
               f"TPOT {fmt(stats.get('tpot', {}).get('median'), digits=2)} ms, {fmt(window.out_tok_s)} tok/s"
               + (f"; first error: {window.errors[0]}" if window.errors else ""), flush=True)
 
+    def stop(signum, _frame) -> None:  # `timeout` sends SIGTERM: stop the server, keep and report what was measured
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
     start = time.perf_counter()
-    for layout, cfg, rep in plan:
+    for i, (layout, cfg, rep) in enumerate(plan):
         if time.perf_counter() - start > args.budget_s:
             skipped.append(f"{layout}/{cfg} rep {rep}")
             continue
         try:
             run_server(layout, cfg, rep, args, config.vocab_size, args.out, record)
+        except KeyboardInterrupt as exc:
+            skipped += [f"{layout}/{cfg} rep {rep}: stopped ({exc})"] + [f"{a}/{b} rep {c}" for a, b, c in plan[i + 1:]]
+            break
         except Exception as exc:  # noqa: BLE001 - one server's failure must not lose the others' results
             skipped.append(f"{layout}/{cfg} rep {rep}: {type(exc).__name__}: {str(exc)[-2000:]}")
             print(f"FAILED {layout}/{cfg} rep {rep}: {exc}", flush=True)

@@ -5,7 +5,6 @@ reference path on the same checkpoint (`LLM`, eager): on the CPU (k3-tiny, fp32)
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import httpx
@@ -13,6 +12,7 @@ import pytest
 
 from k3serve.engine.llm import LLM
 from k3serve.engine.sampling_params import SamplingParams
+from k3serve.transfer.backends import available_backends
 
 from _server_harness import ServerSpec, launch
 
@@ -26,9 +26,7 @@ def _layouts(device: str) -> list:
     colocated = ServerSpec(mode="colocated", launcher="local", extra_args=("--device", device, *FLAGS))
     local = ServerSpec(transfer="local", launcher="local", extra_args=("--device", device, *FLAGS))
     nixl = pytest.param(ServerSpec(transfer="nixl", launcher="local", extra_args=("--device", device, *FLAGS)),
-                        marks=pytest.mark.skipif(importlib.util.find_spec("nixl") is None
-                                                 and importlib.util.find_spec("nixl_cu13") is None,
-                                                 reason="NIXL is not installed"))
+                        marks=pytest.mark.skipif(not available_backends()["nixl"], reason="NIXL is not installed"))
     return [colocated, local, nixl] if device == "cuda" else [colocated]
 
 
