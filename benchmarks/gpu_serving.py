@@ -204,6 +204,29 @@ def histogram(url: str, name: str) -> tuple[float, float]:
 
 
 # ---- one server -----------------------------------------------------------------------------------------------
+def warm_up(url: str, model: str, prompts: Prompts, args: argparse.Namespace) -> None:
+    """One burst of full prompts at the top concurrency, then one alone (--warmup-tokens each): the kernels of both
+    batch shapes compiled and tuned before any window. A failure here fails the server's start."""
+    deadline = time.perf_counter() + args.start_deadline_s
+    for n in (max(args.concurrency), 1):
+        errors: list[str] = []
+
+        def one() -> None:
+            try:
+                with httpx.Client(timeout=args.start_deadline_s) as client:
+                    stream_one(client, url, model, prompts.next(), args.warmup_tokens, deadline)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(f"{type(exc).__name__}: {exc}"[:500])
+
+        threads = [threading.Thread(target=one, daemon=True) for _ in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(args.start_deadline_s)
+        if errors:
+            raise RuntimeError(f"warm-up of {n} requests: {errors[0]}")
+
+
 def server_spec(layout: str, config: str, args: argparse.Namespace) -> ServerSpec:
     engine = ("--device", args.device, "--max-model-len", str(args.max_model_len), "--max-num-seqs",
               str(max(args.concurrency)), "--block-size", "64", "--cache-memory-bytes", str(int(args.cache_gib * 2**30)),
@@ -221,9 +244,7 @@ def run_server(layout: str, config: str, rep: int, args: argparse.Namespace, voc
     with launch(spec, args.model, deadline_s=args.start_deadline_s,
                 keep_log=log_dir / f"server-{layout}-{config}-{rep}.log") as server:
         started = time.perf_counter() - t0
-        warm = Prompts(args.prompt_tokens, vocab, seed=1000 + rep)
-        serve_window(server.url, server.model, warm, max(args.concurrency), args.warmup_tokens, 0.0,
-                     args.drain_s, Window(layout, config, rep, max(args.concurrency), 0.0))
+        warm_up(server.url, server.model, Prompts(args.prompt_tokens, vocab, seed=1000 + rep), args)
         prompts = Prompts(args.prompt_tokens, vocab, seed=42 + rep)
         for c in args.concurrency:
             before = histogram(server.url, HANDOFF)
