@@ -308,7 +308,8 @@ def prefill_activation_bytes(config: ModelConfig, args: EngineArgs, device_bytes
     moe_layers = [config.is_moe_layer(i) for i in range(config.num_hidden_layers)]  # as `DecoderLayer` builds them
     parts = [_kda_prefill_bytes(config, step)] if config.kda_layers else []
     parts += [_mla_prefill_bytes(config, step)] if config.mla_layers else []
-    parts += [_moe_prefill_bytes(config, step)] if any(moe_layers) else []
+    unfused = _unfused_finalize_bytes(config, step) if args.moe_finalize == "unfused" else 0
+    parts += [_moe_prefill_bytes(config, step) + unfused] if any(moe_layers) else []
     parts += [_dense_mlp_bytes(config, step)] if not all(moe_layers) else []
     held = num_tokens * ((residual_rows(config) + 2) * hidden * b + 3 * 8)  # + token ids, positions, slot mapping
     forward = held + max(parts)
@@ -402,6 +403,13 @@ def _moe_prefill_bytes(config: ModelConfig, step: StepShape) -> int:
     experts = picks + projected + T * (width * (b + 4) + top_k * (inter * b + 32)) + TRITON_BENCH_FLUSH_BYTES
     output = picks + projected + T * (width * (4 + b) + shared * b + hidden * (12 + b))
     return T * hidden * b + max(router, experts, output)
+
+
+def _unfused_finalize_bytes(config: ModelConfig, step: StepShape) -> int:
+    """What `moe_finalize="unfused"` adds to a MoE layer (`kernels.moe._unfused_experts`): x a pair [T * top_k,
+    width] in the model's dtype, the pairs' fp32 outputs and their weighted fp32 product before the sum."""
+    pairs = step.num_tokens * config.num_experts_per_token
+    return pairs * (config.routed_expert_hidden_size or config.hidden_size) * (step.itemsize + 8)
 
 
 def _dense_mlp_bytes(config: ModelConfig, step: StepShape) -> int:

@@ -101,3 +101,15 @@ def test_an_engine_with_reference_kernels_forces_them_in_its_steps_alone(make_ll
         worker.join()
     assert other_thread == [False]  # an engine of ours beside it in the same process keeps our kernels
     assert out == [o.outputs[0].token_ids for o in make_llm().generate(PROMPTS, GREEDY)]
+
+
+def test_the_memory_plan_sets_aside_the_unfused_finalizes_intermediates() -> None:
+    from k3serve.engine.memory import prefill_activation_bytes
+    from k3serve.model.presets import preset_config
+
+    config = preset_config("k3-rank-slice")
+    args = dict(device="cuda", max_num_batched_tokens=8192, max_model_len=16384)
+    fused = prefill_activation_bytes(config, EngineArgs(**args), 141 << 30)
+    unfused = prefill_activation_bytes(config, EngineArgs(**args, moe_finalize="unfused"), 141 << 30)
+    pairs = 16384 * 2  # the adaptive ceiling's tokens, top-2
+    assert unfused - fused == pairs * 3584 * (2 + 8)  # bf16 x a pair, fp32 outputs and weighted products
