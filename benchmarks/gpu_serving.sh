@@ -2,7 +2,7 @@
 # The whole server on the GPU in one device call (one H200; fla-core and the serving wheels carried in .whl/, NIXL
 # optionally in .whl-nixl/; no Ray, no network):
 #   OUT=/some/dir [STAGES=test,bench] [LAYERS=12] [LAYOUTS=colocated] [CONFIGS=all_on,all_off] [REPS=1]
-#   [TIME_S=20] [DRAIN_S=30] [CONC=1,4,16] [TRANSFER=nixl] [TOTAL_S=540] bash benchmarks/gpu_serving.sh
+#   [TIME_S=15] [DRAIN_S=20] [CONC=1,4,16] [TRANSFER=nixl] [TOTAL_S=540] bash benchmarks/gpu_serving.sh
 # 1. test:  tests/serving/test_serve_device.py -m gpu (k3serve serve --device cuda --launcher local: colocated, 1P1D
 #           transfer local, 1P1D NIXL if carried; each HTTP greedy text == LLM eager on the same checkpoint), TEST_S.
 # 2. bench: `k3serve make-checkpoint --preset k3-rank-slice --layers $LAYERS --device cuda` (once, kept in
@@ -26,8 +26,8 @@ fi
 # One kernel cache for every server this call starts (the test harness gives each server its own HOME)
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/k3serve-triton-cache} TRITON_CACHE_AUTOTUNING=1 OMP_NUM_THREADS=4
 STAGES=${STAGES:-test,bench} LAYERS=${LAYERS:-12} LAYOUTS=${LAYOUTS:-colocated} CONFIGS=${CONFIGS:-all_on,all_off}
-REPS=${REPS:-1} TIME_S=${TIME_S:-20} DRAIN_S=${DRAIN_S:-30} CONC=${CONC:-1,4,16} TRANSFER=${TRANSFER:-nixl}
-TOTAL_S=${TOTAL_S:-540} TEST_S=${TEST_S:-180} CKPT_DIR=${CKPT_DIR:-/tmp/k3-rank-slice-$LAYERS}
+REPS=${REPS:-1} TIME_S=${TIME_S:-15} DRAIN_S=${DRAIN_S:-20} CONC=${CONC:-1,4,16} TRANSFER=${TRANSFER:-nixl}
+TOTAL_S=${TOTAL_S:-540} TEST_S=${TEST_S:-200} CKPT_DIR=${CKPT_DIR:-/tmp/k3-rank-slice-$LAYERS}
 start=$(date +%s)
 left() { echo $(( TOTAL_S - ($(date +%s) - start) )); }
 [[ $SMOKE == 1 ]] && { nvidia-smi() { echo "no GPU (SMOKE=1)"; }; }
@@ -40,6 +40,13 @@ left() { echo $(( TOTAL_S - ($(date +%s) - start) )); }
   echo "STAGES=$STAGES LAYERS=$LAYERS LAYOUTS=$LAYOUTS CONFIGS=$CONFIGS REPS=$REPS TIME_S=$TIME_S DRAIN_S=$DRAIN_S CONC=$CONC TRANSFER=$TRANSFER TOTAL_S=$TOTAL_S"
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
+# the checkpoint is written beside the tests (host and disk work; the tests' models are small)
+ckpt_pid=
+if [[ ,$STAGES, == *,bench,* && $SMOKE != 1 && ! -f $CKPT_DIR/config.json ]]; then
+  ( $PY -m k3serve.cli make-checkpoint --preset k3-rank-slice --layers "$LAYERS" --device cuda --out "$CKPT_DIR.tmp" \
+      > "$OUT/make_checkpoint.log" 2>&1 && mv "$CKPT_DIR.tmp" "$CKPT_DIR" ) &
+  ckpt_pid=$!
+fi
 if [[ ,$STAGES, == *,test,* ]]; then
   marker=gpu; [[ $SMOKE == 1 ]] && marker="not gpu"
   timeout "$TEST_S" $PY -m pytest -v -p no:cacheprovider -m "$marker" --durations=0 tests/serving/test_serve_device.py \
@@ -49,15 +56,14 @@ if [[ ,$STAGES, == *,test,* ]]; then
 fi
 if [[ ,$STAGES, == *,bench,* ]]; then
   model=(--model "$CKPT_DIR"); [[ $SMOKE == 1 ]] && model=(--smoke)
-  if [[ $SMOKE != 1 && ! -f $CKPT_DIR/config.json ]]; then
-    $PY -m k3serve.cli make-checkpoint --preset k3-rank-slice --layers "$LAYERS" --device cuda --out "$CKPT_DIR.tmp" \
-      > "$OUT/make_checkpoint.log" 2>&1 && mv "$CKPT_DIR.tmp" "$CKPT_DIR"
+  if [[ -n $ckpt_pid ]]; then
+    wait "$ckpt_pid"
     echo "== checkpoint rc=$? at $(( $(date +%s) - start )) s: $(du -sh "$CKPT_DIR" 2>/dev/null | cut -f1)"
     tail -3 "$OUT/make_checkpoint.log"
   fi
   bench_s=$(( $(left) - 10 ))
   # no server starts once the remaining time is less than one server's start, warm-up and windows
-  budget=$(( bench_s - 60 - 3 * (${TIME_S%.*} + 15) ))
+  budget=$(( bench_s - 40 - 3 * (${TIME_S%.*} + 10) ))
   timeout "$bench_s" $PY benchmarks/gpu_serving.py "${model[@]}" --layouts "$LAYOUTS" --configs "$CONFIGS" \
     --reps "$REPS" --time-s "$TIME_S" --drain-s "$DRAIN_S" --concurrency "$CONC" --transfer "$TRANSFER" \
     --budget-s "$(( budget > 0 ? budget : 0 ))" --out "$OUT/gpu_serving" > "$OUT/gpu_serving.log" 2>&1
