@@ -4,7 +4,8 @@
 #   OUT=/some/dir [STAGES=test,bench] [LAYERS=12] [LAYOUTS=colocated] [CONFIGS=all_on,all_off] [REPS=1]
 #   [TIME_S=15] [DRAIN_S=20] [CONC=1,4,16] [TRANSFER=nixl] [TOTAL_S=540] bash benchmarks/gpu_serving.sh
 # 1. test:  tests/serving/test_serve_device.py -m gpu (k3serve serve --device cuda --launcher local: colocated, 1P1D
-#           transfer local, 1P1D NIXL if carried; each HTTP greedy text == LLM eager on the same checkpoint), TEST_S.
+#           transfer local, 1P1D NIXL if carried; each HTTP greedy text == LLM eager on the same checkpoint) and
+#           tests/kernels/test_moe_finalize_gpu.py (the unfused finalize at the rank's MoE shapes), TEST_S.
 # 2. bench: `k3serve make-checkpoint --preset k3-rank-slice --layers $LAYERS --device cuda` (once, kept in
 #           $CKPT_DIR), then benchmarks/gpu_serving.py over LAYOUTS x CONFIGS x REPS (8000 in / 1000 out at CONC,
 #           TIME_S a window): JSON lines, summary.json, tables.md and the server logs under $OUT/gpu_serving/.
@@ -50,6 +51,7 @@ fi
 if [[ ,$STAGES, == *,test,* ]]; then
   marker=gpu; [[ $SMOKE == 1 ]] && marker="not gpu"
   timeout "$TEST_S" $PY -m pytest -v -p no:cacheprovider -m "$marker" --durations=0 tests/serving/test_serve_device.py \
+    $( [[ $SMOKE == 1 ]] || echo tests/kernels/test_moe_finalize_gpu.py ) \
     > "$OUT/pytest_serve_device.log" 2>&1
   echo "== serve --device cuda tests rc=$? at $(( $(date +%s) - start )) s"
   grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/pytest_serve_device.log" | tail -12
