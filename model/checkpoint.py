@@ -1,4 +1,5 @@
-"""Write a complete, deterministic HF-format checkpoint for a small preset (`k3serve make-checkpoint`).
+"""Write a complete, deterministic HF-format checkpoint for a preset (`k3serve make-checkpoint`): small ones
+drawn on the CPU (the same bytes everywhere), large ones (k3-rank-slice) on a GPU, written a shard at a time.
 
 The result looks like a published one: config.json, sharded safetensors with an index, the
 published tensor names (VL `language_model.` prefix for K3 presets), bf16 weights with the fp32
