@@ -25,7 +25,7 @@ if ls .whl-nixl/*.whl >/dev/null 2>&1; then  # beside .whl's site, not instead o
     .whl-nixl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site-nixl"
 fi
 # One kernel cache for every server this call starts (the test harness gives each server its own HOME)
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/k3serve-triton-cache} TRITON_CACHE_AUTOTUNING=1 OMP_NUM_THREADS=4
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/k3serve-triton-cache} TRITON_CACHE_AUTOTUNING=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 STAGES=${STAGES:-test,bench} LAYERS=${LAYERS:-12} LAYOUTS=${LAYOUTS:-colocated} CONFIGS=${CONFIGS:-all_on,all_off}
 REPS=${REPS:-1} TIME_S=${TIME_S:-15} DRAIN_S=${DRAIN_S:-20} CONC=${CONC:-1,4,16} TRANSFER=${TRANSFER:-nixl}
 TOTAL_S=${TOTAL_S:-540} TEST_S=${TEST_S:-200} CKPT_DIR=${CKPT_DIR:-/tmp/k3-rank-slice-$LAYERS}
