@@ -48,7 +48,7 @@ DEPLOYMENT_ENGINE_ARGS = ("model", "served_model_name", "model_cache_dir", "seed
 # A shared value, and a prefill_* / decode_* form over it for one pool.
 POOL_ENGINE_ARGS = ("max_num_seqs", "max_num_batched_tokens", "max_adaptive_batched_tokens",
                     "long_prefill_token_threshold", "enable_prefix_caching", "kda_checkpoint_mode",
-                    "cache_memory_bytes", "gpu_memory_utilization", "num_kda_slots", "num_gpu_blocks_override")
+                    "adaptive_token_budget", "kernels", "moe_finalize", "cache_memory_bytes", "gpu_memory_utilization", "num_kda_slots", "num_gpu_blocks_override")
 # Decode steps' CUDA graphs: the decode pool's and a colocated engine's; a prefill engine runs no decode step, so it
 # is always eager (capturing would cost time and memory for nothing).
 DECODE_ENGINE_ARGS = ("enforce_eager", "cuda_graph_batch_sizes")

@@ -38,12 +38,21 @@ class EngineArgs:
     """Base per-step token budget; None = 16384 on >= 80 GiB GPUs, 8192 elsewhere."""
     max_adaptive_batched_tokens: int | None = None
     """Budget ceiling while few requests run (adaptive budget); None = 2x the base."""
+    adaptive_token_budget: bool = True
+    """Raise the step's token budget up to max_adaptive_batched_tokens while few requests run (False: a static
+    max_num_batched_tokens, the adaptive budget's baseline)."""
     long_prefill_token_threshold: int | None = None
     """Cap on one request's prefill chunk per step; None = the budget only."""
     enable_prefix_caching: bool = True
     """Reuse cached prompt prefixes (MLA blocks + a KDA state checkpoint at their end)."""
     kda_checkpoint_mode: Literal["in_pass", "align", "none"] = "in_pass"
     """How a prompt's KDA checkpoint is taken: within the forward pass, by a chunk clipped to it, or not at all."""
+    kernels: Literal["ours", "reference"] = "ours"
+    """'ours': each op's GPU kernel on CUDA (CPU: the torch reference anyway); 'reference': the torch reference
+    of every op, also on CUDA, and no CUDA graphs (the kernels' baseline)."""
+    moe_finalize: Literal["fused", "unfused"] = "fused"
+    """The routed experts' weighted top-k sum: fused into their kernels, or 'unfused' (per-pair rows, then a
+    separate sum: the fused finalize's baseline)."""
     cache_memory_bytes: int | None = None
     """Bytes for MLA blocks + KDA slots; None = 512 MiB on CPU, on CUDA what gpu_memory_utilization leaves."""
     gpu_memory_utilization: float = 0.9
@@ -71,6 +80,13 @@ class EngineArgs:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.kda_checkpoint_mode not in ("in_pass", "align", "none"):
             raise ValueError(f"kda_checkpoint_mode must be 'in_pass', 'align' or 'none', got {self.kda_checkpoint_mode!r}")
+        if self.kernels not in ("ours", "reference"):
+            raise ValueError(f"kernels must be 'ours' or 'reference', got {self.kernels!r}")
+        if self.moe_finalize not in ("fused", "unfused"):
+            raise ValueError(f"moe_finalize must be 'fused' or 'unfused', got {self.moe_finalize!r}")
+        if not self.adaptive_token_budget and self.max_adaptive_batched_tokens is not None:
+            raise ValueError(f"max_adaptive_batched_tokens={self.max_adaptive_batched_tokens} with "
+                             "adaptive_token_budget=False: a static budget has no ceiling (give one or the other)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kda_slots is not None and self.num_kda_slots < self.max_num_seqs:

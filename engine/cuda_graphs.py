@@ -39,7 +39,7 @@ def graphs_off_reason(args: EngineArgs) -> str | None:
         return "not on CUDA"
     if args.torch_dtype != torch.bfloat16:
         return "not bf16"
-    if reference_forced():
+    if args.kernels == "reference" or reference_forced():
         return "reference kernels forced"
     if args.tensor_parallel_size > 1 and not nccl_requested():
         return "TP > 1 with K3SERVE_TP_NCCL=0: gloo collectives"

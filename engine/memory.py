@@ -221,7 +221,7 @@ def decode_activation_bytes(config: ModelConfig, tp_size: int, dtype: torch.dtyp
     moe = 0
     if config.num_experts:
         width = config.routed_expert_hidden_size or hidden
-        shared = config.moe_intermediate_size * config.num_shared_experts // tp_size
+        shared = config.shared_intermediate // tp_size
         top_k = config.num_experts_per_token
         moe = (config.num_experts * 4 + top_k * 16  # router logits fp32, top-k weights and ids
                + width * (2 * b + 4) + top_k * config.moe_intermediate_size * b  # expert input, h, fp32 sum, norm
@@ -247,11 +247,12 @@ def base_token_budget(args: EngineArgs, device_bytes: int | None) -> int:
 def scheduler_config(args: EngineArgs, device_bytes: int | None, eos_token_id: int | None) -> SchedulerConfig:
     """The scheduler's config of an engine run with `args` on a device of `device_bytes` (None: no GPU): the one
     place it is made, every default resolved here (the base budget by `base_token_budget`, the adaptive ceiling
-    twice it)."""
+    twice it, or the base itself under `adaptive_token_budget=False`: a static budget)."""
     base = base_token_budget(args, device_bytes)
     return SchedulerConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=base,
-        max_adaptive_batched_tokens=args.max_adaptive_batched_tokens or 2 * base, max_model_len=args.max_model_len,
+        max_adaptive_batched_tokens=(args.max_adaptive_batched_tokens or 2 * base) if args.adaptive_token_budget else base,
+        max_model_len=args.max_model_len,
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
         kda_checkpoint_mode=args.kda_checkpoint_mode, eos_token_id=eos_token_id,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
@@ -327,7 +328,8 @@ def prefill_phase_bytes(config: ModelConfig, args: EngineArgs, device_bytes: int
     moe_layers = [config.is_moe_layer(i) for i in range(config.num_hidden_layers)]  # as `DecoderLayer` builds them
     parts = {"kda": _kda_prefill_bytes(config, step)} if config.kda_layers else {}
     parts |= {"mla": _mla_prefill_bytes(config, step)} if config.mla_layers else {}
-    parts |= {"moe": _moe_prefill_bytes(config, step)} if any(moe_layers) else {}
+    unfused = _unfused_finalize_bytes(config, step) if args.moe_finalize == "unfused" else 0
+    parts |= {"moe": _moe_prefill_bytes(config, step) + unfused} if any(moe_layers) else {}
     parts |= {"dense_mlp": _dense_mlp_bytes(config, step)} if not all(moe_layers) else {}
     held = num_tokens * ((residual_rows(config) + 2) * hidden * b + 3 * 8)  # + token ids, positions, slot mapping
     rows, vocab = step.num_seqs, config.vocab_size
@@ -410,13 +412,20 @@ def _moe_prefill_bytes(config: ModelConfig, step: StepShape) -> int:
     T, b, hidden = step.num_tokens, step.itemsize, config.hidden_size
     top_k, inter = config.num_experts_per_token, config.moe_intermediate_size
     width = config.routed_expert_hidden_size or hidden
-    shared = inter * config.num_shared_experts // step.tp_size
+    shared = config.shared_intermediate // step.tp_size
     picks = T * top_k * (4 + 8)
     projected = T * ((width if config.routed_expert_hidden_size else 0) + 2 * shared) * b
     router = T * config.num_experts * 4 + picks
     experts = picks + projected + fused_experts_workspace_bytes(T, top_k, width, inter, b)
     output = picks + projected + T * (width * (4 + b) + shared * b + hidden * (12 + b))
     return T * hidden * b + max(router, experts, output)
+
+
+def _unfused_finalize_bytes(config: ModelConfig, step: StepShape) -> int:
+    """What `moe_finalize="unfused"` adds to a MoE layer (`kernels.moe._unfused_experts`): x a pair [T * top_k,
+    width] in the model's dtype, the pairs' fp32 outputs and their weighted fp32 product before the sum."""
+    pairs = step.num_tokens * config.num_experts_per_token
+    return pairs * (config.routed_expert_hidden_size or config.hidden_size) * (step.itemsize + 8)
 
 
 def _dense_mlp_bytes(config: ModelConfig, step: StepShape) -> int:

@@ -53,6 +53,7 @@ def load_runner(
 
     device = rank_device(args.device, tp.rank, tp.world_size)
     model = load_model(model_dir, tp, args.torch_dtype, device)
+    model.use_kernels(reference=args.kernels == "reference", moe_finalize=args.moe_finalize)
     use_graphs = graphs_enabled(args, tp)
     if tp.world_size > 1 and tp.capturable:  # the same on every rank: NCCL was chosen by all of them
         use_graphs = all_ranks_ok(use_graphs)

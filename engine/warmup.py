@@ -70,7 +70,7 @@ def warmup_skip_reason(args: EngineArgs, plan: PoolPlan) -> str | None:
         return f"the prefill estimate describes 16-bit models, this one is {args.torch_dtype}"
     if not has_module("fla"):
         return "fla is not installed: KDA prefill runs the reference, which the estimate does not describe"
-    if reference_forced():
+    if reference_forced() or args.kernels == "reference":
         return "the reference kernels are forced"
     return None
 

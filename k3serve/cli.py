@@ -16,8 +16,15 @@ if TYPE_CHECKING:
 def _make_checkpoint(args: argparse.Namespace) -> int:
     from k3serve.model.checkpoint import make_checkpoint
 
-    out = make_checkpoint(args.preset, args.out, seed=args.seed)
-    print(f"wrote {args.preset} checkpoint (seed {args.seed}) to {out}")
+    from k3serve.model.config import ConfigError
+
+    try:
+        out = make_checkpoint(args.preset, args.out, seed=args.seed, num_layers=args.layers, device=args.device)
+    except ConfigError as exc:
+        print(f"k3serve make-checkpoint: {exc}", file=sys.stderr)
+        return 2
+    layers = "" if args.layers is None else f", first {args.layers} layers"
+    print(f"wrote {args.preset} checkpoint (seed {args.seed}{layers}) to {out}")
     return 0
 
 
@@ -152,13 +159,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "make-checkpoint",
-        help="write a deterministic HF-format checkpoint of a small preset (random weights, real format)",
+        help="write a deterministic HF-format checkpoint of a preset (random weights, real format)",
         description="Write config.json, sharded safetensors in the published K3 naming (MXFP4 routed experts) "
         "and a small trained BPE tokenizer. Same preset + seed = same bytes.",
     )
     p.add_argument("--preset", default="k3-tiny", help="preset name (default: k3-tiny)")
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights (default: 0)")
+    p.add_argument("--layers", type=int, help="keep the preset's first N layers, K3's layer pattern kept (default: all; "
+                   "k3-rank-slice has 12)")
+    p.add_argument("--device", help="where the weights are drawn: cpu or cuda (default: the CPU for a small preset, "
+                   "the same bytes everywhere; else CUDA, e.g. k3-rank-slice)")
     p.set_defaults(func=_make_checkpoint)
 
     p = sub.add_parser("score", help="print the full-sequence logits of a token list as JSON")

@@ -6,7 +6,9 @@ Each op package keeps `last_backend: dict[str, str]` (function name -> "naive" |
 the GPU tests assert on it, so a silent fallback to the reference fails them.
 
 `reference_kernels()` (or K3SERVE_REFERENCE_KERNELS=1 in the environment) forces the reference on
-CUDA tensors too: the anchor of the engine benchmark and the oracle of the GPU engine tests."""
+CUDA tensors too: the anchor of the engine benchmark and the oracle of the GPU engine tests.
+`reference_kernels_in_thread()` forces it for the calling thread alone: an engine built with
+`kernels="reference"` runs its steps under it, beside engines of the same process that run ours."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import contextlib
 import functools
 import importlib.util
 import os
+import threading
 
 import torch
 from torch import Tensor
@@ -36,6 +39,7 @@ def on_cuda(*tensors: Tensor | None) -> bool:
 
 
 _force_reference = os.environ.get("K3SERVE_REFERENCE_KERNELS", "") not in ("", "0")
+_this_thread = threading.local()  # .force: the reference forced for this thread (reference_kernels_in_thread)
 
 
 @contextlib.contextmanager
@@ -49,16 +53,28 @@ def reference_kernels(enabled: bool = True):
         _force_reference = saved
 
 
+@contextlib.contextmanager
+def reference_kernels_in_thread(enabled: bool = True):
+    """Within the block, the calling thread's ops run their torch reference (others' are untouched)."""
+    saved = getattr(_this_thread, "force", False)
+    _this_thread.force = enabled
+    try:
+        yield
+    finally:
+        _this_thread.force = saved
+
+
 def reference_forced() -> bool:
-    """Whether `reference_kernels()` (or the environment) forces the torch reference right now: the engine
-    then runs eagerly, since a CUDA graph captured earlier would replay the GPU kernels regardless."""
-    return _force_reference
+    """Whether `reference_kernels()` (or the environment, or `reference_kernels_in_thread()` in this thread)
+    forces the torch reference right now: the engine then runs eagerly, since a CUDA graph captured earlier
+    would replay the GPU kernels regardless."""
+    return _force_reference or getattr(_this_thread, "force", False)
 
 
 def gpu_kernels(*tensors: Tensor | None) -> bool:
     """Whether an op may dispatch to its GPU implementation: every tensor on CUDA, and the reference
     is not forced."""
-    return not _force_reference and on_cuda(*tensors)
+    return not reference_forced() and on_cuda(*tensors)
 
 
 def unit_stride_rows(t: Tensor) -> Tensor:

@@ -65,6 +65,7 @@ class ModelConfig:
     weight_prefix: str  # "language_model." for the VL wrapper, "" otherwise
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    shared_expert_intermediate_size: int | None = None  # None: moe_intermediate_size per shared expert
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -81,6 +82,10 @@ class ModelConfig:
             raise ConfigError(
                 f"num_experts_per_token={self.num_experts_per_token} > num_experts={self.num_experts}"
             )
+        size = self.shared_expert_intermediate_size
+        if size is not None and (type(size) is not int or size < 1 or not self.num_shared_experts):
+            raise ConfigError(f"shared_expert_intermediate_size={size!r} must be a positive integer, with "
+                              f"num_shared_experts >= 1 (got {self.num_shared_experts})")
         if self.kda.gate_lower_bound is not None and not -5.0 <= self.kda.gate_lower_bound < 0:
             raise ConfigError(f"gate_lower_bound={self.kda.gate_lower_bound} must lie in [-5, 0)")
         if self.experts_mxfp4:
@@ -105,13 +110,24 @@ class ModelConfig:
         """Values per token per MLA layer in the latent cache: c (kv_lora_rank) + k_pe (rope dim)."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    @property
+    def shared_intermediate(self) -> int:
+        """The shared experts' intermediate width, all of them together (0 without shared experts):
+        `shared_expert_intermediate_size` where the config gives it (Qwen2-MoE's key; the k3-rank-slice
+        preset's one rank's share of K3's), else moe_intermediate_size per shared expert."""
+        if not self.num_shared_experts:
+            return 0
+        if self.shared_expert_intermediate_size is not None:
+            return self.shared_expert_intermediate_size
+        return self.moe_intermediate_size * self.num_shared_experts
+
     def check_tp(self, tp_size: int) -> None:
         """Raise unless every sharded dimension splits evenly over `tp_size` ranks."""
         checks = {
             "num_attention_heads (MLA)": self.num_attention_heads,
             "linear_attn_config.num_heads (KDA)": self.kda.num_heads,
             "intermediate_size": self.intermediate_size,
-            "shared experts intermediate": self.moe_intermediate_size * max(self.num_shared_experts, 1),
+            "shared experts intermediate": self.shared_intermediate or self.moe_intermediate_size,
             "num_experts": self.num_experts,
         }
         for name, value in checks.items():
@@ -188,6 +204,7 @@ class ModelConfig:
             weight_prefix=prefix,
             bos_token_id=cfg.get("bos_token_id", raw.get("bos_token_id")),
             eos_token_id=_first(cfg.get("eos_token_id", raw.get("eos_token_id"))),
+            shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size"),
             hf_config=raw,
         )
 

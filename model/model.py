@@ -17,9 +17,12 @@ frozen into the bank and restarts (model/K3_MODEL.md §1f).
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import nn
 
+from k3serve.kernels._backend import reference_kernels_in_thread
 from k3serve.kernels.attn_res import attn_res_aggregate, fold_score_weight
 from k3serve.model.batch import ForwardBatch, ModelCache
 from k3serve.model.config import ModelConfig
@@ -163,6 +166,16 @@ class KimiForCausalLM(nn.Module):
         self.model = KimiModel(config, tp, dtype)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
         self.weights_processed = False
+        self.reference_kernels = False  # see use_kernels
+
+    def use_kernels(self, reference: bool = False, moe_finalize: Literal["fused", "unfused"] = "fused") -> None:
+        """The kernels this model's forward and logits run (the engine's `kernels` / `moe_finalize` arguments):
+        `reference` runs every op's torch reference in the calling thread (`reference_kernels_in_thread`),
+        `moe_finalize` the routed experts' top-k sum fused in their kernels or not (`kernels.moe`)."""
+        self.reference_kernels = reference
+        for module in self.modules():
+            if isinstance(module, SparseMoE):
+                module.finalize = moe_finalize
 
     def process_weights_after_loading(self) -> None:
         """Derive the per-layer forms of the loaded weights (fp32 copies, packed blocks) once, instead
@@ -178,10 +191,12 @@ class KimiForCausalLM(nn.Module):
         """Run the new tokens of every sequence in `batch`, advancing its caches. Returns [T, hidden]."""
         if not self.weights_processed:
             raise RuntimeError("weights are not processed: call process_weights_after_loading() after loading them")
-        return self.model(batch, cache)
+        with reference_kernels_in_thread(self.reference_kernels):
+            return self.model(batch, cache)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[rows, vocab] fp32 logits of `hidden` [rows, hidden] on rank 0; None on the other ranks of a TP
         model, which must call it too, in the same order as rank 0 (the logits are gathered)."""
-        return self.lm_head.gather(self.lm_head.compute_logits(hidden))
+        with reference_kernels_in_thread(self.reference_kernels):
+            return self.lm_head.gather(self.lm_head.compute_logits(hidden))

@@ -220,3 +220,45 @@ def preset_hf_config(name: str) -> dict[str, Any]:
 
 def preset_config(name: str) -> ModelConfig:
     return ModelConfig.from_hf_dict(preset_hf_config(name))
+
+
+# ---- k3-rank-slice ---------------------------------------------------------------------------------------------
+# One rank of Kimi-K3 served at TP 8 / EP 8, as a model of its own that one GPU serves at TP 1 (the GPU serving
+# benchmark, `benchmarks/gpu_serving.sh`): the rank's KDA and MLA heads (12 of 96 each), dense MLP (4224 of
+# 33792), shared experts (768 of 6144: `shared_expert_intermediate_size`), vocab rows (20480 of 163840) and
+# routed experts (112 of 896, MXFP4, latent 3584 x 3072), hidden 7168 whole. A token picks 2 of the 112: the 16 of
+# 896 it picks land 2 on a rank on average, so the rank's expert work per token is K3's. K3's first layers in
+# K3's order (layer 1 KDA + dense MLP, then KDA + MoE, MLA + MoE at every 4th); `make-checkpoint --layers N` keeps
+# the first N. The all-reduces TP 8 would add are not in it (benchmarks/gpu_serving.py models their cost).
+K3_RANK_SLICE_TP = 8
+K3_RANK_SLICE_LAYERS = 12
+
+K3_RANK_SLICE_TEXT: dict[str, Any] = {
+    **KIMI_K3_TEXT,
+    "vocab_size": KIMI_K3_TEXT["vocab_size"] // K3_RANK_SLICE_TP,
+    "num_hidden_layers": K3_RANK_SLICE_LAYERS,
+    "num_attention_heads": KIMI_K3_TEXT["num_attention_heads"] // K3_RANK_SLICE_TP,
+    "num_key_value_heads": KIMI_K3_TEXT["num_key_value_heads"] // K3_RANK_SLICE_TP,
+    "intermediate_size": KIMI_K3_TEXT["intermediate_size"] // K3_RANK_SLICE_TP,
+    "num_experts": KIMI_K3_TEXT["num_experts"] // K3_RANK_SLICE_TP,
+    "num_experts_per_token": KIMI_K3_TEXT["num_experts_per_token"] // K3_RANK_SLICE_TP,
+    "shared_expert_intermediate_size": (KIMI_K3_TEXT["moe_intermediate_size"] * KIMI_K3_TEXT["num_shared_experts"]
+                                        // K3_RANK_SLICE_TP),
+    "max_position_embeddings": 131072,
+    "bos_token_id": None,  # filled from the tokenizer by make-checkpoint
+    "eos_token_id": None,
+    "linear_attn_config": {
+        **KIMI_K3_TEXT["linear_attn_config"],
+        "full_attn_layers": [i for i in _K3_MLA_LAYERS if i <= K3_RANK_SLICE_LAYERS],
+        "kda_layers": [i for i in KIMI_K3_TEXT["linear_attn_config"]["kda_layers"] if i <= K3_RANK_SLICE_LAYERS],
+        "num_heads": KIMI_K3_TEXT["linear_attn_config"]["num_heads"] // K3_RANK_SLICE_TP,
+    },
+}
+
+K3_RANK_SLICE: dict[str, Any] = {
+    "model_type": "kimi_k3",
+    "architectures": ["KimiK3ForConditionalGeneration"],
+    "text_config": {**K3_RANK_SLICE_TEXT, "quantization_config": MXFP4_QUANTIZATION},
+}
+
+PRESETS["k3-rank-slice"] = K3_RANK_SLICE

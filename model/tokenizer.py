@@ -338,7 +338,8 @@ def train_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 512, model_max_l
     """Train a real byte-level BPE tokenizer (Kimi's split pattern, the special tokens of
     `chat_format` as the last ids: Kimi K2's with its chat template, or K3's, which has none) on
     stdlib docstrings and write tokenizer.json, tokenizer_config.json and special_tokens_map.json
-    to `out_dir`. `vocab_size` counts everything. Same bytes every run."""
+    to `out_dir`. `vocab_size` counts everything (past the corpus's merges, reserved tokens fill it).
+    Same bytes every run."""
     from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
     from tokenizers import Tokenizer as _RustTokenizer
 
@@ -355,8 +356,11 @@ def train_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 512, model_max_l
     trainer = trainers.BpeTrainer(vocab_size=n_base, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(_stdlib_docstrings(), trainer=trainer)
+    # a vocabulary larger than the corpus's merges (k3-rank-slice: 20480) is filled up with reserved tokens
+    reserved = [f"<|reserved_token_{i}|>" for i in range(n_base - tok.get_vocab_size())]
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in reserved])
     if tok.get_vocab_size() != n_base:
-        raise RuntimeError(f"trained {tok.get_vocab_size()} tokens, wanted {n_base}: corpus too small")
+        raise RuntimeError(f"trained {tok.get_vocab_size()} tokens, wanted {n_base}")
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     assert tok.get_vocab_size() == vocab_size
 

@@ -5,13 +5,20 @@ Expert parallelism: a rank holds E local experts with global ids [expert_start, 
 On CUDA, routing and the standalone GLUs run one Triton launch each (`triton_router.py`, `triton_glu.py`),
 and bf16 activations with MXFP4 banks and a SiTU/SwiGLU activation run the Triton w4a16 kernels
 (`triton_moe.py`); everything else runs `naive.py`. `last_backend[name]` records which.
+
+The finalize (each token's weighted sum over its top-k experts) is fused into the experts' down kernel;
+`finalize="unfused"` is its baseline: every (token, expert) pair its own row of weight 1 through the same
+kernels, an fp32 [T * k, D] intermediate, then the weighted sum as a separate op (no host sync, so it
+records into CUDA graphs too); `last_backend["moe_finalize"]` records which ran.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
+import torch
 from torch import Tensor
 
 from k3serve.kernels.mxfp4 import MXFP4Tensor
@@ -115,11 +122,13 @@ def fused_experts(
     topk_ids: Tensor,
     activation: Callable[[Tensor, Tensor], Tensor],
     expert_start: int = 0,
+    finalize: Literal["fused", "unfused"] = "fused",
 ) -> Tensor:
     """x [T, D] -> fp32 [T, D] = Σ_j topk_weights[t, j] · E_{topk_ids[t, j]}(x_t), E(x) = W2 act(W1 x, W3 x).
 
     Only ids in [expert_start, expert_start + E) contribute (the rest live on other EP ranks). The result
-    is unreduced fp32 so TP/EP partial sums can be all-reduced before any norm (K3 latent MoE)."""
+    is unreduced fp32 so TP/EP partial sums can be all-reduced before any norm (K3 latent MoE).
+    finalize: "fused" (the weighted top-k sum inside the kernels) or "unfused" (its baseline, module doc)."""
     if x.dim() != 2 or x.shape[1] != weights.w1.shape[2]:
         raise ValueError(f"x must be [T, D={weights.w1.shape[2]}], got {tuple(x.shape)}")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
@@ -131,12 +140,37 @@ def fused_experts(
         raise ValueError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
     if expert_start < 0:
         raise ValueError(f"expert_start={expert_start} must be >= 0")
+    if finalize not in ("fused", "unfused"):
+        raise ValueError(f"finalize must be 'fused' or 'unfused', got {finalize!r}")
+    last_backend["moe_finalize"] = finalize
+    if finalize == "unfused":
+        return _unfused_experts(x, weights, topk_weights, topk_ids, activation, expert_start)
+    return _experts(x, weights, topk_weights, topk_ids, activation, expert_start)
+
+
+def _experts(x: Tensor, weights: ExpertWeights, topk_weights: Tensor, topk_ids: Tensor,
+             activation: Callable[[Tensor, Tensor], Tensor], expert_start: int, path_tokens: int | None = None) -> Tensor:
+    """`fused_experts` on validated inputs, its finalize fused; on the Triton kernels the pair picked for
+    `path_tokens` tokens (None: for x's)."""
     mxfp4 = all(isinstance(w, MXFP4Tensor) for w in (weights.w1, weights.w3, weights.w2))
     if mxfp4 and gpu_kernels(x, weights.w1.packed, topk_weights, topk_ids) and has_module("triton"):
         from . import triton_moe
 
         if triton_moe.supports(x, weights, activation):
             last_backend["fused_experts"] = "triton"
-            return triton_moe.fused_experts(x, weights, topk_weights, topk_ids, activation, expert_start)
+            return triton_moe.fused_experts(x, weights, topk_weights, topk_ids, activation, expert_start,
+                                           path=triton_moe.kernel_pair(path_tokens or x.shape[0]))
     last_backend["fused_experts"] = "naive"
     return naive.fused_experts(x, weights, topk_weights, topk_ids, activation, expert_start)
+
+
+def _unfused_experts(x: Tensor, weights: ExpertWeights, topk_weights: Tensor, topk_ids: Tensor,
+                     activation: Callable[[Tensor, Tensor], Tensor], expert_start: int) -> Tensor:
+    """The finalize's baseline: pair t * k + j = x_t routed to expert topk_ids[t, j] alone with weight 1, through
+    the kernel pair the fused call would pick for T tokens, then Σ_j topk_weights[t, j] · y[t * k + j]."""
+    T, k = topk_ids.shape
+    x_pairs = x.repeat_interleave(k, dim=0)  # [T * k, D]
+    ones = torch.ones(T * k, 1, dtype=topk_weights.dtype, device=topk_weights.device)
+    y = _experts(x_pairs, weights, ones, topk_ids.reshape(T * k, 1), activation, expert_start,
+                 path_tokens=T)  # fp32 [T * k, D]
+    return (y.view(T, k, -1) * topk_weights.float().unsqueeze(-1)).sum(dim=1)

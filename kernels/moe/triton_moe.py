@@ -197,6 +197,11 @@ ROUTE_SMALL_MAX_PAIRS = 1024  # T * top_k up to here: routing in one program (de
 last_path: str | None = None  # "gemv" | "mma" | "dot": which pair of kernels the last fused_experts call ran
 
 
+def kernel_pair(num_tokens: int) -> str:
+    """The pair `fused_experts` runs for `num_tokens` tokens when not told: "gemv", "mma" or "dot"."""
+    return "gemv" if num_tokens <= GEMV_MAX_TOKENS else "mma" if num_tokens <= MMA_MAX_TOKENS else "dot"
+
+
 def fused_experts(x: Tensor, weights, topk_weights: Tensor, topk_ids: Tensor, activation, expert_start: int,
                   path: str | None = None) -> Tensor:
     """x [T, D] bf16, MXFP4 w1/w3 [E, I, D], w2 [E, D, I] -> fp32 [T, D] (this rank's partial sum).
@@ -213,7 +218,7 @@ def fused_experts(x: Tensor, weights, topk_weights: Tensor, topk_ids: Tensor, ac
     w1, w3, w2 = weights.w1, weights.w3, weights.w2
     E, I = w1.shape[0], w1.shape[1]
     if path is None:
-        path = "gemv" if T <= GEMV_MAX_TOKENS else "mma" if T <= MMA_MAX_TOKENS else "dot"
+        path = kernel_pair(T)
     if path == "mma":
         try:
             from . import gluon_mma

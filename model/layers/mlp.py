@@ -9,7 +9,7 @@ BEFORE the latent RMSNorm, because norm(sum) != sum(norm).
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 
@@ -122,6 +122,7 @@ class SparseMoE(Sharded):
         super().__init__()
         self.tp, self.config = tp, config
         self.act = glu_activation(config)
+        self.finalize: Literal["fused", "unfused"] = "fused"  # the routed experts' top-k sum (kernels.moe)
         hidden, latent = config.hidden_size, config.routed_expert_hidden_size
         self.gate = MoEGate(hidden, config.num_experts, dtype)
         if latent is not None:
@@ -132,9 +133,8 @@ class SparseMoE(Sharded):
         self.experts = RoutedExperts(
             config.num_experts, latent or hidden, config.moe_intermediate_size, config.experts_mxfp4, tp, dtype
         )
-        if config.num_shared_experts:
-            shared = config.moe_intermediate_size * config.num_shared_experts
-            self.shared_experts = DenseMLP(hidden, shared, self.act, tp, dtype, stack_gate_up=False)
+        if config.shared_intermediate:
+            self.shared_experts = DenseMLP(hidden, config.shared_intermediate, self.act, tp, dtype, stack_gate_up=False)
         # the latent down-projection and the shared experts' gate and up all read x: one GEMM
         self._x_proj_sizes = [proj.weight.shape[0] for proj in self._projections_of_x()]
         self.x_proj_weight = stack_rows(None, self._projections_of_x()) if self._x_proj_sizes else None
@@ -160,7 +160,8 @@ class SparseMoE(Sharded):
         is_latent = cfg.routed_expert_hidden_size is not None
         projected = list(project(x, self.x_proj_weight, self._x_proj_sizes)) if self._x_proj_sizes else []
         expert_in = projected.pop(0) if is_latent else x
-        routed = fused_experts(expert_in, self.experts.weights(), weights, ids, self.act, self.experts.expert_start)
+        routed = fused_experts(expert_in, self.experts.weights(), weights, ids, self.act, self.experts.expert_start,
+                               self.finalize)
         if not is_latent:  # one all-reduce for routed + shared partial sums (fp32: routed's dtype)
             shared = self.shared_experts.output(*projected) if projected else None
             return self.tp.all_reduce(routed if shared is None else routed + shared).to(x.dtype)

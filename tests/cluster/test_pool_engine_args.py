@@ -61,6 +61,9 @@ POOL_VALUES = {
     "long_prefill_token_threshold": ("256", 256),
     "enable_prefix_caching": (None, False),  # --no-<pool>-enable-prefix-caching
     "kda_checkpoint_mode": ("align", "align"),
+    "adaptive_token_budget": (None, False),  # --no-<pool>-adaptive-token-budget
+    "kernels": ("reference", "reference"),
+    "moe_finalize": ("unfused", "unfused"),
     "cache_memory_bytes": ("1048576", 1048576),
     "gpu_memory_utilization": ("0.5", 0.5),
     "num_kda_slots": ("200", 200),
