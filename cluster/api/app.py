@@ -77,7 +77,8 @@ def build_app(client: EngineClient, metrics: IngressMetrics | None = None, reaso
     parsers = chat_parsers(client.tokenizer.chat_format, reasoning_parser, tool_call_parser, enable_auto_tool_choice)
     if api_key == "":
         raise ValueError("api_key is empty: every request would pass with 'Bearer ' (None serves without a key)")
-    metrics = metrics if metrics is not None else IngressMetrics(model_name=client.model_name)
+    metrics = metrics if metrics is not None else IngressMetrics(model_name=client.model_name,
+                                                                 max_model_len=client.max_model_len)
     app = FastAPI(title="k3serve", summary="OpenAI-compatible ingress of k3serve")
     app.state.client, app.state.metrics = client, metrics
     _install_error_handlers(app, metrics)
