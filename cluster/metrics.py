@@ -20,7 +20,8 @@ The app drives one `RequestTimer` per HTTP request (`start_request`, `on_delta`,
 whatever its number of choices. Queue, prefill and handoff times are only known to the serving layer,
 which reports them with `observe_queue_time` and friends (the disaggregated router's queue time: arrival
 to a decode reservation, which its prefill waits for, or to leaving its admission queue without one:
-timed out, cancelled); it also sets the per-(pool, replica) gauges with `set_pool_stats`, the requests its
+timed out, cancelled); it also sets the per-(pool, replica) gauges with `set_pool_stats` (a colocated engine's are read at each scrape:
+`watch_engine`, `refresh`), the requests its
 admission queue holds with `set_ingress_queue` (`k3serve:num_requests_waiting{pool="ingress",
 replica="router"}`, counted in the pod's `vllm:num_requests_waiting` too), and each replica's engine
 settings with `set_engine_settings` (`k3serve:engine_config_info`, value 1, the settings in its labels).
@@ -38,12 +39,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Awaitable, Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from k3serve.engine.llm_engine import EngineStats
 
 # vLLM v1's layouts (vllm/v1/metrics/buckets.py; Ray Serve LLM copies them)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -191,6 +195,7 @@ class IngressMetrics:
         self._engine_settings: dict[tuple[str, str], tuple[tuple[str, ...], tuple[str, ...]]] = {}
         self._loads: dict[tuple[str, str], ReplicaLoad] = {}
         self._ingress_waiting = 0
+        self._watched: list[tuple[str, str, Callable[[], Awaitable[EngineStats]]]] = []
         for series in (self.ttft, self.itl, self.tpot, self.e2e, self.queue_time, self.prefill_time,
                        self.decode_time, self.request_prompt_tokens, self.request_generation_tokens,
                        self.max_generation_tokens, self.prompt_tokens, self.generation_tokens,
@@ -284,6 +289,18 @@ class IngressMetrics:
         self.pod_running.labels(*self.vllm_labels).set(running)
         self.pod_waiting.labels(*self.vllm_labels).set(waiting)
         self.pod_kv_usage.labels(*self.vllm_labels).set(usage)
+
+    def watch_engine(self, pool: str, replica: str, stats: Callable[[], Awaitable["EngineStats"]]) -> None:
+        """Read an in-process engine's stats (a colocated deployment's) at every `refresh`, for its pool gauges and
+        settings, as the disaggregated router reports its replicas'."""
+        self._watched.append((pool, replica, stats))
+
+    async def refresh(self) -> None:
+        """Before a scrape: the watched engines' stats now (`watch_engine`)."""
+        for pool, replica, stats in self._watched:
+            s = await stats()
+            self.set_pool_stats(pool, replica, s.num_running, s.num_waiting, s.block_usage, s.slot_usage)
+            self.set_engine_settings(pool, replica, s.settings)
 
     def include(self, collectors: Sequence[Collector]) -> None:
         """Export collectors measured elsewhere in this process too (a colocated engine's)."""

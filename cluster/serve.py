@@ -64,6 +64,7 @@ def start_deployment(config: ServeConfig) -> Deployment:
         metrics = IngressMetrics(model_name=engine.model_name, max_model_len=config.max_model_len,
                                  legacy_names=config.legacy_metric_names)
         metrics.include(grammar_compile_metrics().collectors)  # the engine compiles in this process
+        metrics.watch_engine("colocated", "0", lambda: engine.call(lambda e: e.stats()))
         return Deployment(engine, metrics, config, [engine.shutdown])
     _check_tp(config, model_dir)
     if config.launcher == "ray":

@@ -107,6 +107,10 @@ def build_app(client: EngineClient, metrics: IngressMetrics | None = None, reaso
     async def prometheus() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
+        try:
+            await metrics.refresh()
+        except Exception as e:  # the rest still renders; the stale gauges stay as last read
+            logger.warning("metrics refresh failed: %r", e)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
