@@ -2,7 +2,9 @@
 
     POST /v1/completions, /v1/chat/completions   JSON, or SSE when stream=true
     GET  /v1/models                               the one served model
-    GET  /health                                  200, or 503 when client.check_health raises or the server drains
+    GET  /health, GET|POST /ping                  200, or 503 when client.check_health raises or the server drains
+    GET  /version                                 {"version": k3serve's}
+    POST /tokenize, /detokenize                   vLLM's shapes (tokenization.py)
     GET  /metrics                                 Prometheus text (IngressMetrics)
 
 With an `api_key`, every /v1 route answers 401 unless the request carries `Authorization: Bearer
@@ -35,6 +37,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from k3serve import __version__
 from k3serve.cluster.metrics import IngressMetrics, RequestTimer
 from k3serve.engine.structured_output import ConstraintCompileError
 
@@ -56,6 +59,7 @@ from .serving import (
     to_api_error,
 )
 from .structured_outputs import constraint_kind
+from .tokenization import tokenization_routes
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +92,8 @@ def build_app(client: EngineClient, metrics: IngressMetrics | None = None, reaso
     app.add_middleware(DrainGate, drain=drain, on_refused=metrics.count_error)  # outermost: refuses before auth
 
     @app.get("/health")
+    @app.get("/ping")
+    @app.post("/ping")
     async def health() -> Response:
         if drain.draining:  # a load balancer stops routing here while the requests in flight finish
             return error_response(APIError(503, "draining: the server is shutting down"))
@@ -97,6 +103,12 @@ def build_app(client: EngineClient, metrics: IngressMetrics | None = None, reaso
             logger.warning("health check failed: %r", e)
             return error_response(APIError(503, f"unhealthy: {type(e).__name__}"))
         return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    app.include_router(tokenization_routes(client))
 
     @app.get("/v1/models")
     async def models() -> ModelList:

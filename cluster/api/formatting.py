@@ -57,6 +57,15 @@ from .tool_calls import ParsedDelta
 Chunk = Union[CompletionStreamResponse, ChatCompletionStreamResponse]
 
 
+def token_text(raw: bytes) -> str:
+    """A token's bytes as text; a token that is not whole UTF-8 reads "bytes:\\xe4\\xbd" (OpenAI's form), so two
+    different partial tokens never share a key in `top_logprobs`."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
 class _Formatter:
     response_type: type[CompletionResponse | ChatCompletionResponse]
     chunk_type: type[Chunk]
@@ -92,13 +101,7 @@ class _Formatter:
         return self.tokenizer.convert_ids_to_bytes([token_id])[0]
 
     def token_text(self, token_id: int) -> str:
-        """The token as text; a token that is not whole UTF-8 reads "bytes:\\xe4\\xbd" (OpenAI's form),
-        so two different partial tokens never share a key in `top_logprobs`."""
-        raw = self.token_bytes(token_id)
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return token_text(self.token_bytes(token_id))
 
 
 class CompletionFormatter(_Formatter):

@@ -347,10 +347,10 @@ async def test_metrics_count_a_request_of_several_choices_once(http, client, met
     timed within a choice, so 4 choices of 3 tokens give 4 x 2 intervals."""
     await http.post("/v1/completions", json={"prompt": [PROMPT, OTHER_PROMPT], "n": 2, "max_tokens": 3, **SAMPLED})
     name = client.model_name
-    assert metrics.success.labels(name, "0", "length")._value.get() == 1
-    assert metrics.generation_tokens.labels(name, "0")._value.get() == 12
+    assert metrics.success.labels(*metrics.vllm_labels, "length")._value.get() == 1
+    assert metrics.generation_tokens.labels(*metrics.vllm_labels)._value.get() == 12
     num_prompt = len(client.tokenizer.encode(PROMPT)) + len(client.tokenizer.encode(OTHER_PROMPT))
-    assert metrics.prompt_tokens.labels(name, "0")._value.get() == num_prompt
+    assert metrics.prompt_tokens.labels(*metrics.vllm_labels)._value.get() == num_prompt
     samples = metric_samples(metrics.render().decode())
     count = {n: samples[(f"vllm:{n}_count", (("engine", "0"), ("model_name", name)))] for n in
              ("time_to_first_token_seconds", "inter_token_latency_seconds", "request_time_per_output_token_seconds",
