@@ -1,6 +1,7 @@
 """`build_app(client)`: the OpenAI-compatible routes over any `EngineClient`.
 
     POST /v1/completions, /v1/chat/completions   JSON, or SSE when stream=true
+    POST /v1/responses                            OpenAI's Responses API over the chat route (responses.py)
     GET  /v1/models                               the one served model
     GET  /health, GET|POST /ping                  200, or 503 when client.check_health raises or the server drains
     GET  /version                                 {"version": k3serve's}
@@ -48,6 +49,7 @@ from .errors import APIError, error_response
 from .fanout import FanOut
 from .parsers import chat_parsers
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, _SamplingFields
+from .responses import ResponsesRequest, ResponseTurn
 from .serving import (
     STATUS_CLIENT_GONE,
     Prepared,
@@ -133,11 +135,20 @@ def build_app(client: EngineClient, metrics: IngressMetrics | None = None, reaso
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await _serve(raw, client, metrics, lambda: prepare_chat(body, client, parsers), body)
 
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, raw: Request) -> Response:
+        turn = ResponseTurn.of(body, client)  # a request it cannot serve: 400 here
+        return await _serve(raw, client, metrics, lambda: prepare_chat(turn.chat, client, parsers), turn.chat,
+                            respond=turn.response, stream=turn.events)
+
     return app
 
 
 async def _serve(raw: Request, client: EngineClient, metrics: IngressMetrics,
-                 prepare: Callable[[], Prepared], body: _SamplingFields) -> Response:
+                 prepare: Callable[[], Prepared], body: _SamplingFields,
+                 respond: Callable[[Any], dict] | None = None, stream=stream_sse) -> Response:
+    """`prepare`'s request run to its response: the aggregate as JSON (`respond`'s dict of it, else its model's),
+    or `stream`'s SSE lines."""
     timer = metrics.start_request()
     count_cut_with(raw.scope, timer.fail)  # a drain cut counts once, as its 503, stream or not
     kind = None  # of the request's structured output constraint, once its shape passed
@@ -148,9 +159,9 @@ async def _serve(raw: Request, client: EngineClient, metrics: IngressMetrics,
             metrics.count_structured_output(kind)
         fan = await _unless_disconnected(raw, start(client, prep, timer))
         if prep.stream:
-            return _SSEResponse(stream_sse(prep, fan, timer), fan, timer)
+            return _SSEResponse(stream(prep, fan, timer), fan, timer)
         result = await _unless_disconnected(raw, aggregate(prep, fan, timer))
-        return JSONResponse(result.model_dump(mode="json"))
+        return JSONResponse(result.model_dump(mode="json") if respond is None else respond(result))
     except ClientGone:
         timer.fail(STATUS_CLIENT_GONE)
         return Response(status_code=STATUS_CLIENT_GONE)
