@@ -20,11 +20,11 @@ The app drives one `RequestTimer` per HTTP request (`start_request`, `on_delta`,
 whatever its number of choices. Queue, prefill and handoff times are only known to the serving layer,
 which reports them with `observe_queue_time` and friends (the disaggregated router's queue time: arrival
 to a decode reservation, which its prefill waits for, or to leaving its admission queue without one:
-timed out, cancelled); it also sets the per-(pool, replica) gauges with `set_pool_stats` (a colocated engine's are read at each scrape:
-`watch_engine`, `refresh`), the requests its
-admission queue holds with `set_ingress_queue` (`k3serve:num_requests_waiting{pool="ingress",
-replica="router"}`, counted in the pod's `vllm:num_requests_waiting` too), and each replica's engine
-settings with `set_engine_settings` (`k3serve:engine_config_info`, value 1, the settings in its labels).
+timed out, cancelled); it also sets the per-(pool, replica) gauges with `set_pool_stats` (a colocated
+engine's are read at each scrape: `watch_engine`, `refresh`), the requests its admission queue holds with
+`set_ingress_queue` (`k3serve:num_requests_waiting{pool="ingress", replica="router"}`, counted in the pod's
+`vllm:num_requests_waiting` too), and each replica's engine settings with `set_engine_settings`
+(`k3serve:engine_config_info`, value 1, the settings in its labels; and `vllm:cache_config_info`).
 Structured outputs: the app counts each request with a constraint by its kind (`count_structured_output`:
 json, json_object, regex, choice, grammar, or tool_choice for a forced tool choice) and, among them, those
 refused with a 400 because the constraint does not compile (`count_structured_output_refusal`;
