@@ -44,9 +44,9 @@ LAYOUTS = {
 }
 ENGINE_ARGS = {"block_size": 16, "max_model_len": 1024, "cache_memory_bytes": 64 << 20}
 SHORT_TOKENS, DECODE_TOKENS, LONG_TOKENS, LONG_OUTPUT = 32, 64, 1000, 4
-INGRESS = {"e2e": "k3serve:e2e_request_latency_seconds", "tpot": "k3serve:time_per_output_token_seconds",
-           "ttft": "k3serve:time_to_first_token_seconds", "handoff": "k3serve:handoff_time_seconds",
-           "prefill": "k3serve:request_prefill_time_seconds"}
+INGRESS = {"e2e": "vllm:e2e_request_latency_seconds", "tpot": "vllm:request_time_per_output_token_seconds",
+           "ttft": "vllm:time_to_first_token_seconds", "handoff": "k3serve:handoff_time_seconds",
+           "prefill": "vllm:request_prefill_time_seconds"}
 
 
 def prompts(num: int, length: int, salt: int) -> list[list[int]]:

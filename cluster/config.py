@@ -48,7 +48,8 @@ DEPLOYMENT_ENGINE_ARGS = ("model", "served_model_name", "model_cache_dir", "seed
 # A shared value, and a prefill_* / decode_* form over it for one pool.
 POOL_ENGINE_ARGS = ("max_num_seqs", "max_num_batched_tokens", "max_adaptive_batched_tokens",
                     "long_prefill_token_threshold", "enable_prefix_caching", "kda_checkpoint_mode",
-                    "adaptive_token_budget", "kernels", "moe_finalize", "cache_memory_bytes", "gpu_memory_utilization", "num_kda_slots", "num_gpu_blocks_override")
+                    "adaptive_token_budget", "kernels", "moe_finalize", "cache_memory_bytes", "gpu_memory_utilization",
+                    "num_kda_slots", "num_gpu_blocks_override", "kv_events_config")
 # Decode steps' CUDA graphs: the decode pool's and a colocated engine's; a prefill engine runs no decode step, so it
 # is always eager (capturing would cost time and memory for nothing).
 DECODE_ENGINE_ARGS = ("enforce_eager", "cuda_graph_batch_sizes")
@@ -121,6 +122,10 @@ class ServeConfig(EngineOptions):
         30.0, ge=0, description="on SIGTERM/SIGINT: new requests get 503 and /health 503 at once; those in flight "
         "run on up to this long, then are aborted (a stream ends with an error event); a second signal aborts at "
         "once. Keep it below the pod's terminationGracePeriodSeconds (0: abort at once)",
+    )
+    legacy_metric_names: bool = Field(
+        False, description="/metrics also exports the families under the k3serve: names they had before taking "
+        "vLLM's (k3serve:time_to_first_token_seconds, ...; cluster/metrics.py LEGACY_NAMES); for one release",
     )
     verify_checksums: bool = Field(True, description="decode verifies every handoff's checksums before continuing")
     ray_address: str | None = Field(None, description="join this Ray cluster; default: start a local one")

@@ -118,6 +118,8 @@ class DisaggregatedRouter:
                 return
             first_logprobs, prompt_logprobs = result.first_logprobs, result.prompt_logprobs
             async for delta in deltas:
+                if delta.num_cached_tokens != result.num_cached_tokens:  # the prompt's cache is the prefill engine's
+                    delta = dataclasses.replace(delta, num_cached_tokens=result.num_cached_tokens)
                 if first_logprobs is not None and delta.logprobs is None:
                     # The first token was sampled by the prefill engine; its logprobs come from there.
                     delta = dataclasses.replace(delta, logprobs=first_logprobs)  # decode's first delta: that token

@@ -61,8 +61,10 @@ def start_deployment(config: ServeConfig) -> Deployment:
         from k3serve.engine.structured_output_metrics import grammar_compile_metrics
 
         engine = AsyncEngine(args["colocated"])
-        metrics = IngressMetrics(model_name=engine.model_name)
+        metrics = IngressMetrics(model_name=engine.model_name, max_model_len=config.max_model_len,
+                                 legacy_names=config.legacy_metric_names)
         metrics.include(grammar_compile_metrics().collectors)  # the engine compiles in this process
+        metrics.watch_engine("colocated", "0", lambda: engine.call(lambda e: e.stats()))
         return Deployment(engine, metrics, config, [engine.shutdown])
     _check_tp(config, model_dir)
     if config.launcher == "ray":
@@ -97,7 +99,8 @@ def _router(config: ServeConfig, prefill: list, decode: list, model_dir: str, na
     from k3serve.model.config import ModelConfig
     from k3serve.model.tokenizer import Tokenizer
 
-    metrics = IngressMetrics(model_name=name)
+    metrics = IngressMetrics(model_name=name, max_model_len=config.max_model_len,
+                             legacy_names=config.legacy_metric_names)
     tokenizer = Tokenizer.from_dir(model_dir)
     vocab_size = ModelConfig.from_dir(model_dir).vocab_size
     router = DisaggregatedRouter(prefill, decode, tokenizer, name, config.max_model_len, vocab_size, metrics,

@@ -24,7 +24,7 @@ last pin is released by `unpin()`.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 NO_PARENT_HASH = 0  # parent of the first block of a sequence
 
@@ -60,6 +60,8 @@ class BlockPool:
         self._hash_to_block: dict[int, int] = {}
         self._free: deque[int] = deque(range(num_blocks))  # unused, no hash
         self._cached: OrderedDict[int, None] = OrderedDict()  # unused, hashed; oldest first
+        self.on_evicted: Callable[[list[int]], None] | None = None
+        """Called with the hashes an `allocate` or `evict_all_cached` dropped (KV events, engine/kv_events.py)."""
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -97,16 +99,17 @@ class BlockPool:
         """Fresh blocks with ref count 1: free ones first, then evict cached ones LRU-first."""
         if not self.can_allocate(num_blocks):
             raise RuntimeError(f"cannot allocate {num_blocks} blocks: {self.num_free_blocks} free of {self.num_blocks}")
-        block_ids = []
+        block_ids, evicted = [], []
         for _ in range(num_blocks):
             if self._free:
                 block_id = self._free.popleft()
             else:
                 block_id, _ = self._cached.popitem(last=False)
-                del self._hash_to_block[self._block_hash[block_id]]
-                self._block_hash[block_id] = None
+                evicted.append(self._drop_hash(block_id))
             self._ref_counts[block_id] = 1
             block_ids.append(block_id)
+        if evicted and self.on_evicted is not None:
+            self.on_evicted(evicted)
         return block_ids
 
     def share(self, block_ids: Sequence[int]) -> None:
@@ -156,13 +159,14 @@ class BlockPool:
 
     def evict_all_cached(self) -> int:
         """Drop every unused cached block's hash (they become plain free); returns the count."""
-        num_evicted = len(self._cached)
+        evicted = []
         while self._cached:
             block_id, _ = self._cached.popitem(last=False)
-            del self._hash_to_block[self._block_hash[block_id]]
-            self._block_hash[block_id] = None
+            evicted.append(self._drop_hash(block_id))
             self._free.append(block_id)
-        return num_evicted
+        if evicted and self.on_evicted is not None:
+            self.on_evicted(evicted)
+        return len(evicted)
 
     # ---- leak checks ---------------------------------------------------------------------
     def check_empty(self) -> None:
@@ -176,6 +180,12 @@ class BlockPool:
     # ---- internals -----------------------------------------------------------------------
     def _in_use(self, block_id: int) -> bool:
         return self._ref_counts[block_id] > 0 or self._pin_counts[block_id] > 0
+
+    def _drop_hash(self, block_id: int) -> int:
+        block_hash = self._block_hash[block_id]
+        del self._hash_to_block[block_hash]
+        self._block_hash[block_id] = None
+        return block_hash
 
     def _release_if_unused(self, block_id: int) -> None:
         if self._in_use(block_id):

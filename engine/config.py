@@ -70,6 +70,9 @@ class EngineArgs:
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     """Decode batch sizes captured as CUDA graphs (a batch is padded up to the next one), strictly
     increasing, each <= max_num_seqs; None = 1, 2, 4, 8, then multiples of 16, up to min(max_num_seqs, 512)."""
+    kv_events_config: str | None = None
+    """JSON as vLLM's --kv-events-config (enable_kv_cache_events, publisher, endpoint, topic, hwm): publish the prefix
+    cache's block stored / removed events over ZMQ for prefix-aware routers (engine/kv_events.py); None = off."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "block_size", "max_model_len", "max_num_seqs"):
@@ -115,6 +118,11 @@ class EngineArgs:
                 raise ValueError(f"cuda_graph_batch_sizes={sizes!r} with enforce_eager=True: an eager engine "
                                  "captures no graphs (give one or the other)")
             object.__setattr__(self, "cuda_graph_batch_sizes", tuple(sizes))
+
+        if self.kv_events_config is not None:
+            from k3serve.engine.kv_events import KVEventsConfig
+
+            KVEventsConfig.from_json(self.kv_events_config)  # refused here, before any engine starts
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":

@@ -23,6 +23,7 @@ import torch
 from k3serve.engine.block_pool import BlockPool
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.detokenizer import IncrementalDetokenizer
+from k3serve.engine.kv_events import open_kv_events
 from k3serve.engine.memory import PoolPlan, plan_engine_pools, scheduler_config
 from k3serve.engine.outputs import RequestDelta, TokenLogprobs
 from k3serve.engine.prefix_cache import PrefixCache
@@ -121,11 +122,15 @@ class LLMEngine:
                 group.close()
             raise
         block_pool, state_pool = BlockPool(self.plan.num_blocks, args.block_size), StatePool(self.plan.num_slots)
+        prefix_cache = PrefixCache(block_pool, state_pool) if args.enable_prefix_caching else None
+        self.kv_events = open_kv_events(args) if prefix_cache is not None else None
+        if self.kv_events is not None:
+            prefix_cache.publish_events(self.kv_events)
         self.scheduler = Scheduler(
             scheduler_config(args, _device_memory(args.device), self.tokenizer.eos_token_id),
             block_pool,
             state_pool,
-            PrefixCache(block_pool, state_pool) if args.enable_prefix_caching else None,
+            prefix_cache,
             on_finish,
         )
         self.sampler = Sampler(eos_token_id=self.tokenizer.eos_token_id)
@@ -285,6 +290,8 @@ class LLMEngine:
     def close(self) -> None:
         """Release the TP followers (they exit their loop), the process group and the compile threads."""
         self.structured_outputs.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
         group = self.runner.group
         if group is not None:
             group.lead(("stop",))

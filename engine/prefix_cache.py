@@ -21,10 +21,13 @@ unused back to the pools.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from k3serve.engine.block_pool import BlockPool, compute_block_hashes
 from k3serve.engine.state_pool import StatePool
+
+if TYPE_CHECKING:
+    from k3serve.engine.kv_events import KVEventPublisher
 
 
 class PrefixHit(NamedTuple):
@@ -43,6 +46,12 @@ class PrefixCache:
         self.block_size = block_pool.block_size
         self.num_lookups = 0
         self.num_hits = 0
+        self.events: KVEventPublisher | None = None
+
+    def publish_events(self, publisher: KVEventPublisher) -> None:
+        """Report blocks stored (by `insert`) and removed (evicted by the block pool) to `publisher`."""
+        self.events = publisher
+        self.block_pool.on_evicted = publisher.block_removed
 
     def lookup(self, token_ids: Sequence[int]) -> PrefixHit:
         """Longest reusable prefix of `token_ids`. Takes no refs: the caller shares what it uses."""
@@ -76,6 +85,7 @@ class PrefixCache:
         block_ids: Sequence[int],  # [>= boundary_num_tokens // block_size] the request's table
         boundary_num_tokens: int,
         checkpoint_slot: int,
+        token_ids: Sequence[int] = (),  # [>= boundary_num_tokens] the prompt, for the stored blocks' KV events
     ) -> bool:
         """Register the blocks up to the boundary and the KDA checkpoint taken there.
 
@@ -94,9 +104,27 @@ class PrefixCache:
                 f"boundary {boundary_num_tokens} needs {num_blocks} blocks, got "
                 f"{len(block_hashes)} hashes and {len(block_ids)} block ids"
             )
-        for block_id, block_hash in zip(block_ids[:num_blocks], block_hashes[:num_blocks]):
-            self.block_pool.cache_block(block_id, block_hash)  # an equal block may already hold it
+        stored = []  # indices of the blocks that got their hash now
+        for i, (block_id, block_hash) in enumerate(zip(block_ids[:num_blocks], block_hashes[:num_blocks])):
+            new = self.block_pool.get_cached_block(block_hash) is None
+            if self.block_pool.cache_block(block_id, block_hash) and new:  # an equal block may already hold it
+                stored.append(i)
+        if self.events is not None and stored:
+            self._publish_stored(block_hashes, token_ids, stored)
         return self.state_pool.cache_checkpoint(checkpoint_slot, block_hashes[num_blocks - 1])
+
+    def _publish_stored(self, block_hashes: Sequence[int], token_ids: Sequence[int], stored: list[int]) -> None:
+        """One BlockStored per run of consecutive newly stored blocks, with its parent's hash and its tokens."""
+        runs: list[list[int]] = []
+        for i in stored:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        size = self.block_size
+        for run in runs:
+            self.events.block_stored([block_hashes[i] for i in run], block_hashes[run[0] - 1] if run[0] else None,
+                                     token_ids[run[0] * size:(run[-1] + 1) * size])
 
     def clear(self) -> None:
         """Evict every unused cached block and checkpoint back to the pools."""

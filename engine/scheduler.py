@@ -238,7 +238,8 @@ class Scheduler:
             checkpoint = self._pending_checkpoints.pop(req.request_id, None)
             if checkpoint is not None:
                 self.prefix_cache.insert(
-                    checkpoint.block_hashes, req.block_ids, checkpoint.boundary_num_tokens, checkpoint.slot_id
+                    checkpoint.block_hashes, req.block_ids, checkpoint.boundary_num_tokens, checkpoint.slot_id,
+                    token_ids=req.all_token_ids,
                 )
                 self.state_pool.free(checkpoint.slot_id)  # now cached (or a duplicate, then free)
             if not seq.needs_sample:

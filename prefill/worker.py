@@ -54,6 +54,7 @@ class PrefillResult:
     num_bytes: int
     first_logprobs: list[TokenLogprobs] | None = None  # of the first token, if logprobs were requested
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # of the prompt tokens, if asked (echo)
+    num_cached_tokens: int = 0  # prompt tokens the prefill engine's prefix cache served
 
 
 def make_sender(view: CacheView, transfer: str, transfer_options: dict | None) -> RankSender:
@@ -114,7 +115,8 @@ class PrefillWorker:
         if last.finish_reason != "length" or params.max_tokens == 1 or held is None:
             if held is not None:
                 self._release(request_id, "finished at the first token")
-            return PrefillResult(first, True, last, len(prompt_token_ids), prefill_seconds, 0.0, 0)
+            return PrefillResult(first, True, last, len(prompt_token_ids), prefill_seconds, 0.0, 0,
+                                 num_cached_tokens=last.num_cached_tokens)
         job = HandoffJob(request_id, target.decode_addresses, held.block_ids, held.slot_id, target.reservation,
                          held.num_tokens)
         t0 = time.perf_counter()
@@ -136,7 +138,7 @@ class PrefillWorker:
         self.metrics.add_bytes(num_bytes)
         self._release(request_id, None)
         return PrefillResult(first, False, None, len(prompt_token_ids), prefill_seconds, time.perf_counter() - t0,
-                             num_bytes, last.logprobs, last.prompt_logprobs)
+                             num_bytes, last.logprobs, last.prompt_logprobs, last.num_cached_tokens)
 
     def _push_all(self, job: HandoffJob) -> list[RankShare]:
         """Engine thread: every rank pushes its share now (followers: `prefill.rank`); rank 0's gathers them."""

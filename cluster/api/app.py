@@ -1,8 +1,11 @@
 """`build_app(client)`: the OpenAI-compatible routes over any `EngineClient`.
 
     POST /v1/completions, /v1/chat/completions   JSON, or SSE when stream=true
+    POST /v1/responses                            OpenAI's Responses API over the chat route (responses.py)
     GET  /v1/models                               the one served model
-    GET  /health                                  200, or 503 when client.check_health raises or the server drains
+    GET  /health, GET|POST /ping                  200, or 503 when client.check_health raises or the server drains
+    GET  /version                                 {"version": k3serve's}
+    POST /tokenize, /detokenize                   vLLM's shapes (tokenization.py)
     GET  /metrics                                 Prometheus text (IngressMetrics)
 
 With an `api_key`, every /v1 route answers 401 unless the request carries `Authorization: Bearer
@@ -41,6 +44,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from k3serve import __version__
 from k3serve.cluster.errors import EngineOverloadedError
 from k3serve.cluster.ingress_limits import IngressLimits
 from k3serve.cluster.metrics import IngressMetrics, RequestTimer
@@ -56,6 +60,7 @@ from .parsers import chat_parsers
 from .prepare_lane import PrepareLane
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, _SamplingFields
 from .request_limits import RequestLimits
+from .responses import ResponsesRequest, ResponseTurn
 from .serving import (
     STATUS_CLIENT_GONE,
     Prepared,
@@ -67,6 +72,7 @@ from .serving import (
     to_api_error,
 )
 from .structured_outputs import constraint_kind
+from .tokenization import tokenization_routes
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +96,8 @@ def build_app(client: EngineClient, metrics: IngressMetrics | None = None, reaso
     parsers = chat_parsers(client.tokenizer.chat_format, reasoning_parser, tool_call_parser, enable_auto_tool_choice)
     if api_key == "":
         raise ValueError("api_key is empty: every request would pass with 'Bearer ' (None serves without a key)")
-    metrics = metrics if metrics is not None else IngressMetrics(model_name=client.model_name)
+    metrics = metrics if metrics is not None else IngressMetrics(model_name=client.model_name,
+                                                                 max_model_len=client.max_model_len)
     app = FastAPI(title="k3serve", summary="OpenAI-compatible ingress of k3serve")
     limits = limits if limits is not None else IngressLimits()
     app.state.client, app.state.metrics = client, metrics
@@ -103,6 +110,8 @@ def build_app(client: EngineClient, metrics: IngressMetrics | None = None, reaso
     app.add_middleware(DrainGate, drain=drain, on_refused=metrics.count_error)  # outermost: refuses before auth
 
     @app.get("/health")
+    @app.get("/ping")
+    @app.post("/ping")
     async def health() -> Response:
         if drain.draining:  # a load balancer stops routing here while the requests in flight finish
             return error_response(APIError(503, "draining: the server is shutting down"))
@@ -114,6 +123,12 @@ def build_app(client: EngineClient, metrics: IngressMetrics | None = None, reaso
             return error_response(APIError(503, f"unhealthy: {shown}"))
         return Response(status_code=200)
 
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    app.include_router(tokenization_routes(client))
+
     @app.get("/v1/models")
     async def models() -> ModelList:
         name = client.model_name
@@ -123,6 +138,10 @@ def build_app(client: EngineClient, metrics: IngressMetrics | None = None, reaso
     async def prometheus() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
+        try:
+            await metrics.refresh()
+        except Exception as e:  # the rest still renders; the stale gauges stay as last read
+            logger.warning("metrics refresh failed: %r", e)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
@@ -132,6 +151,12 @@ def build_app(client: EngineClient, metrics: IngressMetrics | None = None, reaso
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await _serve(raw, client, metrics, guard, lambda: prepare_chat(body, client, parsers), body)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, raw: Request) -> Response:
+        turn = ResponseTurn.of(body, client)  # a request it cannot serve: 400 here
+        return await _serve(raw, client, metrics, guard, lambda: prepare_chat(turn.chat, client, parsers), turn.chat,
+                            respond=turn.response, stream=turn.events)
 
     return app
 
@@ -145,7 +170,10 @@ class _Guard:
 
 
 async def _serve(raw: Request, client: EngineClient, metrics: IngressMetrics, guard: _Guard,
-                 prepare: Callable[[], Prepared], body: _SamplingFields) -> Response:
+                 prepare: Callable[[], Prepared], body: _SamplingFields,
+                 respond: Callable[[Any], dict] | None = None, stream=stream_sse) -> Response:
+    """`prepare`'s request run to its response: the aggregate as JSON (`respond`'s dict of it, else its model's),
+    or `stream`'s SSE lines. `guard` bounds its size first."""
     timer = metrics.start_request()
     count_cut_with(raw.scope, timer.fail)  # a drain cut counts once, as its 503, stream or not
     kind = None  # of the request's structured output constraint, once its shape passed
@@ -157,9 +185,9 @@ async def _serve(raw: Request, client: EngineClient, metrics: IngressMetrics, gu
             metrics.count_structured_output(kind)
         fan = await _unless_disconnected(raw, start(client, prep, timer))
         if prep.stream:
-            return _SSEResponse(stream_sse(prep, fan, timer), fan, timer)
+            return _SSEResponse(stream(prep, fan, timer), fan, timer)
         result = await _unless_disconnected(raw, aggregate(prep, fan, timer))
-        return JSONResponse(result.model_dump(mode="json"))
+        return JSONResponse(result.model_dump(mode="json") if respond is None else respond(result))
     except ClientGone:
         timer.fail(STATUS_CLIENT_GONE)
         return Response(status_code=STATUS_CLIENT_GONE)

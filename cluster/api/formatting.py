@@ -57,6 +57,15 @@ from .tool_calls import ParsedDelta
 Chunk = Union[CompletionStreamResponse, ChatCompletionStreamResponse]
 
 
+def token_text(raw: bytes) -> str:
+    """A token's bytes as text; a token that is not whole UTF-8 reads "bytes:\\xe4\\xbd" (OpenAI's form), so two
+    different partial tokens never share a key in `top_logprobs`."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
 class _Formatter:
     response_type: type[CompletionResponse | ChatCompletionResponse]
     chunk_type: type[Chunk]
@@ -73,29 +82,26 @@ class _Formatter:
         self.stop_reason: int | str | None = None
         self.num_prompt_tokens = 0
         self.num_output_tokens = 0
+        self.num_cached_tokens = 0  # of the prompt, by the prefix cache
 
     def _track(self, delta: RequestDelta) -> None:
         self.text_parts.append(delta.new_text)
         self.num_prompt_tokens, self.num_output_tokens = delta.num_prompt_tokens, delta.num_output_tokens
+        self.num_cached_tokens = delta.num_cached_tokens
         if delta.finished:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
     def _chunk(self, choice: CompletionChoice | ChatStreamChoice) -> Chunk:
         """A chunk of this choice; with continuous usage, the choice's own usage so far (as vLLM)."""
-        usage = UsageInfo.of(self.num_prompt_tokens, self.num_output_tokens) if self.continuous_usage else None
+        usage = (UsageInfo.of(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)
+                 if self.continuous_usage else None)
         return self.chunk_type(id=self.request_id, model=self.model, choices=[choice], usage=usage)
 
     def token_bytes(self, token_id: int) -> bytes:
         return self.tokenizer.convert_ids_to_bytes([token_id])[0]
 
     def token_text(self, token_id: int) -> str:
-        """The token as text; a token that is not whole UTF-8 reads "bytes:\\xe4\\xbd" (OpenAI's form),
-        so two different partial tokens never share a key in `top_logprobs`."""
-        raw = self.token_bytes(token_id)
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return token_text(self.token_bytes(token_id))
 
 
 class CompletionFormatter(_Formatter):
@@ -319,9 +325,10 @@ class Choices:
     @property
     def usage(self) -> UsageInfo:
         """Each prompt's tokens once, however many choices it has (OpenAI bills a prompt once; vLLM counts so); the
-        completion tokens of every choice."""
-        prompt = sum(f.num_prompt_tokens for f in self.formatters[:: self.n])
-        return UsageInfo.of(prompt, sum(f.num_output_tokens for f in self.formatters))
+        completion tokens of every choice. Cached tokens: each prompt's first choice's hit, as its prompt tokens."""
+        firsts = self.formatters[:: self.n]
+        return UsageInfo.of(sum(f.num_prompt_tokens for f in firsts), sum(f.num_output_tokens for f in self.formatters),
+                            sum(f.num_cached_tokens for f in firsts))
 
     @property
     def finish_reason(self) -> str | None:

@@ -333,15 +333,22 @@ def _now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+    """Prompt tokens served by a prefix-cache hit (OpenAI's and vLLM's field)."""
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
     @classmethod
-    def of(cls, num_prompt_tokens: int, num_output_tokens: int) -> "UsageInfo":
+    def of(cls, num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int = 0) -> "UsageInfo":
         return cls(prompt_tokens=num_prompt_tokens, completion_tokens=num_output_tokens,
-                   total_tokens=num_prompt_tokens + num_output_tokens)
+                   total_tokens=num_prompt_tokens + num_output_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens))
 
 
 class _OmitNone(BaseModel):

@@ -263,7 +263,7 @@ async def start(client: EngineClient, prep: Prepared, timer: RequestTimer) -> Fa
 
     def observe(index: int, delta: RequestDelta) -> None:  # as soon as it arrives: TTFT / ITL
         timer.on_delta(len(delta.new_token_ids), delta.num_prompt_tokens, delta.num_output_tokens, choice=index,
-                       prompt=prep.choices.prompt_of(index))
+                       prompt=prep.choices.prompt_of(index), num_cached_tokens=delta.num_cached_tokens)
 
     fan = FanOut(client, prep.requests, observe)
     await fan.start()

@@ -10,8 +10,9 @@ they work against any Prometheus that scrapes `k3serve serve`'s GET /metrics.
 
 Two dashboards:
     k3serve-overview   what clients see: TTFT / TPOT / ITL / E2E quantiles, TTFT breakdown,
-                       request and token rates, errors, structured outputs
-    k3serve-pools      what the pools do: running / waiting requests and KV-block / KDA-slot usage
+                       request and token rates, tokens per request, prefix-cache hits, errors, structured outputs
+    k3serve-pools      what the pools do: the pod's load as a gateway reads it (vllm: gauges), running / waiting
+                       requests and KV-block / KDA-slot usage
                        per pool and replica, each replica's engine settings, healthy replicas, the ingress's queue time, P->D
                        handoff and transfer
 """
@@ -121,7 +122,7 @@ def base(uid: str, title: str, description: str, extra_variables: list) -> dashb
             dashboard.QueryVariable("model_name")
             .label("Model")
             .datasource(DS)
-            .query("label_values(k3serve:request_success_total, model_name)")
+            .query("label_values(vllm:request_success_total, model_name)")
             .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
             .multi(True)
             .include_all(True)
@@ -142,7 +143,7 @@ def overview() -> dashboard.Dashboard:
         "first decode step), request and token rates, errors.",
         [],
     )
-    ok = f"sum by (model_name) (rate(k3serve:request_success_total{{{MODEL}}}[{RATE}]))"
+    ok = f"sum by (model_name) (rate(vllm:request_success_total{{{MODEL}}}[{RATE}]))"
     # Labelled counters appear only after their first error: `or ok * 0` reads a missing series as 0.
     err = f"(sum by (model_name) (rate(k3serve:request_errors_total{{{MODEL}}}[{RATE}])) or {ok} * 0)"
     board = (
@@ -152,44 +153,44 @@ def overview() -> dashboard.Dashboard:
         .with_panel(headline(ids, "Error ratio", "Errors over all finished requests.", "percentunit",
                              f"{err} / ({ok} + {err})", "{{model_name}}"))
         .with_panel(headline(ids, "Generated tokens / s", "Output tokens per second.", "short",
-                             f"sum by (model_name) (rate(k3serve:generation_tokens_total{{{MODEL}}}[{RATE}]))",
+                             f"sum by (model_name) (rate(vllm:generation_tokens_total{{{MODEL}}}[{RATE}]))",
                              "{{model_name}}"))
         .with_panel(headline(ids, "Healthy replicas", "Replicas that can take requests, per pool.", "short",
                              f"sum by (pool) (k3serve:replicas_healthy{{{MODEL}}})", "{{pool}}"))
         .with_row(dashboard.Row("Latency (measured at the ingress)").id(ids.id()))
         .with_panel(series(ids, "Time to first token", "Request arrival to first streamed token: queue, prefill, "
                            "P->D handoff and the first decode step. SLO alert: 99% under 2.5 s.", "s",
-                           quantile_queries("k3serve:time_to_first_token_seconds")))
+                           quantile_queries("vllm:time_to_first_token_seconds")))
         .with_panel(series(ids, "Time per output token", "(E2E - TTFT) / (output tokens - 1) per request. "
                            "SLO alert: 99% under 0.1 s.", "s",
-                           quantile_queries("k3serve:time_per_output_token_seconds")))
+                           quantile_queries("vllm:request_time_per_output_token_seconds")))
         .with_panel(series(ids, "Inter-token latency", "Gap between consecutive streamed tokens (decode pool "
                            "step time as clients see it).", "s",
-                           quantile_queries("k3serve:inter_token_latency_seconds")))
+                           quantile_queries("vllm:inter_token_latency_seconds")))
         .with_panel(series(ids, "End-to-end latency", "Request arrival to last token.", "s",
-                           quantile_queries("k3serve:e2e_request_latency_seconds")))
+                           quantile_queries("vllm:e2e_request_latency_seconds")))
         .with_panel(series(ids, "TTFT breakdown (p90)", "Where time to first token goes: waiting at the ingress "
                            "for room on a decode replica (the admission queue), prefill compute, and the P->D "
                            "handoff (transfer plus decode admission).", "s", [
                                query(f"histogram_quantile(0.9, sum by (le, model_name) (rate({m}_bucket{{{MODEL}}}[{RATE}])))",
                                      f"{name} {{{{model_name}}}}", "ABC"[i])
                                for i, (name, m) in enumerate([
-                                   ("queue", "k3serve:request_queue_time_seconds"),
-                                   ("prefill", "k3serve:request_prefill_time_seconds"),
+                                   ("queue", "vllm:request_queue_time_seconds"),
+                                   ("prefill", "vllm:request_prefill_time_seconds"),
                                    ("handoff", "k3serve:handoff_time_seconds"),
                                ])
                            ], width=24))
         .with_row(dashboard.Row("Throughput and errors").id(ids.id()))
         .with_panel(series(ids, "Tokens / s", "Prompt tokens prefilled and output tokens generated per second.",
                            "short", [
-                               query(f"sum by (model_name) (rate(k3serve:prompt_tokens_total{{{MODEL}}}[{RATE}]))",
+                               query(f"sum by (model_name) (rate(vllm:prompt_tokens_total{{{MODEL}}}[{RATE}]))",
                                      "prompt {{model_name}}", "A"),
-                               query(f"sum by (model_name) (rate(k3serve:generation_tokens_total{{{MODEL}}}[{RATE}]))",
+                               query(f"sum by (model_name) (rate(vllm:generation_tokens_total{{{MODEL}}}[{RATE}]))",
                                      "generation {{model_name}}", "B"),
                            ]))
         .with_panel(series(ids, "Finished requests / s by finish reason", "stop, length, abort, ...", "reqps", [
-            query(f"sum by (model_name, finish_reason) (rate(k3serve:request_success_total{{{MODEL}}}[{RATE}]))",
-                  "{{finish_reason}} {{model_name}}", "A"),
+            query(f"sum by (model_name, finished_reason) (rate(vllm:request_success_total{{{MODEL}}}[{RATE}]))",
+                  "{{finished_reason}} {{model_name}}", "A"),
         ], stacked=True))
         .with_panel(series(ids, "Errors / s by status", "Failed requests by HTTP status.", "reqps", [
             query(f"sum by (model_name, status) (rate(k3serve:request_errors_total{{{MODEL}}}[{RATE}]))",
@@ -198,6 +199,27 @@ def overview() -> dashboard.Dashboard:
         .with_panel(series(ids, "Error ratio", "Errors over all finished requests.", "percentunit", [
             query(f"{err} / ({ok} + {err})", "{{model_name}}", "A"),
         ], max_val=1))
+        .with_panel(series(ids, "Tokens per request", "Prompt and generated tokens of each choice (p50, p90), and "
+                           "the most any choice of a request generated (p90).", "short", [
+                               query(f"histogram_quantile({q}, sum by (le, model_name) (rate({m}_bucket{{{MODEL}}}[{RATE}])))",
+                                     f"{name} p{round(q * 100)} {{{{model_name}}}}", ref)
+                               for ref, (name, m, q) in zip("ABCDE", [
+                                   ("prompt", "vllm:request_prompt_tokens", 0.5),
+                                   ("prompt", "vllm:request_prompt_tokens", 0.9),
+                                   ("generated", "vllm:request_generation_tokens", 0.5),
+                                   ("generated", "vllm:request_generation_tokens", 0.9),
+                                   ("most of a request", "vllm:request_max_num_generation_tokens", 0.9),
+                               ])
+                           ]))
+        .with_panel(series(ids, "Prefix-cache hit rate", "Prompt tokens served by a prefix-cache hit over prompt "
+                           "tokens looked up (what usage.prompt_tokens_details.cached_tokens reports per request).",
+                           "percentunit", [
+                               query(f"sum by (model_name) (rate(vllm:prefix_cache_hits_total{{{MODEL}}}[{RATE}])) / "
+                                     f"sum by (model_name) (rate(vllm:prefix_cache_queries_total{{{MODEL}}}[{RATE}]))",
+                                     "{{model_name}}", "A"),
+                           ], max_val=1))
+        .with_panel(series(ids, "Decode time", "First to last token of each choice.", "s",
+                           quantile_queries("vllm:request_decode_time_seconds"), width=24))
         .with_row(dashboard.Row("Structured outputs").id(ids.id()))
         .with_panel(series(ids, "Structured outputs", "Constrained requests per second by kind (tool_choice: a "
                            "forced tool choice), those refused (400) because their constraint does not compile, "
@@ -261,7 +283,16 @@ def pools() -> dashboard.Dashboard:
                            "one (timed out, cancelled): the wait in the ingress's admission queue while every "
                            "decode replica is full (before the prefill). Alert: p95 over 10 s for 10 min; past "
                            "queue_timeout_seconds a request gets 503.", "s",
-                           quantile_queries("k3serve:request_queue_time_seconds"), width=24))
+                           quantile_queries("vllm:request_queue_time_seconds"), width=24))
+        .with_panel(series(ids, "Pod load (what a gateway reads)", "The ingress's pod totals under vLLM's names: "
+                           "requests running on any replica, waiting on any replica or in the admission queue, and "
+                           "the KV usage of the fullest pool (the Gateway API Inference Extension's queue and "
+                           "KV-utilisation gauges).", "short", [
+                               query(f"sum by (model_name) (vllm:num_requests_running{{{MODEL}}})", "running", "A"),
+                               query(f"sum by (model_name) (vllm:num_requests_waiting{{{MODEL}}})", "waiting", "B"),
+                               query(f"max by (model_name) (vllm:kv_cache_usage_perc{{{MODEL}}}) * 100",
+                                     "KV usage %", "C"),
+                           ], width=24))
         .with_row(dashboard.Row("Cache").id(ids.id()))
         .with_panel(series(ids, "KV block usage", "Share of paged MLA latent-KV blocks in use.", "percentunit",
                            per_replica("k3serve:kv_block_usage_ratio"), max_val=1))
@@ -275,6 +306,13 @@ def pools() -> dashboard.Dashboard:
                                      f"enable_prefix_caching) (k3serve:engine_config_info{{{POOL}}})",
                                      "{{pool}} {{replica}}: max_num_seqs {{max_num_seqs}}, {{num_gpu_blocks}} blocks, "
                                      "{{num_kda_slots}} KDA slots, prefix caching {{enable_prefix_caching}}", "A"),
+                           ], width=24))
+        .with_panel(series(ids, "Cache config", "vLLM's cache_config_info of each replica (engine: pool-replica).",
+                           "short", [
+                               query("max by (engine, block_size, num_gpu_blocks, enable_prefix_caching) "
+                                     f"(vllm:cache_config_info{{{MODEL}}})",
+                                     "{{engine}}: block {{block_size}}, {{num_gpu_blocks}} blocks, prefix caching "
+                                     "{{enable_prefix_caching}}", "A"),
                            ], width=24))
         .with_row(dashboard.Row("Handoff and transfer").id(ids.id()))
         .with_panel(series(ids, "Handoff time", "Prefill finished to request running on a decode replica.",

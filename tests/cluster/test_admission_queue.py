@@ -154,8 +154,8 @@ def queued(router: DisaggregatedRouter) -> float:
 def queue_times(router: DisaggregatedRouter) -> tuple[float, float]:
     """(count, sum) of the queue-time histogram, as /metrics exports it."""
     def sample(suffix: str) -> float:
-        return router.metrics.registry.get_sample_value(f"k3serve:request_queue_time_seconds_{suffix}",
-                                                        {"model_name": MODEL})
+        return router.metrics.registry.get_sample_value(f"vllm:request_queue_time_seconds_{suffix}",
+                                                        {"model_name": MODEL, "engine": "0"})
     return sample("count"), sample("sum")
 
 

@@ -27,6 +27,11 @@ CHAT = "/v1/chat/completions"
 HI = [{"role": "user", "content": "hi"}]
 
 
+def billed(usage: dict) -> dict:
+    """A usage without its cached tokens: a second run of a prompt may hit the prefix cache the first one filled."""
+    return {k: v for k, v in usage.items() if k != "prompt_tokens_details"}
+
+
 def parse_sse(body: str) -> list[dict | str]:
     """Every event of an SSE body; each must be a `data: ` line followed by a blank line."""
     assert body.endswith("\n\n"), body[-50:]
@@ -72,7 +77,8 @@ async def test_completion_text_and_token_prompts_agree(http, client):
         assert body["model"] == client.model_name and isinstance(body["created"], int)
         (choice,) = body["choices"]
         assert choice["index"] == 0 and choice["finish_reason"] == "length" and choice["logprobs"] is None
-        assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 8, "total_tokens": len(ids) + 8}
+        assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 8, "total_tokens": len(ids) + 8,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
         results.append(choice["text"])
     assert len(set(results)) == 1, results
 
@@ -231,21 +237,24 @@ async def test_metrics_after_traffic(http, client):
     def value(name: str, *labels: tuple[str, str]) -> float:
         return samples[(name, tuple(sorted(m + labels)))]
 
-    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "time_per_output_token_seconds"):
-        assert value(f"k3serve:{name}_count") == 2, name
-    assert value("k3serve:inter_token_latency_seconds_count") == 4 + 3
-    for name in ("request_queue_time_seconds", "request_prefill_time_seconds", "handoff_time_seconds"):
-        assert value(f"k3serve:{name}_count") == 0  # reported by the serving layer, not by this app
-    assert value("k3serve:request_success_total", ("finish_reason", "length")) == 2
+    v = (("engine", "0"),)  # vLLM's families: the ingress is engine "0"
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                 "request_time_per_output_token_seconds"):
+        assert value(f"vllm:{name}_count", *v) == 2, name
+    assert value("vllm:inter_token_latency_seconds_count", *v) == 4 + 3
+    for name in ("request_queue_time_seconds", "request_prefill_time_seconds"):
+        assert value(f"vllm:{name}_count", *v) == 0  # reported by the serving layer, not by this app
+    assert value("k3serve:handoff_time_seconds_count") == 0
+    assert value("vllm:request_success_total", *v, ("finished_reason", "length")) == 2
     assert value("k3serve:request_errors_total", ("status", "400")) == 1
-    assert value("k3serve:generation_tokens_total") == 9
-    assert value("k3serve:prompt_tokens_total") > 0
+    assert value("vllm:generation_tokens_total", *v) == 9
+    assert value("vllm:prompt_tokens_total", *v) > 0
     pool = (("pool", "decode"), ("replica", "0"))
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_block_usage_ratio", "kda_slot_usage_ratio"):
         assert value(f"k3serve:{gauge}", *pool) == 0
     for name, buckets in (("time_to_first_token_seconds", TTFT_BUCKETS), ("inter_token_latency_seconds", ITL_BUCKETS),
                           ("e2e_request_latency_seconds", REQUEST_TIME_BUCKETS)):
-        les = [float(dict(k[1])["le"]) for k in samples if k[0] == f"k3serve:{name}_bucket"]
+        les = [float(dict(k[1])["le"]) for k in samples if k[0] == f"vllm:{name}_bucket"]
         assert les == [*buckets, float("inf")], name
 
 
@@ -277,7 +286,8 @@ async def test_n_seeded_choices_are_the_samples_of_seed_plus_j(http, client):
                                                        "seed": SAMPLED["seed"] + j})
         assert one.json()["choices"][0]["text"] == text, j
     num_prompt = len(client.tokenizer.encode(PROMPT))
-    assert body["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 18, "total_tokens": num_prompt + 18}
+    assert body["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 18, "total_tokens": num_prompt + 18,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 async def test_batch_choices_are_prompt_major_and_echo_their_own_prompt(http, client):
@@ -299,7 +309,8 @@ async def test_batch_choices_are_prompt_major_and_echo_their_own_prompt(http, cl
             assert lp["token_logprobs"][0] is None  # the first prompt token has no context
             assert lp["token_logprobs"][1:] == pytest.approx(alone_lp["token_logprobs"][1:], abs=1e-4)  # batched
     num_prompt = len(prompts[0]) + len(prompts[1])
-    assert body["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 12, "total_tokens": num_prompt + 12}
+    assert body["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 12, "total_tokens": num_prompt + 12,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 async def test_batch_stream_interleaves_choices_each_finishing_once(http):
@@ -311,7 +322,7 @@ async def test_batch_stream_interleaves_choices_each_finishing_once(http):
     texts, reasons = by_choice(content, lambda c: c["text"]), by_choice(content, lambda c: c["finish_reason"])
     assert {i: "".join(t) for i, t in texts.items()} == {c["index"]: c["text"] for c in whole["choices"]}
     assert all(r[-1] == "length" and r[:-1] == [None] * (len(r) - 1) for r in reasons.values()), reasons
-    assert last["choices"] == [] and last["usage"] == whole["usage"]
+    assert last["choices"] == [] and billed(last["usage"]) == billed(whole["usage"])
 
 
 async def test_chat_n_streams_a_role_chunk_per_choice_then_their_content(http, client):
@@ -320,14 +331,15 @@ async def test_chat_n_streams_a_role_chunk_per_choice_then_their_content(http, c
     contents = [c["message"]["content"] for c in whole["choices"]]
     assert [c["index"] for c in whole["choices"]] == [0, 1] and contents[0] != contents[1]
     num_prompt = len(client.tokenizer.encode_chat(HI))
-    assert whole["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 8, "total_tokens": num_prompt + 8}
+    assert whole["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 8, "total_tokens": num_prompt + 8,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     r = await http.post(CHAT, json={**payload, "stream": True, "stream_options": {"include_usage": True}})
     *content, last = parse_sse(r.text)
     roles = [(c["choices"][0]["index"], c["choices"][0]["delta"]) for c in content[:2]]
     assert roles == [(0, {"role": "assistant", "content": ""}), (1, {"role": "assistant", "content": ""})]
     streamed = by_choice(content[2:], lambda c: c["delta"].get("content", ""))
     assert ["".join(streamed[0]), "".join(streamed[1])] == contents
-    assert last["choices"] == [] and last["usage"] == whole["usage"]
+    assert last["choices"] == [] and billed(last["usage"]) == billed(whole["usage"])
 
 
 async def test_metrics_count_a_request_of_several_choices_once(http, client, metrics):
@@ -335,16 +347,17 @@ async def test_metrics_count_a_request_of_several_choices_once(http, client, met
     timed within a choice, so 4 choices of 3 tokens give 4 x 2 intervals."""
     await http.post("/v1/completions", json={"prompt": [PROMPT, OTHER_PROMPT], "n": 2, "max_tokens": 3, **SAMPLED})
     name = client.model_name
-    assert metrics.success.labels(name, "length")._value.get() == 1
-    assert metrics.generation_tokens.labels(name)._value.get() == 12
+    assert metrics.success.labels(*metrics.vllm_labels, "length")._value.get() == 1
+    assert metrics.generation_tokens.labels(*metrics.vllm_labels)._value.get() == 12
     num_prompt = len(client.tokenizer.encode(PROMPT)) + len(client.tokenizer.encode(OTHER_PROMPT))
-    assert metrics.prompt_tokens.labels(name)._value.get() == num_prompt
+    assert metrics.prompt_tokens.labels(*metrics.vllm_labels)._value.get() == num_prompt
     samples = metric_samples(metrics.render().decode())
-    count = {n: samples[(f"k3serve:{n}_count", (("model_name", name),))] for n in
-             ("time_to_first_token_seconds", "inter_token_latency_seconds", "time_per_output_token_seconds",
-              "e2e_request_latency_seconds")}
+    count = {n: samples[(f"vllm:{n}_count", (("engine", "0"), ("model_name", name)))] for n in
+             ("time_to_first_token_seconds", "inter_token_latency_seconds", "request_time_per_output_token_seconds",
+              "e2e_request_latency_seconds", "request_prompt_tokens", "request_max_num_generation_tokens")}
     assert count == {"time_to_first_token_seconds": 1, "inter_token_latency_seconds": 8,
-                     "time_per_output_token_seconds": 1, "e2e_request_latency_seconds": 1}
+                     "request_time_per_output_token_seconds": 1, "e2e_request_latency_seconds": 1,
+                     "request_prompt_tokens": 4, "request_max_num_generation_tokens": 1}
 
 
 @pytest.mark.parametrize("stream", [False, True])

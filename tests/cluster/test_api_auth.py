@@ -59,7 +59,7 @@ async def test_a_missing_or_wrong_key_is_401_and_never_reaches_the_engine(http, 
         assert response.headers["www-authenticate"] == "Bearer"
         assert KEY not in response.text and KEY[:-1] not in response.text
     assert metrics.errors.labels(client.model_name, "401")._value.get() == len(WRONG)
-    assert metrics.success.labels(client.model_name, "length")._value.get() == 0
+    assert metrics.success.labels(*metrics.vllm_labels, "length")._value.get() == 0
     assert KEY[:-1] not in caplog.text
 
 

@@ -112,8 +112,8 @@ def _request_outcomes(metrics_text: str) -> dict[str, float]:
         for sample in family.samples:
             if sample.name == "k3serve:request_errors_total":
                 outcomes[f"error {sample.labels['status']}"] = sample.value
-            elif sample.name == "k3serve:request_success_total":
-                outcomes[f"success {sample.labels['finish_reason']}"] = sample.value
+            elif sample.name == "vllm:request_success_total":
+                outcomes[f"success {sample.labels['finished_reason']}"] = sample.value
     return outcomes
 
 

@@ -14,6 +14,8 @@ Spec:
 
 from __future__ import annotations
 
+import json
+
 from dataclasses import fields
 from pathlib import Path
 
@@ -68,6 +70,7 @@ POOL_VALUES = {
     "gpu_memory_utilization": ("0.5", 0.5),
     "num_kda_slots": ("200", 200),
     "num_gpu_blocks_override": ("100", 100),
+    "kv_events_config": ('{"topic": "k3"}', '{"topic": "k3"}'),
 }
 
 
@@ -94,7 +97,8 @@ def test_a_pools_flag_sets_its_engines_alone(name: str, pool: str, other: str) -
 def test_a_pools_key_in_the_file_sets_its_engines_alone_and_a_flag_wins(name: str, tmp_path: Path) -> None:
     value = POOL_VALUES[name][1]
     path = tmp_path / "serve.yaml"
-    path.write_text(f"decode_{name}: {str(value).lower() if isinstance(value, bool) else value}\n")
+    text = str(value).lower() if isinstance(value, bool) else json.dumps(value) if isinstance(value, str) else value
+    path.write_text(f"decode_{name}: {text}\n")  # a string quoted: YAML would read a JSON object as a mapping
     config = _config("--config", str(path))
     assert getattr(config.engine_args("decode"), name) == value
     assert getattr(config.engine_args("prefill"), name) == getattr(EngineArgs(), name)

@@ -76,8 +76,8 @@ def test_prometheus_scrapes_ttft_and_tpot_quantiles(disagg_server: Server) -> No
             deadline = time.monotonic() + 60
             values: dict[str, float] = {}
             queries = {
-                "ttft_p50": "histogram_quantile(0.5, sum by (le) (rate(k3serve:time_to_first_token_seconds_bucket[1m])))",
-                "tpot_p50": "histogram_quantile(0.5, sum by (le) (rate(k3serve:time_per_output_token_seconds_bucket[1m])))",
+                "ttft_p50": "histogram_quantile(0.5, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket[1m])))",
+                "tpot_p50": "histogram_quantile(0.5, sum by (le) (rate(vllm:request_time_per_output_token_seconds_bucket[1m])))",
             }
             while time.monotonic() < deadline and len(values) < len(queries):
                 _traffic(disagg_server, 2)
