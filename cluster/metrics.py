@@ -17,7 +17,9 @@ cancelled); it also sets the per-(pool, replica) gauges with
 `set_pool_stats`, and with `set_ingress_queue` the requests its admission queue holds, as
 `k3serve:num_requests_waiting{pool="ingress", replica="router"}` (on the pools dashboard and in
 `k3serve status` beside the replicas' queues), and with `set_engine_settings` each replica's engine settings as
-`k3serve:engine_config_info` (value 1, the settings in its labels, as vLLM's `cache_config_info`). Structured outputs: the app counts each request with a constraint
+`k3serve:engine_config_info` (value 1, the settings in its labels, as vLLM's `cache_config_info`), and with
+`set_replica_healthy` each replica's health; `status` (cluster/status_metrics.py) exports those and TTFT / TPOT /
+handoff quantiles over the last minute for `k3serve status`. Structured outputs: the app counts each request with a constraint
 by its kind (`count_structured_output`: json, json_object, regex, choice, grammar, or tool_choice for a forced tool
 choice) and, among them, those refused with a 400 because the constraint does not compile
 (`count_structured_output_refusal`; request_errors counts them too, by status only); how long the engines take to
@@ -33,6 +35,8 @@ from typing import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.registry import Collector
+
+from k3serve.cluster.status_metrics import StatusCollector
 
 # vLLM v1's layouts (vllm/v1/metrics/loggers.py; Ray Serve LLM copies them)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -100,6 +104,8 @@ class IngressMetrics:
                                    "settings the engine runs with (blocks and slots as its pools were made).",
                                    POOL_LABELS + ENGINE_SETTINGS, registry=reg)
         self._engine_settings: dict[tuple[str, str], tuple[str, ...]] = {}  # (pool, replica) -> its labels now
+        self.status = StatusCollector(model_name)  # last-minute latency and replica health, for `k3serve status`
+        reg.register(self.status)
         for series in (self.ttft, self.itl, self.tpot, self.e2e, self.queue_time, self.prefill_time,
                        self.handoff_time, self.prompt_tokens, self.generation_tokens):
             series.labels(model_name)  # exported from the start, at 0
@@ -128,6 +134,7 @@ class IngressMetrics:
 
     def observe_handoff_time(self, seconds: float) -> None:
         self.handoff_time.labels(self.model_name).observe(seconds)
+        self.status.observe("handoff", seconds)
 
     def set_pool_stats(self, pool: str, replica: str, num_running: int, num_waiting: int,
                        kv_block_usage: float, kda_slot_usage: float) -> None:
@@ -151,6 +158,9 @@ class IngressMetrics:
     def set_ingress_queue(self, num_waiting: int) -> None:
         self.waiting.labels(self.model_name, "ingress", "router").set(num_waiting)
 
+    def set_replica_healthy(self, pool: str, replica: str, healthy: bool) -> None:
+        self.status.set_healthy(pool, replica, healthy)
+
     def set_replicas_healthy(self, pool: str, num_healthy: int) -> None:
         self.replicas_healthy.labels(self.model_name, pool).set(num_healthy)
 
@@ -161,6 +171,7 @@ class IngressMetrics:
                 gauge.remove(*labels)
             except KeyError:
                 pass
+        self.status.remove_replica(pool, replica)
         settings = self._engine_settings.pop((pool, str(replica)), None)
         if settings is not None:
             self.engine_config.remove(*settings)
@@ -220,6 +231,7 @@ class RequestTimer:
         if self.first_token_time is None:
             self.first_token_time = now
             self.metrics.ttft.labels(name).observe(now - self.arrival)
+            self.metrics.status.observe("ttft", now - self.arrival)
         if clock.last_token_time is None:
             clock.first_token_time = now
         else:
@@ -238,6 +250,7 @@ class RequestTimer:
         if decode_tokens > 0:
             decode_time = sum(c.last_token_time - c.first_token_time for c in timed)
             m.tpot.labels(name).observe(decode_time / decode_tokens)
+            m.status.observe("tpot", decode_time / decode_tokens)
         m.success.labels(name, finish_reason).inc()
         self._count_tokens()
 

@@ -253,6 +253,7 @@ class DisaggregatedRouter:
                     self._decode_stats[r.name] = stats
                 self._healthy[r.name] = True
                 if self.metrics is not None:
+                    self.metrics.set_replica_healthy(pool, r.name, True)
                     self.metrics.set_pool_stats(
                         pool, r.name, stats.num_running, stats.num_waiting, stats.block_usage, stats.slot_usage
                     )
@@ -260,6 +261,8 @@ class DisaggregatedRouter:
                     self.replica_metrics.update(r.name, await asyncio.wait_for(r.metrics_text(), 5.0))
             except Exception:
                 self._healthy[r.name] = False
+                if self.metrics is not None:
+                    self.metrics.set_replica_healthy(pool, r.name, False)
 
         await asyncio.gather(*(refresh("prefill", r) for r in self.prefill), *(refresh("decode", r) for r in self.decode))
         if self.metrics is not None:

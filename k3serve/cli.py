@@ -82,7 +82,7 @@ def _status(args: argparse.Namespace) -> int:
     from k3serve.cluster.config import API_KEY_ENV
     from k3serve.cluster.status import print_status
 
-    return print_status(args.url, args.api_key or os.environ.get(API_KEY_ENV))
+    return print_status(args.url, args.api_key or os.environ.get(API_KEY_ENV), as_json=args.json)
 
 
 def _add_serve_options(p: argparse.ArgumentParser) -> None:
@@ -204,8 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, help="YAML file with any of the options above")
     p.set_defaults(func=_serve)
 
-    p = sub.add_parser("status", help="health, model and pool usage of a running server")
+    p = sub.add_parser("status", help="health, model, and a table of the pools' replicas (usage, engine settings) "
+                       "and the last minute's latency of a running server")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    p.add_argument("--json", action="store_true", help="print the status as JSON, for scripts")
     p.add_argument("--api-key", help="the server's API key, for /v1/models (default: $K3SERVE_API_KEY)")
     p.set_defaults(func=_status)
     return parser
