@@ -1,4 +1,6 @@
-"""Shared fixtures: a fixed RNG state for every test, and the two tiny checkpoints.
+"""Shared fixtures: a fixed RNG state for every test, and the two tiny checkpoints; under CI, a check that the
+session left nothing in the temp root (tests write under pytest's `tmp_path`, which pyproject.toml has pytest
+remove for passing tests).
 
 Every test starts from the same RNG state, so a failure reproduces when run alone. The tiny
 checkpoints are written once per session through the real checkpoint writer (sharded
@@ -11,6 +13,8 @@ safetensors, published tensor names), so every model test also runs the real loa
 """
 
 import importlib.util
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -67,3 +71,30 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     if collection_path.is_dir() and collection_path.name in _SERVING_DIRS and collection_path.parent.name == "tests":
         return True
     return None  # let pytest's own rules decide everything else
+
+
+_TEMP_ROOT = Path(tempfile.gettempdir())
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_temp_entries] = set(os.listdir(_TEMP_ROOT))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Under CI (`$CI`: a machine that runs this suite alone), entries the session added to the temp root beside
+    pytest's own folder fail the run, named. Elsewhere other processes share the temp root, so it only checks CI."""
+    if not os.environ.get("CI") or _temp_entries not in session.config.stash:
+        return
+    left = sorted(set(os.listdir(_TEMP_ROOT)) - session.config.stash[_temp_entries] - {f"pytest-of-{_user()}"})
+    if left:
+        session.config.get_terminal_writer().line(f"left in {_TEMP_ROOT} by the tests: {left}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _user() -> str:
+    import getpass
+
+    return getpass.getuser()
+
+
+_temp_entries = pytest.StashKey[set]()
