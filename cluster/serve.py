@@ -25,6 +25,7 @@ from k3serve.cluster.metrics import IngressMetrics
 from k3serve.cluster.node_address import LOOPBACK
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.llm_engine import resolve_model_dir
+from k3serve.model.presets import PRESETS
 from k3serve.progress import say, stage
 
 log = logging.getLogger(__name__)
@@ -444,6 +445,10 @@ def run(config: ServeConfig) -> int:
             if api_key is not None:
                 print("k3serve: /v1 routes require the API key (Authorization: Bearer); /health, /metrics open",
                       flush=True)
+            if config.model in PRESETS:
+                say(f"{config.model} has random weights: expect arbitrary text (control characters, U+FFFD), and a "
+                    "reply may end at its first token (a stop token)")
+            say("Ctrl-C or SIGTERM stops it (requests in flight finish first)")
             await serving
 
         asyncio.run(main())

@@ -15,9 +15,10 @@ if TYPE_CHECKING:
 
 def _make_checkpoint(args: argparse.Namespace) -> int:
     from k3serve.model.checkpoint import make_checkpoint
+    from k3serve.progress import stage
 
-    out = make_checkpoint(args.preset, args.out, seed=args.seed)
-    print(f"wrote {args.preset} checkpoint (seed {args.seed}) to {out}")
+    with stage(f"writing the {args.preset} checkpoint (seed {args.seed}, random weights) to {args.out}"):
+        make_checkpoint(args.preset, args.out, seed=args.seed)
     return 0
 
 
@@ -54,8 +55,10 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from k3serve import LLM, SamplingParams
+    from k3serve.progress import stage
 
-    llm = LLM(model=args.model, max_model_len=args.max_model_len)
+    with stage(f"loading {args.model} (a preset's checkpoint is written on first use)", out=sys.stderr):
+        llm = LLM(model=args.model, max_model_len=args.max_model_len)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     for out in llm.generate(args.prompt, params):
         print(f"{out.prompt!r} -> {out.outputs[0].text!r} ({out.outputs[0].finish_reason})")

@@ -3,8 +3,8 @@ Ray, Mooncake over loopback), as a new user starts it: a fresh HOME, so it write
 
 Spec:
 - at idle its whole process tree holds at most 1.5 GiB (PSS: each shared page counted once over the tree);
-- its output says what it is doing: a line a start stage with its time, the URL, and last a `stopped` line with
-  the reason;
+- its output says what it is doing: a line a start stage with its time, the URL, that the model's weights are
+  random (what its output looks like), and last a `stopped` line with the reason;
 - once it has exited, nothing it made is left in the temp root (Ray's session folder, torch's caches) beside
   HOME, which the harness keeps under the temp root too.
 """
@@ -40,4 +40,5 @@ def test_the_embedded_default_is_light_says_what_it_does_and_cleans_up() -> None
     stages = [line for line in lines if ": done in " in line]
     assert [s.split(" ...")[0].split(":")[1].split()[0] for s in stages][:3] == ["writing", "starting", "starting"]
     assert any(line.startswith("k3serve: serving disaggregated on http://") for line in lines)
+    assert any(line.startswith("k3serve: k3-tiny has random weights") for line in lines)
     assert lines[-1] == "k3serve: stopped (SIGTERM, drained)"
