@@ -22,7 +22,10 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip "setuptools>=77"
 .venv/bin/python -m pip install -q "torch==${K3SERVE_TORCH_VERSION:-2.13.0}"
-.venv/bin/python -m pip install -q -e ".[serve,test]" "triton==3.6.0"  # the GPU machine's version
+# setuptools' "Editable installation ... be careful with folders of the package's name" notice (pip shows the
+# backend's warnings) says nothing actionable here: the checkout is the package.
+PYTHONWARNINGS="ignore:Editable installation" \
+  .venv/bin/python -m pip install -q -e ".[serve,test]" "triton==3.6.0"  # the GPU machine's version
 .venv/bin/python -m pip install -q --no-deps "nixl-cu13==1.5.1"
 if [ "$TEST_TOOLS" = 1 ]; then
   bash scripts/install_deploy_tools.sh .venv
