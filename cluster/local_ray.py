@@ -11,6 +11,7 @@ nothing under the temp root. Starting without the monitors takes Ray's `Node` (p
 from __future__ import annotations
 
 import contextlib
+import logging
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -55,7 +56,8 @@ def start_local_ray(num_cpus: int, dashboard: bool = False) -> LocalRay:
                            include_log_monitor=False)
         node = Node(params, head=True, shutdown_at_exit=False, spawn_reaper=True, ray_init_cluster=True)
         try:
-            ray.init(address=node.address, log_to_driver=False)
+            # WARNING: Ray's INFO lines would say it connects to an "existing" cluster, the one just started
+            ray.init(address=node.address, log_to_driver=False, logging_level=logging.WARNING)
         except BaseException:
             node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
             raise
