@@ -76,13 +76,11 @@ def start_deployment(config: ServeConfig) -> Deployment:
 
 
 def _model_dir(config: ServeConfig) -> Path:
-    """The checkpoint directory `config.model` names; a preset's written on first use, as a stage of its own."""
-    ready = Path(config.model).is_dir() or (
-        Path(config.model_cache_dir) / f"{config.model}-seed{config.seed}" / "config.json").is_file()
-    if ready:
-        return resolve_model_dir(config.model, config.seed, config.model_cache_dir)
-    with stage(f"writing the {config.model} checkpoint (seed {config.seed}, random weights) to "
-               f"{config.model_cache_dir}"):
+    """The checkpoint directory `config.model` names; a preset's (written on first use) as a stage of its own."""
+    if Path(config.model).is_dir():
+        return Path(config.model)
+    with stage(f"the {config.model} checkpoint (seed {config.seed}, random weights; written once, under "
+               f"{config.model_cache_dir})"):
         return resolve_model_dir(config.model, config.seed, config.model_cache_dir)
 
 

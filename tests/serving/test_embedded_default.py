@@ -11,6 +11,7 @@ Spec:
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -37,8 +38,13 @@ def test_the_embedded_default_is_light_says_what_it_does_and_cleans_up() -> None
         log = server.log_text()
     assert left == ["home", "server.log"], f"left in the temp root: {left}"
     lines = [line for line in log.splitlines() if line.startswith("k3serve: ")]
-    stages = [line for line in lines if ": done in " in line]
-    assert [s.split(" ...")[0].split(":")[1].split()[0] for s in stages][:3] == ["writing", "starting", "starting"]
+    stages = [m.group(1) for line in lines if (m := re.fullmatch(r"k3serve: (.*): done in \d+\.\d s", line))]
+    assert stages == [
+        f"the k3-tiny checkpoint (seed 0, random weights; written once, under {server.workdir}/home/.cache/k3serve/"
+        "checkpoints)",
+        "starting a local Ray (4 CPUs, no dashboard)",
+        "starting prefill-0, decode-0 as Ray actors (weights, pools, warm-up)",
+        "stopping the workers and the local Ray"]
     assert any(line.startswith("k3serve: serving disaggregated on http://") for line in lines)
     assert any(line.startswith("k3serve: k3-tiny has random weights") for line in lines)
     assert lines[-1] == "k3serve: stopped (SIGTERM, drained)"
