@@ -14,8 +14,10 @@ safetensors, published tensor names), so every model test also runs the real loa
 
 import importlib.util
 import os
+import sys
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -32,6 +34,19 @@ torch.set_num_threads(1)
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _fastapi_forgets_the_apps() -> Iterator[None]:
+    """FastAPI (0.165) classifies each route's endpoint through module-level LRU caches of 4,096 entries, keyed by
+    the endpoint itself; `build_app`'s endpoints close over their engine client, so every app a test builds kept
+    its engine (model, pools, threads) alive to the session's end: 4.6 GB over tests/cluster/test_api.py alone.
+    One app a process, as `k3serve serve` runs, is unaffected."""
+    yield
+    models = sys.modules.get("fastapi.dependencies.models")
+    for value in vars(models).values() if models is not None else ():
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
 
 
 @pytest.fixture(scope="session")
