@@ -206,13 +206,19 @@ def main() -> None:
     # would otherwise run torch on every core, next to its own ingress, on a 2-core host.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from k3serve.model.checkpoint import make_checkpoint
+    from k3serve.progress import stage
 
     with tempfile.TemporaryDirectory() as d:
         model_dir = make_checkpoint("k3-tiny", Path(d) / "tiny", seed=0)
         engine_runs, row_runs = [], []
-        for _ in range(args.runs):
-            engine_runs.append({b: engine_tpot_ms(model_dir, b) for b in (1, 4)})
-            row_runs.append({name: bench_layout(LAYOUTS[name], model_dir, args.requests) for name in args.layouts})
+        for run in range(1, args.runs + 1):
+            with stage(f"run {run}/{args.runs}: the engine's decode step, batch 1 and 4"):
+                engine_runs.append({b: engine_tpot_ms(model_dir, b) for b in (1, 4)})
+            layouts = {}
+            for i, name in enumerate(args.layouts, 1):
+                with stage(f"run {run}/{args.runs}: layout {i}/{len(args.layouts)} {name} (start a server, 4 scenarios)"):
+                    layouts[name] = bench_layout(LAYOUTS[name], model_dir, args.requests)
+            row_runs.append(layouts)
     engine, rows = median_of_runs(engine_runs), median_of_runs(row_runs)
     print(f"k3-tiny on CPU, streaming completions, greedy, ignore_eos; client-side medians "
           f"(median of {args.runs} run(s))")

@@ -129,6 +129,8 @@ class ServeConfig(EngineOptions):
     )
     verify_checksums: bool = Field(True, description="decode verifies every handoff's checksums before continuing")
     ray_address: str | None = Field(None, description="join this Ray cluster; default: start a local one")
+    ray_dashboard: bool = Field(False, description="the local Ray's dashboard on http://127.0.0.1:8265, with Ray's "
+                                "autoscaler and log monitors (off: none of the three, ~300 MB less)")
     advertise_host: str | None = Field(
         None, description="IP every Ray worker binds its servers on and advertises to peers (one node only); "
         "default: $K3SERVE_HOST_IP of the worker's node, else Ray's node IP (cluster/node_address.py)",
@@ -198,6 +200,9 @@ class ServeConfig(EngineOptions):
             except ValueError as e:
                 given = ", ".join(overrides.get(pool, ())) or "the shared values"
                 raise ValueError(f"the {pool} pool's engine arguments ({given}): {e}") from None
+        if self.ray_dashboard and (self.mode == "colocated" or self.launcher == "local" or self.ray_address):
+            raise ValueError("ray_dashboard is the dashboard of the local Ray that --launcher ray starts (a joined "
+                             "cluster has its own)")
         if self.advertise_host is not None:
             check_host_ip(self.advertise_host, "advertise_host")
             if self.mode == "colocated" or self.launcher == "local":

@@ -25,7 +25,9 @@ set, by `mark_stale` when a refresh fails; a colocated
 engine's are read at each scrape: `watch_engine`, `refresh`), the requests its admission queue holds with
 `set_ingress_queue` (`k3serve:num_requests_waiting{pool="ingress", replica="router"}`, counted in the pod's
 `vllm:num_requests_waiting` too), and each replica's engine settings with `set_engine_settings`
-(`k3serve:engine_config_info`, value 1, the settings in its labels; and `vllm:cache_config_info`).
+(`k3serve:engine_config_info`, value 1, the settings in its labels; and `vllm:cache_config_info`), and each
+replica's health with `set_replica_healthy`; `status` (cluster/status_metrics.py) exports those and TTFT / TPOT /
+handoff quantiles over the last minute for `k3serve status`.
 Structured outputs: the app counts each request with a constraint by its kind (`count_structured_output`:
 json, json_object, regex, choice, grammar, or tool_choice for a forced tool choice) and, among them, those
 refused with a 400 because the constraint does not compile (`count_structured_output_refusal`;
@@ -46,6 +48,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+
+from k3serve.cluster.status_metrics import StatusCollector
 
 if TYPE_CHECKING:
     from k3serve.engine.llm_engine import EngineStats
@@ -202,6 +206,8 @@ class IngressMetrics:
         self.stats_stale = Gauge("k3serve:replica_stats_stale", "1 while a replica's last stats refresh failed: its "
                                  "other per-replica series are dropped until it answers again.", POOL_LABELS,
                                  registry=reg)
+        self.status = StatusCollector(model_name)  # last-minute latency and replica health, for `k3serve status`
+        reg.register(self.status)
         for series in (self.ttft, self.itl, self.tpot, self.e2e, self.queue_time, self.prefill_time,
                        self.decode_time, self.request_prompt_tokens, self.request_generation_tokens,
                        self.max_generation_tokens, self.prompt_tokens, self.generation_tokens,
@@ -242,6 +248,7 @@ class IngressMetrics:
 
     def observe_handoff_time(self, seconds: float) -> None:
         self.handoff_time.labels(self.model_name).observe(seconds)
+        self.status.observe("handoff", seconds)
 
     def set_pool_stats(self, pool: str, replica: str, num_running: int, num_waiting: int,
                        kv_block_usage: float, kda_slot_usage: float) -> None:
@@ -278,6 +285,9 @@ class IngressMetrics:
         self._ingress_waiting = num_waiting
         self._set_pod_gauges()
 
+    def set_replica_healthy(self, pool: str, replica: str, healthy: bool) -> None:
+        self.status.set_healthy(pool, replica, healthy)
+
     def set_replicas_healthy(self, pool: str, num_healthy: int) -> None:
         self.replicas_healthy.labels(self.model_name, pool).set(num_healthy)
 
@@ -289,6 +299,7 @@ class IngressMetrics:
                 gauge.remove(*labels)
             except KeyError:
                 pass
+        self.status.remove_replica(pool, replica)
         self._loads.pop((pool, str(replica)), None)
         self._set_pod_gauges()
         self._remove_settings(pool, str(replica))
@@ -401,6 +412,7 @@ class RequestTimer:
         if self.first_token_time is None:
             self.first_token_time = now
             m.ttft.labels(*labels).observe(now - self.arrival)
+            m.status.observe("ttft", now - self.arrival)
         if clock.last_token_time is None:
             clock.first_token_time = now
         else:
@@ -419,6 +431,7 @@ class RequestTimer:
         if decode_tokens > 0:
             decode_time = sum(c.last_token_time - c.first_token_time for c in timed)
             m.tpot.labels(*labels).observe(decode_time / decode_tokens)
+            m.status.observe("tpot", decode_time / decode_tokens)
         for c in timed:
             m.decode_time.labels(*labels).observe(c.last_token_time - c.first_token_time)
         for c in self._choices.values():

@@ -261,6 +261,7 @@ class DisaggregatedRouter:
                 self._room.clear(r.name)
                 if self.metrics is not None:
                     self.metrics.mark_stale(pool, r.name)
+                    self.metrics.set_replica_healthy(pool, r.name, False)
                     self.replica_metrics.remove(r.name)
                 return
             self._healthy[r.name] = True
@@ -268,6 +269,7 @@ class DisaggregatedRouter:
                 self._decode_stats[r.name] = stats
                 self._room.observe(r.name, stats)
             if self.metrics is not None:
+                self.metrics.set_replica_healthy(pool, r.name, True)
                 self.metrics.set_pool_stats(
                     pool, r.name, stats.num_running, stats.num_waiting, stats.block_usage, stats.slot_usage
                 )

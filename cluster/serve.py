@@ -15,9 +15,9 @@ import contextlib
 import logging
 import os
 import signal
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any, Callable
 
 from k3serve.cluster.config import ServeConfig
@@ -25,6 +25,8 @@ from k3serve.cluster.metrics import IngressMetrics
 from k3serve.cluster.node_address import LOOPBACK
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.llm_engine import resolve_model_dir
+from k3serve.model.presets import PRESETS
+from k3serve.progress import say, stage
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +54,18 @@ def _run_stops(stops: list[Callable[[], None]]) -> None:
 
 
 def start_deployment(config: ServeConfig) -> Deployment:
+    """Start the workers (and a local Ray) and the client the ingress serves, printing a line a stage
+    (`k3serve.progress`). A start that fails part-way stops what it started."""
     # Write a preset checkpoint once, here, rather than racing in every worker.
-    model_dir = str(resolve_model_dir(config.model, config.seed, config.model_cache_dir))
+    model_dir = str(_model_dir(config))
     name = config.served_model_name or os.path.basename(os.path.normpath(config.model))
     args = {pool: replace(config.engine_args(pool), model=model_dir, served_model_name=name) for pool in config.pools}
     if config.mode == "colocated":
         from k3serve.engine.async_engine import AsyncEngine
         from k3serve.engine.structured_output_metrics import grammar_compile_metrics
 
-        engine = AsyncEngine(args["colocated"])
+        with stage("loading the colocated engine (weights, pools, warm-up)"):
+            engine = AsyncEngine(args["colocated"])
         metrics = IngressMetrics(model_name=engine.model_name, max_model_len=config.max_model_len,
                                  legacy_names=config.legacy_metric_names)
         metrics.include(grammar_compile_metrics().collectors)  # the engine compiles in this process
@@ -70,6 +75,15 @@ def start_deployment(config: ServeConfig) -> Deployment:
     if config.launcher == "ray":
         return _start_ray(config, args["prefill"], args["decode"])
     return _start_local(config, args["prefill"], args["decode"])
+
+
+def _model_dir(config: ServeConfig) -> Path:
+    """The checkpoint directory `config.model` names; a preset's (written on first use) as a stage of its own."""
+    if Path(config.model).is_dir():
+        return Path(config.model)
+    with stage(f"the {config.model} checkpoint (seed {config.seed}, random weights; written once, under "
+               f"{config.model_cache_dir})"):
+        return resolve_model_dir(config.model, config.seed, config.model_cache_dir)
 
 
 def _check_tp(config: ServeConfig, model_dir: str) -> None:
@@ -135,20 +149,21 @@ def _start_local(config: ServeConfig, prefill_args: EngineArgs, decode_args: Eng
         return worker
 
     try:
-        prefill = [
-            start(f"prefill-{i}", config.prefill_tp,
-                  lambda group, name=f"prefill-{i}": PrefillWorker(prefill_args, name=name, group=group, **prefill_kw),
-                  prefill_rank.follower_main, lambda rank, init: (rank, prefill_args, init, config.transfer))
-            for i in range(config.prefill_replicas)
-        ]
-        decode = [
-            start(f"decode-{i}", config.decode_tp,
-                  lambda group, name=f"decode-{i}": DecodeWorker(decode_args, name=name, group=group, **decode_kw),
-                  decode_rank.follower_main,
-                  lambda rank, init: (rank, decode_args, init, config.transfer, LOOPBACK, config.prefill_tp))
-            for i in range(config.decode_replicas)
-        ]
-        router, metrics = _router(config, prefill, decode, decode_args.model, decode_args.served_model_name)
+        with stage(f"starting {_replica_names(config)} (weights, pools, warm-up)"):
+            prefill = [
+                start(f"prefill-{i}", config.prefill_tp,
+                      lambda group, name=f"prefill-{i}": PrefillWorker(prefill_args, name=name, group=group, **prefill_kw),
+                      prefill_rank.follower_main, lambda rank, init: (rank, prefill_args, init, config.transfer))
+                for i in range(config.prefill_replicas)
+            ]
+            decode = [
+                start(f"decode-{i}", config.decode_tp,
+                      lambda group, name=f"decode-{i}": DecodeWorker(decode_args, name=name, group=group, **decode_kw),
+                      decode_rank.follower_main,
+                      lambda rank, init: (rank, decode_args, init, config.transfer, LOOPBACK, config.prefill_tp))
+                for i in range(config.decode_replicas)
+            ]
+            router, metrics = _router(config, prefill, decode, decode_args.model, decode_args.served_model_name)
     except BaseException:
         _run_stops(stops)
         raise
@@ -169,14 +184,14 @@ def _start_ray(config: ServeConfig, prefill_args: EngineArgs, decode_args: Engin
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         if config.ray_address:
             ray.init(address=config.ray_address, include_dashboard=False, log_to_driver=False)
+            stops.append(ray.shutdown)
         else:
-            ray.init(
-                num_cpus=max(4, config.prefill_replicas * config.prefill_tp + config.decode_replicas * config.decode_tp + 1),
-                include_dashboard=False,
-                _temp_dir=tempfile.mkdtemp(prefix="k3serve-ray-"),
-                log_to_driver=False,
-            )
-        stops.append(ray.shutdown)
+            from k3serve.cluster.local_ray import DASHBOARD_PORT, start_local_ray
+
+            num_cpus = max(4, config.prefill_replicas * config.prefill_tp + config.decode_replicas * config.decode_tp + 1)
+            dashboard = f"dashboard on http://127.0.0.1:{DASHBOARD_PORT}" if config.ray_dashboard else "no dashboard"
+            with stage(f"starting a local Ray ({num_cpus} CPUs, {dashboard})"):
+                stops.append(start_local_ray(num_cpus, dashboard=config.ray_dashboard).stop)
     prefill_kw, decode_kw = _worker_kwargs(config)
     prefill_pool = _RayPool(PrefillActor, PrefillRankActor, asdict(prefill_args), {})
     decode_pool = _RayPool(DecodeActor, DecodeRankActor, asdict(decode_args), {"prefill_tp": config.prefill_tp})
@@ -186,7 +201,8 @@ def _start_ray(config: ServeConfig, prefill_args: EngineArgs, decode_args: Engin
     }
     actors: list[Any] = []  # every actor started, killed if the deployment fails to start
     try:
-        leaders = _start_ray_replicas(config, replicas, stops, actors)
+        with stage(f"starting {_replica_names(config)} as Ray actors (weights, pools, warm-up)"):
+            leaders = _start_ray_replicas(config, replicas, stops, actors)
         for leader in leaders.values():
             stops.append(lambda a=leader: _stop_actor(a))
         prefill = [RayPrefillReplica(name, a) for name, a in leaders.items() if name.startswith("prefill-")]
@@ -199,6 +215,12 @@ def _start_ray(config: ServeConfig, prefill_args: EngineArgs, decode_args: Engin
         _run_stops(stops)
         raise
     return Deployment(router, metrics, config, stops)
+
+
+def _replica_names(config: ServeConfig) -> str:
+    """`prefill-0, decode-0` (with each engine's TP size past 1)."""
+    pools = (("prefill", config.prefill_replicas, config.prefill_tp), ("decode", config.decode_replicas, config.decode_tp))
+    return ", ".join(f"{pool}-{i}" + (f" (TP {tp})" if tp > 1 else "") for pool, n, tp in pools for i in range(n))
 
 
 def _stop_actor(actor: Any) -> None:
@@ -359,9 +381,11 @@ class _GracefulStop:
         self.drain, self.server, self.timeout_s = drain, server, timeout_s
         self._again = asyncio.Event()
         self._stopping: asyncio.Task | None = None
+        self.reason = ""  # why the server stopped, for `run`'s last line: "SIGTERM, drained"
 
     def on_signal(self, name: str) -> None:
         if self._stopping is None:
+            self.reason = name
             self.drain.begin()
             print(f"k3serve: {name}: draining: {self.drain.in_flight} request(s) in flight get up to "
                   f"{self.timeout_s:g} s, new ones 503 (a second signal aborts them)", flush=True)
@@ -377,7 +401,10 @@ class _GracefulStop:
             wait.cancel()
         if self.drain.in_flight:
             print(f"k3serve: aborting {self.drain.in_flight} request(s) still in flight", flush=True)
+            self.reason += f", {self.drain.in_flight} request(s) aborted"
             await self.drain.abort(_ABORT_GRACE_S)
+        else:
+            self.reason += ", drained"
         self.server.stop()
 
 
@@ -399,10 +426,12 @@ def _ingress_server(app: Any, config: ServeConfig) -> tuple[Any, _GracefulStop]:
 
 def run(config: ServeConfig) -> int:
     """Serve until SIGINT/SIGTERM, drain (`_GracefulStop`), then shut every worker (and Ray, if started
-    here) down."""
+    here) down. Prints a line a stage of the start and of the stop, the URL once serving, and last
+    `k3serve: stopped (REASON)` (the signal and how the drain ended, or the error that stopped it)."""
     from k3serve.cluster.api import build_app
 
     deployment = start_deployment(config)
+    reason = "the ingress stopped"
     try:
         api_key = config.api_key.get_secret_value() if config.api_key is not None else None
         app = build_app(deployment.client, deployment.metrics, reasoning_parser=config.reasoning_parser,
@@ -425,9 +454,23 @@ def run(config: ServeConfig) -> int:
             if api_key is not None:
                 print("k3serve: /v1 routes require the API key (Authorization: Bearer); /health, /metrics open",
                       flush=True)
+            if config.model in PRESETS:
+                say(f"{config.model} has random weights: expect arbitrary text (control characters, U+FFFD), and a "
+                    "reply may end at its first token (a stop token)")
+            say("Ctrl-C or SIGTERM stops it (requests in flight finish first)")
             await serving
 
         asyncio.run(main())
+        reason = stop.reason or reason
+    except BaseException as e:
+        reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        raise
     finally:
-        deployment.shutdown()
+        with stage("stopping the workers" + (" and the local Ray" if _starts_ray(config) else "")):
+            deployment.shutdown()
+        say(f"stopped ({reason})")
     return 0
+
+
+def _starts_ray(config: ServeConfig) -> bool:
+    return config.mode == "disaggregated" and config.launcher == "ray" and not config.ray_address

@@ -12,7 +12,7 @@ from typing import Any, Literal
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_CPU_CACHE_BYTES = 512 * 2**20
+DEFAULT_CPU_CACHE_BYTES = 64 * 2**20  # k3-tiny: 2,077 blocks of 64 tokens, 128 KDA slots
 DEFAULT_MODEL_CACHE_DIR = Path.home() / ".cache" / "k3serve" / "checkpoints"
 
 
@@ -54,7 +54,7 @@ class EngineArgs:
     """The routed experts' weighted top-k sum: fused into their kernels, or 'unfused' (per-pair rows, then a
     separate sum: the fused finalize's baseline)."""
     cache_memory_bytes: int | None = None
-    """Bytes for MLA blocks + KDA slots; None = 512 MiB on CPU, on CUDA what gpu_memory_utilization leaves."""
+    """Bytes for MLA blocks + KDA slots; None = 64 MiB on CPU, on CUDA what gpu_memory_utilization leaves."""
     gpu_memory_utilization: float = 0.9
     """CUDA: fraction of the device's memory the engine may fill (weights, graphs, activations, caches)."""
     num_kda_slots: int | None = None

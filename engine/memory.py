@@ -27,10 +27,12 @@ from k3serve.model.config import ModelConfig
 class CacheSizes:
     mla_bytes_per_token: int  # all MLA layers, replicated on every rank
     kda_bytes_per_slot: int  # all KDA layers, this rank's heads: recurrent fp32 + conv window
-    weight_bytes: int  # this rank's weights as loaded (MXFP4 experts packed)
+    weight_bytes: int | None  # this rank's weights as loaded (MXFP4 experts packed); None: not counted
 
 
-def cache_sizes(config: ModelConfig, tp_size: int, dtype: torch.dtype) -> CacheSizes:
+def cache_sizes(config: ModelConfig, tp_size: int, dtype: torch.dtype, count_weights: bool = True) -> CacheSizes:
+    """`count_weights` False: a plan in a fixed cache budget, which needs no weight count (it builds the model on the
+    meta device, whose Python meta functions import torch._dynamo: ~150 MB in every CPU worker)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     h_local, d = config.kda.num_heads // tp_size, config.kda.head_dim
     recurrent = h_local * d * d * 4
@@ -38,7 +40,7 @@ def cache_sizes(config: ModelConfig, tp_size: int, dtype: torch.dtype) -> CacheS
     return CacheSizes(
         mla_bytes_per_token=len(config.mla_layers) * config.mla_kv_dim * itemsize,
         kda_bytes_per_slot=len(config.kda_layers) * (recurrent + conv),
-        weight_bytes=weight_bytes(config, tp_size, dtype),
+        weight_bytes=weight_bytes(config, tp_size, dtype) if count_weights else None,
     )
 
 
@@ -128,7 +130,8 @@ def plan_engine_pools(config: ModelConfig, args: EngineArgs, usable_bytes: int |
     come out of what `gpu_memory_utilization` leaves free (they are made after the plan)."""
     from k3serve.engine.cuda_graphs import graphs_allowed
 
-    sizes = cache_sizes(config, args.tensor_parallel_size, args.torch_dtype)
+    sizes = cache_sizes(config, args.tensor_parallel_size, args.torch_dtype,
+                        count_weights=args.cache_memory_bytes is None and usable_bytes is not None)
     graphs = graphs_allowed(args)
     graph_bytes = prefill_bytes = 0
     if args.cache_memory_bytes is not None:

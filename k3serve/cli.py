@@ -15,16 +15,17 @@ if TYPE_CHECKING:
 
 def _make_checkpoint(args: argparse.Namespace) -> int:
     from k3serve.model.checkpoint import make_checkpoint
+    from k3serve.progress import stage
 
     from k3serve.model.config import ConfigError
 
+    layers = "" if args.layers is None else f", first {args.layers} layers"
     try:
-        out = make_checkpoint(args.preset, args.out, seed=args.seed, num_layers=args.layers, device=args.device)
+        with stage(f"writing the {args.preset} checkpoint (seed {args.seed}{layers}, random weights) to {args.out}"):
+            make_checkpoint(args.preset, args.out, seed=args.seed, num_layers=args.layers, device=args.device)
     except ConfigError as exc:
         print(f"k3serve make-checkpoint: {exc}", file=sys.stderr)
         return 2
-    layers = "" if args.layers is None else f", first {args.layers} layers"
-    print(f"wrote {args.preset} checkpoint (seed {args.seed}{layers}) to {out}")
     return 0
 
 
@@ -61,8 +62,10 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from k3serve import LLM, SamplingParams
+    from k3serve.progress import stage
 
-    llm = LLM(model=args.model, max_model_len=args.max_model_len)
+    with stage(f"loading {args.model} (a preset's checkpoint is written on first use)", out=sys.stderr):
+        llm = LLM(model=args.model, max_model_len=args.max_model_len)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     for out in llm.generate(args.prompt, params):
         print(f"{out.prompt!r} -> {out.outputs[0].text!r} ({out.outputs[0].finish_reason})")
@@ -89,7 +92,7 @@ def _status(args: argparse.Namespace) -> int:
     from k3serve.cluster.config import API_KEY_ENV
     from k3serve.cluster.status import print_status
 
-    return print_status(args.url, args.api_key or os.environ.get(API_KEY_ENV))
+    return print_status(args.url, args.api_key or os.environ.get(API_KEY_ENV), as_json=args.json)
 
 
 def _add_serve_options(p: argparse.ArgumentParser) -> None:
@@ -215,8 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, help="YAML file with any of the options above")
     p.set_defaults(func=_serve)
 
-    p = sub.add_parser("status", help="health, model and pool usage of a running server")
+    p = sub.add_parser("status", help="health, model, and a table of the pools' replicas (usage, engine settings) "
+                       "and the last minute's latency of a running server")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    p.add_argument("--json", action="store_true", help="print the status as JSON, for scripts")
     p.add_argument("--api-key", help="the server's API key, for /v1/models (default: $K3SERVE_API_KEY)")
     p.set_defaults(func=_status)
     return parser

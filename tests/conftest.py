@@ -1,4 +1,6 @@
-"""Shared fixtures: a fixed RNG state for every test, and the two tiny checkpoints.
+"""Shared fixtures: a fixed RNG state for every test, and the two tiny checkpoints; under CI, a check that the
+session left nothing in the temp root (tests write under pytest's `tmp_path`, which pyproject.toml has pytest
+remove for passing tests).
 
 Every test starts from the same RNG state, so a failure reproduces when run alone. The tiny
 checkpoints are written once per session through the real checkpoint writer (sharded
@@ -11,7 +13,11 @@ safetensors, published tensor names), so every model test also runs the real loa
 """
 
 import importlib.util
+import os
+import sys
+import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -28,6 +34,19 @@ torch.set_num_threads(1)
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _fastapi_forgets_the_apps() -> Iterator[None]:
+    """FastAPI (0.165) classifies each route's endpoint through module-level LRU caches of 4,096 entries, keyed by
+    the endpoint itself; `build_app`'s endpoints close over their engine client, so every app a test builds kept
+    its engine (model, pools, threads) alive to the session's end: 4.6 GB over tests/cluster/test_api.py alone.
+    One app a process, as `k3serve serve` runs, is unaffected."""
+    yield
+    models = sys.modules.get("fastapi.dependencies.models")
+    for value in vars(models).values() if models is not None else ():
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
 
 
 @pytest.fixture(scope="session")
@@ -67,3 +86,30 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     if collection_path.is_dir() and collection_path.name in _SERVING_DIRS and collection_path.parent.name == "tests":
         return True
     return None  # let pytest's own rules decide everything else
+
+
+_TEMP_ROOT = Path(tempfile.gettempdir())
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_temp_entries] = set(os.listdir(_TEMP_ROOT))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Under CI (`$CI`: a machine that runs this suite alone), entries the session added to the temp root beside
+    pytest's own folder fail the run, named. Elsewhere other processes share the temp root, so it only checks CI."""
+    if not os.environ.get("CI") or _temp_entries not in session.config.stash:
+        return
+    left = sorted(set(os.listdir(_TEMP_ROOT)) - session.config.stash[_temp_entries] - {f"pytest-of-{_user()}"})
+    if left:
+        session.config.get_terminal_writer().line(f"left in {_TEMP_ROOT} by the tests: {left}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _user() -> str:
+    import getpass
+
+    return getpass.getuser()
+
+
+_temp_entries = pytest.StashKey[set]()

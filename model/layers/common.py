@@ -74,12 +74,25 @@ def stack_rows(current: torch.Tensor | None, linears: Sequence[Linear]) -> torch
     weights = [linear.weight for linear in linears]
     if current is not None and _rows_of(current, weights):
         return current
-    stacked = keep_address(current, torch.cat([w.detach() for w in weights]))
+    stacked = keep_address(current, _concat_rows(weights))
     start = 0
     for w in weights:
         w.data = stacked[start : start + w.shape[0]]
         start += w.shape[0]
     return stacked
+
+
+def _concat_rows(weights: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat of the weights' rows, as copies into one new tensor: on the meta device (a checkpoint's shapes,
+    the memory plan's weight count) torch.cat runs a Python meta function that imports torch._dynamo (~150 MB in
+    the process, and a torchinductor folder in the temp root)."""
+    out = torch.empty((sum(w.shape[0] for w in weights), *weights[0].shape[1:]), dtype=weights[0].dtype,
+                      device=weights[0].device)
+    start = 0
+    for w in weights:
+        out[start : start + w.shape[0]].copy_(w.detach())
+        start += w.shape[0]
+    return out
 
 
 def _rows_of(stacked: torch.Tensor, weights: list[torch.Tensor]) -> bool:

@@ -14,7 +14,6 @@ Spec:
 
 from __future__ import annotations
 
-import tempfile
 
 import pydantic
 import pytest
@@ -25,6 +24,7 @@ from k3serve.cluster.node_address import HOST_IP_ENV, node_ip
 from k3serve.transfer.backend import TransferError
 from k3serve.transfer.backends import host_options
 from k3serve.transfer.control import ControlPlaneError, DecodeControlServer
+from k3serve.cluster.local_ray import start_local_ray
 
 
 @pytest.fixture
@@ -35,13 +35,12 @@ def no_env(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="module")
 def ray_node() -> str:
     """A one-node Ray cluster in this process; its node's address as Ray's GCS lists it."""
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
-             _temp_dir=tempfile.mkdtemp(prefix="k3na-", dir="/tmp"))
+    local = start_local_ray(1)  # as `serve` starts it; its session folder removed at the end
     try:
         (node,) = ray.nodes()
         yield node["NodeManagerAddress"]
     finally:
-        ray.shutdown()
+        local.stop()
 
 
 def test_without_ray_or_settings_it_is_loopback(no_env: None) -> None:

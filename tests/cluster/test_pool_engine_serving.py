@@ -6,7 +6,7 @@ the local launcher and transfer: the decode pool runs at most 2 requests with pr
 are its 2 running requests' alone), the prefill pool 4 with prefix caching on, out of exactly 32 MLA blocks.
 
 Spec:
-- `k3serve status` prints each replica's engine settings (`k3serve:engine_config_info`), per pool; a replica's
+- `k3serve status` reports each replica's engine settings (`k3serve:engine_config_info`), per pool; a replica's
   settings are one series, replaced when they change;
 - the decode engine never runs more than 2 requests: 5 at once all complete, 2 decoding at a time, the others
   waiting in the ingress's admission queue; every decode slot a running request's;
@@ -16,6 +16,7 @@ Spec:
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import threading
 import time
@@ -29,7 +30,7 @@ from prometheus_client import CollectorRegistry
 
 from k3serve.cli import build_parser, main, serve_config
 from k3serve.cluster.api import build_app
-from k3serve.cluster.metrics import ENGINE_SETTINGS, POOL_LABELS, IngressMetrics
+from k3serve.cluster.metrics import ENGINE_SETTINGS, IngressMetrics
 from k3serve.cluster.serve import Deployment, _ingress_server, start_deployment
 
 pytestmark = pytest.mark.timeout(120)
@@ -62,7 +63,7 @@ def served(tiny_checkpoint: Path) -> Iterator[tuple[Deployment, str]]:
 
 
 def _engine_settings(printed: str) -> dict[str, dict[str, str]]:
-    """The labels of each `k3serve:engine_config_info` line `k3serve status` printed, by pool."""
+    """The labels of each `k3serve:engine_config_info` line of a /metrics text, by pool."""
     lines = [line for line in printed.splitlines() if "k3serve:engine_config_info{" in line]
     labels = [dict(re.findall(r'(\w+)="([^"]*)"', line)) for line in lines]
     return {label["pool"]: label for label in labels}
@@ -70,8 +71,8 @@ def _engine_settings(printed: str) -> dict[str, dict[str, str]]:
 
 def test_status_reports_each_pools_engine_settings(served, capsys: pytest.CaptureFixture[str]) -> None:
     _, url = served
-    assert main(["status", "--url", url]) == 0
-    settings = _engine_settings(capsys.readouterr().out)
+    assert main(["status", "--url", url, "--json"]) == 0
+    settings = {r["pool"]: r["settings"] for r in json.loads(capsys.readouterr().out)["replicas"] if r["settings"]}
     assert set(settings) == {"prefill", "decode"}
     prefill, decode = settings["prefill"], settings["decode"]
     assert (prefill["max_num_seqs"], prefill["enable_prefix_caching"], prefill["num_kda_slots"]) == ("4", "true", "8")
@@ -82,7 +83,7 @@ def test_status_reports_each_pools_engine_settings(served, capsys: pytest.Captur
     assert prefill["cuda_graphs"] == decode["cuda_graphs"] == "false"  # CPU
     assert (prefill["max_num_batched_tokens"], prefill["kda_checkpoint_mode"]) == ("8192", "in_pass")  # defaults
     for labels in settings.values():  # every setting the engine reports, none missing
-        assert set(labels) == {*POOL_LABELS, *ENGINE_SETTINGS} and all(labels.values()), labels
+        assert set(labels) == set(ENGINE_SETTINGS) and all(labels.values()), labels
 
 
 def test_a_replicas_settings_are_one_series_replaced_when_they_change() -> None:

@@ -14,7 +14,6 @@ Spec, on a Ray cluster the deployment joins (it does not own Ray):
 
 from __future__ import annotations
 
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from k3serve.cluster import actors, serve
 from k3serve.cluster.config import ServeConfig
 from k3serve.engine import tp_group
 from k3serve.transfer.backends import available_backends
+from k3serve.cluster.local_ray import start_local_ray
 
 import _failing_follower
 
@@ -37,12 +37,11 @@ CPUS = 3  # a TP 1 replica and a TP 2 one
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(num_cpus=CPUS, include_dashboard=False, log_to_driver=False,
-             _temp_dir=tempfile.mkdtemp(prefix="k3rs-", dir="/tmp"))
+    local = start_local_ray(CPUS)  # as `serve` starts it; its session folder removed at the end
     try:
         yield
     finally:
-        ray.shutdown()
+        local.stop()
 
 
 def _all_freed(deadline_s: float = 10.0) -> None:

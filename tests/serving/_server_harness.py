@@ -49,10 +49,13 @@ class ServerSpec:
     decode_replicas: int = 1
     prefill_tp: int = 1
     extra_args: tuple[str, ...] = ()
+    embedded_default: bool = False  # `k3serve serve --port 0` alone: README command 1 (its model, engines, Ray)
 
     @property
     def id(self) -> str:
-        """Readable test id: `colocated`, `mooncake-1P1D`, `nixl-1P2D-local`."""
+        """Readable test id: `colocated`, `mooncake-1P1D`, `nixl-1P2D-local`, `embedded-default`."""
+        if self.embedded_default:
+            return "embedded-default"
         if self.mode == "colocated":
             return "colocated"
         name = f"{self.transfer}-{self.prefill_replicas}P{self.decode_replicas}D"
@@ -60,7 +63,9 @@ class ServerSpec:
             name += f"-prefill-tp{self.prefill_tp}"
         return name if self.launcher == "ray" else f"{name}-{self.launcher}"
 
-    def argv(self, model_dir: Path | str) -> list[str]:
+    def argv(self, model_dir: Path | str | None) -> list[str]:
+        if self.embedded_default:
+            return [sys.executable, "-m", "k3serve.cli", "serve", "--port", "0", *self.extra_args]
         args = [sys.executable, "-m", "k3serve.cli", "serve", "--model", str(model_dir),
                 "--served-model-name", SERVED_MODEL, "--mode", self.mode, "--launcher", self.launcher,
                 "--port", "0", *SMALL_ENGINE_ARGS]
@@ -161,7 +166,7 @@ class Server:
 
 
 @contextlib.contextmanager
-def launch(spec: ServerSpec, model_dir: Path | str, deadline_s: float = START_DEADLINE_S,
+def launch(spec: ServerSpec, model_dir: Path | str | None, deadline_s: float = START_DEADLINE_S,
            keep_log: Path | None = None) -> Iterator[Server]:
     """Start, wait until healthy, yield; then stop and check that nothing is left behind."""
     workdir = Path(tempfile.mkdtemp(prefix="k3s-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
@@ -205,6 +210,28 @@ def parse_metrics(text: str) -> dict[tuple[str, frozenset], float]:
 
 
 # ---- processes (/proc, no psutil) -------------------------------------------------------------
+@dataclass(frozen=True)
+class ProcessMemory:
+    pid: int
+    command: str  # its command line: `ray::DecodeActor`, `.../raylet --raylet_socket_name=...`
+    rss_bytes: int  # resident, shared pages counted in full
+    pss_bytes: int  # proportional: a page shared by n processes counts 1/n in each (sums to the tree's memory)
+
+
+def tree_memory(root: int) -> list[ProcessMemory]:
+    """`root` and every live descendant's memory, from /proc/PID/smaps_rollup (processes gone meanwhile skipped)."""
+    out = []
+    for pid in [root, *descendants(root)]:
+        try:
+            fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:])
+        except (OSError, ValueError):
+            continue
+        kib = lambda key: int(fields[key].split()[0]) * 1024  # noqa: E731
+        out.append(ProcessMemory(pid, _cmdline(pid), kib("Rss"), kib("Pss")))
+    return out
+
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()

@@ -8,7 +8,9 @@
                        default (no param): the same spec as disagg_server, started anew
     artifacts_dir      $K3SERVE_ARTIFACTS_DIR, else a session temp dir
 
-Every server serves the session's tiny checkpoint as model `k3-tiny`. Stopping one is part of
+Every test here is marked `slow` (each server start costs 20-40 s on 2 cores): `-m "not gpu and not slow"` is the
+quick run, and CI runs these in its second stage. Every server serves the session's tiny checkpoint as model
+`k3-tiny`. Stopping one is part of
 the test: SIGTERM must end it and every process it started, or the teardown errors. Server logs
 are kept under artifacts_dir/server-logs/.
 """
@@ -25,6 +27,13 @@ from _server_harness import Server, ServerSpec, serve as _serve
 
 DISAGG = ServerSpec()
 COLOCATED = ServerSpec(mode="colocated", launcher="local")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(item.path).parents:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
