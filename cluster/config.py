@@ -22,6 +22,7 @@ from pydantic import ConfigDict, Field, SecretStr, create_model, field_validator
 
 from k3serve.engine.config import EngineArgs, engine_arg_docs
 from k3serve.engine.host_ip import check_host_ip
+from k3serve.transfer.auth import check_secret
 
 # The admission queue's default length, in rounds of the decode pool (decode_replicas x its max_num_seqs):
 # a request queued k rounds deep waits about k request lifetimes, so at 8 rounds of few-second requests
@@ -33,6 +34,8 @@ QUEUE_ROUNDS = 8
 # Where `ServeConfig.load` finds the API key when neither the file nor a flag gives one: a secret need not
 # sit in a YAML file or on a command line (which `ps` shows); a Kubernetes Secret arrives this way.
 API_KEY_ENV = "K3SERVE_API_KEY"
+# The same for the secret of the internal control plane, which every worker of a multi-node deployment must share.
+INTERNAL_SECRET_ENV = "K3SERVE_INTERNAL_SECRET"
 
 Pool = Literal["prefill", "decode", "colocated"]
 POOLS = ("prefill", "decode")
@@ -119,6 +122,15 @@ class ServeConfig(EngineOptions):
         "once. Keep it below the pod's terminationGracePeriodSeconds (0: abort at once)",
     )
     verify_checksums: bool = Field(True, description="decode verifies every handoff's checksums before continuing")
+    reverify_probability: float = Field(
+        0.0, ge=0.0, le=1.0, description="decode: the chance per step that an adopted request's prompt KV is "
+        "checksummed again (state changed behind the engine fails the request); 0: only before its first step",
+    )
+    internal_secret: SecretStr | None = Field(
+        None, description="the secret every internal control-plane call carries (prefill -> decode gRPC); "
+        f"default: ${INTERNAL_SECRET_ENV}, else a new one at every start (fine on one node or one Ray cluster "
+        "started here; workers on several nodes that join by other means must share one)",
+    )
     ray_address: str | None = Field(None, description="join this Ray cluster; default: start a local one")
     advertise_host: str | None = Field(
         None, description="IP every Ray worker binds its servers on and advertises to peers (one node only); "
@@ -140,6 +152,13 @@ class ServeConfig(EngineOptions):
         if not value.isascii() or not value.isprintable():
             raise ValueError("must be printable ASCII: an HTTP header carries nothing else")
         return key
+
+    @field_validator("internal_secret")
+    @classmethod
+    def _usable_secret(cls, secret: SecretStr | None) -> SecretStr | None:
+        if secret is not None:
+            check_secret(secret.get_secret_value(), "internal_secret")
+        return secret
 
     @model_validator(mode="after")
     def _cross_check(self) -> "ServeConfig":
@@ -176,7 +195,8 @@ class ServeConfig(EngineOptions):
     @classmethod
     def load(cls, path: str | Path | None = None, **overrides: Any) -> "ServeConfig":
         """File values, then `overrides` (flags that were given; None means not given); then, when neither
-        gives an api_key, $K3SERVE_API_KEY (as vLLM: `--api-key`, else $VLLM_API_KEY)."""
+        gives an api_key, $K3SERVE_API_KEY (as vLLM: `--api-key`, else $VLLM_API_KEY); the same for
+        internal_secret and $K3SERVE_INTERNAL_SECRET."""
         data: dict[str, Any] = {}
         if path is not None:
             loaded = yaml.safe_load(Path(path).read_text()) or {}
@@ -186,6 +206,8 @@ class ServeConfig(EngineOptions):
         data.update({k: v for k, v in overrides.items() if v is not None})
         if data.get("api_key") is None and API_KEY_ENV in os.environ:
             data["api_key"] = os.environ[API_KEY_ENV]
+        if data.get("internal_secret") is None and INTERNAL_SECRET_ENV in os.environ:
+            data["internal_secret"] = os.environ[INTERNAL_SECRET_ENV]
         return cls(**data)
 
     @property

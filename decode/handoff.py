@@ -77,7 +77,7 @@ class HandshakeOnly:
         raise InvalidArgumentError(f"rank {self.receiver.rank} of a decode engine only answers handshakes "
                                    "(reservations, TransferReady, aborts and heartbeats go to rank 0)")
 
-    def reserve(self, request_id: str, num_tokens: int, lease_seconds: float) -> Reservation:
+    def reserve(self, request_id: str, num_tokens: int, lease_seconds: float, peer: str) -> Reservation:
         self._refuse()
 
     def transfer_ready(self, request_id: str, from_rank: int, first_token_id: int, num_tokens: int,

@@ -63,9 +63,12 @@ class _Peer:
 
 class RankSender:
     def __init__(
-        self, backend: TransferBackend, cache: ModelCache, layout: CacheLayout, compat_hash: str, timeout_s: float = 30.0
+        self, backend: TransferBackend, cache: ModelCache, layout: CacheLayout, compat_hash: str, timeout_s: float = 30.0,
+        *, control_secret: str,
     ) -> None:
+        """`control_secret`: the deployment's, which every decode rank's control server wants (transfer/auth.py)."""
         self.backend, self.cache, self.layout = backend, cache, layout
+        self.control_secret = control_secret
         self.regions = register_cache(backend, cache)
         self.compat_hash = compat_hash
         self.timeout_s = timeout_s
@@ -89,7 +92,7 @@ class RankSender:
         try:
             infos = []
             for r, address in enumerate(addresses):
-                clients.append(DecodeControlClient(address, self.compat_hash))
+                clients.append(DecodeControlClient(address, self.compat_hash, secret=self.control_secret))
                 info = clients[-1].handshake(self.backend.agent_info(), self.layout.to_json(), self.layout.tp_size,
                                              self.layout.tp_rank)
                 if (info.tp_rank, info.tp_size) != (r, len(addresses)):

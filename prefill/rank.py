@@ -15,12 +15,14 @@ from k3serve.prefill.worker import make_sender
 def follower_main(
     rank: int, args: EngineArgs, init_method: str, transfer: str, transfer_options: dict | None = None,
     num_threads: int | None = None, host: str = "127.0.0.1", on_started: Callable[[], None] | None = None,
+    control_secret: str | None = None,
 ) -> None:
     """`host`: this node's address (group sockets; the transfer agent's, via `transfer_options`).
-    `on_started`: called once this rank is ready to follow (the local launcher waits for it)."""
+    `on_started`: called once this rank is ready to follow (the local launcher waits for it).
+    `control_secret`: the deployment's (transfer/auth.py)."""
     follower = join_follower(rank, args, init_method, num_threads, host)
     try:
-        sender = make_sender(follower.cache_view, transfer, transfer_options)
+        sender = make_sender(follower.cache_view, transfer, transfer_options, control_secret)
         try:
             if on_started is not None:
                 on_started()
