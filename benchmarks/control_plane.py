@@ -34,7 +34,7 @@ class TrivialDecode:
         self.lock = threading.Lock()
         self.known: set[str] = set()
 
-    def handshake(self, peer, layout_json, tp_size, tp_rank):
+    def handshake(self, peer, layout_json, tp_size, tp_rank, request_id):
         return HandshakeInfo(AGENT, "{}", 1, 0)
 
     def reserve(self, request_id, num_tokens, lease_seconds, peer):

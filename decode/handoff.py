@@ -70,7 +70,9 @@ class HandshakeOnly:
     def __init__(self, receiver: RankReceiver) -> None:
         self.receiver = receiver
 
-    def handshake(self, peer: AgentInfo, layout_json: str, tp_size: int, tp_rank: int) -> HandshakeInfo:
+    def handshake(self, peer: AgentInfo, layout_json: str, tp_size: int, tp_rank: int,
+                  request_id: str) -> HandshakeInfo:
+        """Any authenticated peer: a rank > 0 does not know the reservations (rank 0 does)."""
         return self.receiver.handshake(peer, layout_json, tp_size, tp_rank)
 
     def _refuse(self, *args: object) -> None:

@@ -238,7 +238,16 @@ class DecodeWorker:
             self.receiver.close()
 
     # ---- DecodeControlHandler (gRPC threads) ---------------------------------------------------
-    def handshake(self, peer: AgentInfo, layout_json: str, tp_size: int, tp_rank: int) -> HandshakeInfo:
+    def handshake(self, peer: AgentInfo, layout_json: str, tp_size: int, tp_rank: int,
+                  request_id: str) -> HandshakeInfo:
+        """Rank 0's regions go to a peer about to write a live reservation only (one it was granted)."""
+        now = time.monotonic()
+        with self._lock:
+            pending = self._pending.get(request_id)
+            live = pending is not None and pending.deadline >= now
+        if not live:
+            raise UnknownRequestError("handshake names no live reservation on this decode engine: a peer learns "
+                                      "its regions only to write a reservation it was granted")
         return self.receiver.handshake(peer, layout_json, tp_size, tp_rank)
 
     def reserve(self, request_id: str, num_tokens: int, lease_seconds: float, peer: str) -> Reservation:

@@ -75,17 +75,18 @@ class RankSender:
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()
 
-    def peer(self, addresses: Addresses) -> _Peer:
+    def peer(self, addresses: Addresses, request_id: str = "") -> _Peer:
         """Handshake once per decode engine, with each of its ranks: agent metadata, regions,
-        layout, compatibility. `addresses[r]` must answer as rank r of len(addresses)."""
+        layout, compatibility. `addresses[r]` must answer as rank r of len(addresses); `request_id`
+        names the reservation about to be written (decode rank 0 shows its regions for a live one only)."""
         addresses = tuple(addresses)
         with self._lock:
             peer = self._peers.get(addresses)
             if peer is None:
-                peer = self._peers[addresses] = self._handshake(addresses)
+                peer = self._peers[addresses] = self._handshake(addresses, request_id)
             return peer
 
-    def _handshake(self, addresses: Addresses) -> _Peer:
+    def _handshake(self, addresses: Addresses, request_id: str) -> _Peer:
         if not addresses:
             raise ValueError("a decode engine needs at least one control address")
         clients: list[DecodeControlClient] = []
@@ -94,7 +95,7 @@ class RankSender:
             for r, address in enumerate(addresses):
                 clients.append(DecodeControlClient(address, self.compat_hash, secret=self.control_secret))
                 info = clients[-1].handshake(self.backend.agent_info(), self.layout.to_json(), self.layout.tp_size,
-                                             self.layout.tp_rank)
+                                             self.layout.tp_rank, request_id)
                 if (info.tp_rank, info.tp_size) != (r, len(addresses)):
                     raise TransferError(
                         f"decode address {address} (position {r} of {len(addresses)}) answered as rank {info.tp_rank} "
@@ -122,7 +123,7 @@ class RankSender:
         it has landed. Never raises: a failure is reported in the share, so every rank still
         joins the gather that follows."""
         try:
-            peer = self.peer(job.decode_addresses)
+            peer = self.peer(job.decode_addresses, job.request_id)
             span = RequestSpan(job.src_block_ids, job.reservation.block_ids, job.src_slot, job.reservation.slot_id,
                                job.num_tokens)
             s = self.layout.tp_rank

@@ -131,7 +131,7 @@ class PrefillWorker:
             self.metrics.failure("write")
             raise TransferError(f"handoff of {request_id!r} failed: {'; '.join(errors)}")
         try:
-            client = self.sender.peer(target.decode_addresses).leader  # decode rank 0 verifies for all ranks
+            client = self.sender.peer(target.decode_addresses, request_id).leader  # decode rank 0 verifies for all ranks
             for share in shares:
                 if share.checksums:  # a rank that wrote nothing is not waited for
                     await asyncio.to_thread(client.transfer_ready, request_id, share.rank, first, job.num_tokens,

@@ -3,7 +3,8 @@ transfer/proto/transfer.proto. Only small control messages travel here; MLA KV a
 transfer backend.
 
     prefill rank (DecodeControlClient)             decode rank (DecodeControlServer -> handler)
-    handshake(agent, layout_json, tp)      --->    HandshakeInfo, refused unless compat hashes match
+    handshake(agent, layout_json, tp, id)  --->    HandshakeInfo, refused unless compat hashes match (rank 0:
+                                                   and `id` holds a live reservation)
     reserve(request_id, num_tokens, lease) --->    Reservation(block_ids, slot_id, deadline)
     transfer_ready(request_id, rank, ...)  --->    checksums verified once all ranks reported
     heartbeat(request_ids, sender)         --->    leases extended; unknown ids come back
@@ -156,7 +157,11 @@ class DecodeControlHandler(Protocol):
     is answered ok = false, code INTERNAL, with its message. The compat hash is checked before
     `handshake` is called."""
 
-    def handshake(self, peer: AgentInfo, layout_json: str, tp_size: int, tp_rank: int) -> HandshakeInfo: ...
+    def handshake(self, peer: AgentInfo, layout_json: str, tp_size: int, tp_rank: int,
+                  request_id: str) -> HandshakeInfo:
+        """`request_id`: the reservation the peer is about to write ('' when it names none); a handler that
+        knows reservations answers only a live one's."""
+        ...
 
     def reserve(self, request_id: str, num_tokens: int, lease_seconds: float, peer: str) -> Reservation:
         """`num_tokens` >= 1 and `lease_seconds` finite and >= 0 (0: the handler's default) are checked already;
@@ -288,8 +293,9 @@ class _Servicer(pb_grpc.DecodeControlServicer):
                 raise InvalidArgumentError(f"bad prefill TP: tp_rank {request.tp_rank} of tp_size {request.tp_size}")
             _check_agent(request.agent)
             _check_text(request.layout_json, "layout_json", MAX_LAYOUT_CHARS)
+            _check_text(request.request_id, "request_id", MAX_ID_CHARS, required=False)
             info = self._handler.handshake(agent_info_from_proto(request.agent), request.layout_json,
-                                           request.tp_size, request.tp_rank)
+                                           request.tp_size, request.tp_rank, request.request_id)
             return pb.HandshakeResponse(ok=True, agent=agent_info_to_proto(info.agent), layout_json=info.layout_json,
                                         tp_size=info.tp_size, tp_rank=info.tp_rank, compat_hash=self._compat_hash,
                                         instance_id=self._instance_id)
@@ -450,10 +456,12 @@ class DecodeControlClient:
             raise cls(message) if cls is not None else ControlPlaneError(message)
         return response
 
-    def handshake(self, agent: AgentInfo, layout_json: str, tp_size: int, tp_rank: int) -> HandshakeInfo:
-        """Exchange agents and layouts; returns the decode rank's side."""
+    def handshake(self, agent: AgentInfo, layout_json: str, tp_size: int, tp_rank: int,
+                  request_id: str = "") -> HandshakeInfo:
+        """Exchange agents and layouts; returns the decode rank's side. `request_id`: the reservation this
+        rank is about to write (decode rank 0 refuses a handshake naming no live one)."""
         request = pb.HandshakeRequest(agent=agent_info_to_proto(agent), layout_json=layout_json, tp_size=tp_size,
-                                      tp_rank=tp_rank, compat_hash=self.compat_hash)
+                                      tp_rank=tp_rank, compat_hash=self.compat_hash, request_id=request_id)
         response = self._call("Handshake", request, f"tp_rank={tp_rank}")
         if response.compat_hash != self.compat_hash:  # a server that skipped its check must not pass
             raise IncompatiblePeerError(

@@ -72,7 +72,8 @@ class FakeDecode:
         if self.fail_with is not None:
             raise self.fail_with
 
-    def handshake(self, peer: AgentInfo, layout_json: str, tp_size: int, tp_rank: int) -> HandshakeInfo:
+    def handshake(self, peer: AgentInfo, layout_json: str, tp_size: int, tp_rank: int,
+                  request_id: str) -> HandshakeInfo:
         self._maybe_fail()
         self.peer = (peer, layout_json, tp_size, tp_rank)
         return HandshakeInfo(DECODE_AGENT, '{"decode": true}', 1, 0)

@@ -45,8 +45,8 @@ class RecordingDecode:
     def __init__(self) -> None:
         self.calls: list[tuple] = []
 
-    def handshake(self, peer, layout_json, tp_size, tp_rank) -> HandshakeInfo:
-        self.calls.append(("handshake",))
+    def handshake(self, peer, layout_json, tp_size, tp_rank, request_id) -> HandshakeInfo:
+        self.calls.append(("handshake", request_id))
         return HandshakeInfo(DECODE_AGENT, "{}", 1, 0)
 
     def reserve(self, request_id, num_tokens, lease_seconds, peer) -> Reservation:
