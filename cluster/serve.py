@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import signal
@@ -141,15 +140,17 @@ def _start_local(config: ServeConfig, prefill_args: EngineArgs, decode_args: Eng
         prefill = [
             start(f"prefill-{i}", config.prefill_tp,
                   lambda group, name=f"prefill-{i}": PrefillWorker(prefill_args, name=name, group=group, **prefill_kw),
-                  functools.partial(prefill_rank.follower_main, control_secret=prefill_kw["control_secret"]),
-                  lambda rank, init: (rank, prefill_args, init, config.transfer))
+                  prefill_rank.follower_main,
+                  lambda rank, init: (rank, prefill_args, init, config.transfer, None, None, LOOPBACK,
+                                      prefill_kw["control_secret"]))
             for i in range(config.prefill_replicas)
         ]
         decode = [
             start(f"decode-{i}", config.decode_tp,
                   lambda group, name=f"decode-{i}": DecodeWorker(decode_args, name=name, group=group, **decode_kw),
-                  functools.partial(decode_rank.follower_main, control_secret=decode_kw["control_secret"]),
-                  lambda rank, init: (rank, decode_args, init, config.transfer, LOOPBACK, config.prefill_tp))
+                  decode_rank.follower_main,
+                  lambda rank, init: (rank, decode_args, init, config.transfer, LOOPBACK, config.prefill_tp, None,
+                                      None, decode_kw["control_secret"]))
             for i in range(config.decode_replicas)
         ]
         router, metrics = _router(config, prefill, decode, decode_args.model, decode_args.served_model_name)

@@ -17,8 +17,8 @@ from k3serve.transfer.control import DecodeControlServer
 
 def follower_main(
     rank: int, args: EngineArgs, init_method: str, transfer: str, host: str = "127.0.0.1", prefill_tp: int = 1,
-    transfer_options: dict | None = None, num_threads: int | None = None, on_started: Callable[[], None] | None = None,
-    control_secret: str | None = None,
+    transfer_options: dict | None = None, num_threads: int | None = None, control_secret: str | None = None,
+    on_started: Callable[[], None] | None = None,
 ) -> None:
     """`host`: this node's address (control server, group sockets; the transfer agent's, via
     `transfer_options`). `on_started`: called once this rank is ready to follow (the local launcher waits

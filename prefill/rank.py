@@ -14,8 +14,8 @@ from k3serve.prefill.worker import make_sender
 
 def follower_main(
     rank: int, args: EngineArgs, init_method: str, transfer: str, transfer_options: dict | None = None,
-    num_threads: int | None = None, host: str = "127.0.0.1", on_started: Callable[[], None] | None = None,
-    control_secret: str | None = None,
+    num_threads: int | None = None, host: str = "127.0.0.1", control_secret: str | None = None,
+    on_started: Callable[[], None] | None = None,
 ) -> None:
     """`host`: this node's address (group sockets; the transfer agent's, via `transfer_options`).
     `on_started`: called once this rank is ready to follow (the local launcher waits for it).
