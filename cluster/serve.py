@@ -172,9 +172,9 @@ def _start_ray(config: ServeConfig, prefill_args: EngineArgs, decode_args: Engin
     stops: list[Callable[[], None]] = []
     single_node = not config.ray_address and not ray.is_initialized()
     if not ray.is_initialized():
-        # Ray's token auth: without it anyone who reaches the node's Ray ports runs code on the cluster. A cluster
-        # joined (ray_address) needs its token ($RAY_AUTH_TOKEN or ~/.ray/auth_token); one started here makes one.
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        # Ray's token auth stays on (Ray 2.60 turns it on for a cluster ray.init starts, making ~/.ray/auth_token,
+        # unless $RAY_AUTH_MODE says otherwise; a joined cluster needs its token): without it anyone who reaches
+        # the node's Ray ports runs code on the cluster. Not set here: Ray reads the mode once, at import.
         if config.ray_address:
             ray.init(address=config.ray_address, include_dashboard=False, log_to_driver=False)
         else:
