@@ -3,6 +3,7 @@
 Spec:
 - k3serve's own listener, each decode rank's DecodeControl gRPC server, is on loopback only, and every address
   the workers advertise (control addresses, Mooncake endpoints) is loopback;
+- a request goes through: prefill's handshake and calls carry the secret the deployment made at its start;
 - each worker process listens on nothing else off loopback but what k3serve cannot narrow, each named in
   deploy/README.md ("Network exposure") with the NetworkPolicy that covers it: Mooncake's RPC and TCP transfer
   ports and Ray's core-worker gRPC port; Ray's own processes (gcs_server, raylet, the dashboard and runtime env
@@ -24,6 +25,8 @@ import ray
 
 from k3serve.cluster.config import ServeConfig
 from k3serve.cluster.serve import start_deployment
+from k3serve.engine.async_engine import GenerateRequest
+from k3serve.engine.sampling_params import SamplingParams
 from k3serve.transfer.backends import available_backends
 
 pytestmark = pytest.mark.timeout(180)
@@ -54,6 +57,14 @@ def port_of(address: str) -> int:
     return int(address.rsplit(":", 1)[1])
 
 
+async def generate(router) -> int:
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    num_tokens = 0
+    async for delta in router.generate(GenerateRequest("listeners-0", list(range(3, 30)), params)):
+        num_tokens += len(delta.new_token_ids)
+    return num_tokens
+
+
 def test_a_default_single_node_deployment_keeps_its_own_listeners_on_loopback(tiny_checkpoint: Path) -> None:
     if shutil.which("ss") is None:
         pytest.skip("no `ss` on this host")
@@ -72,6 +83,7 @@ def test_a_default_single_node_deployment_keeps_its_own_listeners_on_loopback(ti
         pids = {name: ray.get(actor.__ray_call__.remote(lambda self: os.getpid())) for name, actor in replicas.items()}
         advertised = {name: ray.get(actor.node_addresses.remote()) for name, actor in replicas.items()}
         sockets = listeners()
+        assert asyncio.run(generate(router)) == 4
     finally:
         deployment.shutdown()
 
