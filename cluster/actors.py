@@ -20,6 +20,7 @@ from k3serve.cluster.node_address import ReplicaAddresses, node_ip
 from k3serve.decode.worker import DecodeWorker
 from k3serve.engine.config import EngineArgs
 from k3serve.prefill.worker import PrefillWorker
+from k3serve.transfer.auth import ControlAuth
 from k3serve.transfer.backend import TransferBackend
 from k3serve.transfer.backends import host_options
 
@@ -117,12 +118,12 @@ class PrefillRankActor:
     """Rank > 0 of a TP prefill engine: follows rank 0 until it stops."""
 
     def run(self, rank: int, engine_kwargs: dict[str, Any], init_method: str, transfer: str,
-            advertise_host: str | None = None, num_threads: int = 1, control_secret: str | None = None) -> None:
+            advertise_host: str | None = None, num_threads: int = 1, control_auth: ControlAuth | None = None) -> None:
         from k3serve.prefill.rank import follower_main
 
         host, transfer_options = _on_this_node(transfer, advertise_host)
         follower_main(rank, EngineArgs(**engine_kwargs), init_method, transfer, transfer_options,
-                      num_threads=num_threads, host=host, control_secret=control_secret)
+                      num_threads=num_threads, host=host, control_auth=control_auth)
 
 
 @ray.remote(max_restarts=0)
@@ -131,12 +132,12 @@ class DecodeRankActor:
 
     def run(self, rank: int, engine_kwargs: dict[str, Any], init_method: str, transfer: str,
             advertise_host: str | None = None, prefill_tp: int = 1, num_threads: int = 1,
-            control_secret: str | None = None) -> None:
+            control_auth: ControlAuth | None = None) -> None:
         from k3serve.decode.rank import follower_main
 
         host, transfer_options = _on_this_node(transfer, advertise_host)
         follower_main(rank, EngineArgs(**engine_kwargs), init_method, transfer, host, prefill_tp,
-                      transfer_options, num_threads=num_threads, control_secret=control_secret)
+                      transfer_options, num_threads=num_threads, control_auth=control_auth)
 
 
 @ray.remote(max_restarts=-1, max_task_retries=0)

@@ -153,6 +153,12 @@ class ServeConfig(EngineOptions):
             raise ValueError("must be printable ASCII: an HTTP header carries nothing else")
         return key
 
+    internal_tls_dir: str | None = Field(
+        None, description="directory of ca.crt, tls.crt and tls.key on every node (a mounted cert-manager Secret): "
+        "the internal control plane then runs over mutual TLS, each worker with its own node's certificate "
+        "(for its pod IP), the secret still checked; default: plain TCP",
+    )
+
     @field_validator("internal_secret")
     @classmethod
     def _usable_secret(cls, secret: SecretStr | None) -> SecretStr | None:

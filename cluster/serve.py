@@ -83,16 +83,17 @@ def _check_tp(config: ServeConfig, model_dir: str) -> None:
 
 
 def _worker_kwargs(config: ServeConfig) -> tuple[dict, dict]:
-    """The prefill and decode workers' keyword arguments; both carry the deployment's control-plane secret
-    (`internal_secret`, else one made now: transfer/auth.py)."""
-    from k3serve.transfer.auth import new_secret
+    """The prefill and decode workers' keyword arguments; both carry the deployment's control-plane auth
+    (`internal_secret`, else one made now, and `internal_tls_dir`: transfer/auth.py)."""
+    from k3serve.transfer.auth import ControlAuth, new_secret
 
     secret = config.internal_secret.get_secret_value() if config.internal_secret is not None else new_secret()
-    prefill = {"transfer": config.transfer, "lease_seconds": config.lease_seconds, "control_secret": secret}
+    auth = ControlAuth(secret, config.internal_tls_dir)
+    prefill = {"transfer": config.transfer, "lease_seconds": config.lease_seconds, "control_auth": auth}
     decode = {
         "transfer": config.transfer, "lease_seconds": config.lease_seconds, "prefill_tp": config.prefill_tp,
         "verify_checksums": config.verify_checksums, "reverify_probability": config.reverify_probability,
-        "control_secret": secret,
+        "control_auth": auth,
     }
     return prefill, decode
 
@@ -142,7 +143,7 @@ def _start_local(config: ServeConfig, prefill_args: EngineArgs, decode_args: Eng
                   lambda group, name=f"prefill-{i}": PrefillWorker(prefill_args, name=name, group=group, **prefill_kw),
                   prefill_rank.follower_main,
                   lambda rank, init: (rank, prefill_args, init, config.transfer, None, None, LOOPBACK,
-                                      prefill_kw["control_secret"]))
+                                      prefill_kw["control_auth"]))
             for i in range(config.prefill_replicas)
         ]
         decode = [
@@ -150,7 +151,7 @@ def _start_local(config: ServeConfig, prefill_args: EngineArgs, decode_args: Eng
                   lambda group, name=f"decode-{i}": DecodeWorker(decode_args, name=name, group=group, **decode_kw),
                   decode_rank.follower_main,
                   lambda rank, init: (rank, decode_args, init, config.transfer, LOOPBACK, config.prefill_tp, None,
-                                      None, decode_kw["control_secret"]))
+                                      None, decode_kw["control_auth"]))
             for i in range(config.decode_replicas)
         ]
         router, metrics = _router(config, prefill, decode, decode_args.model, decode_args.served_model_name)
@@ -186,7 +187,7 @@ def _start_ray(config: ServeConfig, prefill_args: EngineArgs, decode_args: Engin
             )
         stops.append(ray.shutdown)
     prefill_kw, decode_kw = _worker_kwargs(config)
-    secret = {"control_secret": prefill_kw["control_secret"]}
+    secret = {"control_auth": prefill_kw["control_auth"]}
     prefill_pool = _RayPool(PrefillActor, PrefillRankActor, asdict(prefill_args), secret)
     decode_pool = _RayPool(DecodeActor, DecodeRankActor, asdict(decode_args),
                            {"prefill_tp": config.prefill_tp, **secret})

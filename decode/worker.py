@@ -28,7 +28,7 @@ from k3serve.engine.config import EngineArgs
 from k3serve.engine.kv_handoff import BoundaryState, DeltaFeed, EngineStats, Item, KVHandoff, TPGroup
 from k3serve.engine.outputs import RequestDelta
 from k3serve.engine.sampling_params import SamplingParams
-from k3serve.transfer.auth import process_secret
+from k3serve.transfer.auth import ControlAuth, process_auth
 from k3serve.transfer.backend import AgentInfo
 from k3serve.transfer.checksum import combine_request_checksums, mismatched_regions, split_rank_checksums
 from k3serve.transfer.control import (
@@ -91,11 +91,11 @@ class DecodeWorker:
         transfer_options: dict | None = None,
         name: str = "decode-0",
         group: TPGroup | None = None,
-        control_secret: str | None = None,
+        control_auth: ControlAuth | None = None,
         max_reservations_per_peer: int = 16,
         reverify_probability: float = 0.0,
     ) -> None:
-        """`control_secret`: the deployment's (transfer/auth.py; default this process's own). `lease_seconds`: a
+        """`control_auth`: the deployment's secret and mTLS files (transfer/auth.py; default this process's own). `lease_seconds`: a
         reservation's lease, and the longest a control-plane Reserve may ask for. `reverify_probability`: the chance
         per step that an adopted request's prompt MLA rows are checked again (0: only before its first step)."""
         if max_reservations_per_peer < 1:
@@ -123,8 +123,9 @@ class DecodeWorker:
             self._expected_ranks = self._sources(prefill_tp)
             self.receiver = make_receiver(self.handoff.cache_view, transfer, transfer_options, prefill_tp)
             self.compat_hash = self.receiver.compat_hash
-            self.server = DecodeControlServer(self, self.compat_hash, host=host,
-                                              secret=control_secret or process_secret()).start()
+            auth = control_auth or process_auth()
+            self.server = DecodeControlServer(self, self.compat_hash, host=host, secret=auth.secret,
+                                              tls=auth.tls()).start()
             self.control_addresses: tuple[str, ...] = self.handoff.submit(self._gather_addresses).result()
         except BaseException:
             self.shutdown()  # releases the followers too: none is left waiting for rank 0

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from k3serve.model.batch import ModelCache
+from k3serve.transfer.auth import ControlAuth
 from k3serve.transfer.backend import TransferBackend, TransferError, TransferStatus
 from k3serve.transfer.checksum import CachedRequest, views_checksums
 from k3serve.transfer.control import DecodeControlClient, Reservation
@@ -64,11 +65,12 @@ class _Peer:
 class RankSender:
     def __init__(
         self, backend: TransferBackend, cache: ModelCache, layout: CacheLayout, compat_hash: str, timeout_s: float = 30.0,
-        *, control_secret: str,
+        *, control_auth: ControlAuth,
     ) -> None:
-        """`control_secret`: the deployment's, which every decode rank's control server wants (transfer/auth.py)."""
+        """`control_auth`: the deployment's secret (and mTLS files), which every decode rank's control server wants
+        (transfer/auth.py)."""
         self.backend, self.cache, self.layout = backend, cache, layout
-        self.control_secret = control_secret
+        self.control_secret, self.control_tls = control_auth.secret, control_auth.tls()
         self.regions = register_cache(backend, cache)
         self.compat_hash = compat_hash
         self.timeout_s = timeout_s
@@ -93,7 +95,8 @@ class RankSender:
         try:
             infos = []
             for r, address in enumerate(addresses):
-                clients.append(DecodeControlClient(address, self.compat_hash, secret=self.control_secret))
+                clients.append(DecodeControlClient(address, self.compat_hash, secret=self.control_secret,
+                                                   tls=self.control_tls))
                 info = clients[-1].handshake(self.backend.agent_info(), self.layout.to_json(), self.layout.tp_size,
                                              self.layout.tp_rank, request_id)
                 if (info.tp_rank, info.tp_size) != (r, len(addresses)):

@@ -18,7 +18,7 @@ from k3serve.engine.kv_handoff import BoundaryState, CacheView, EngineStats, KVH
 from k3serve.engine.outputs import RequestDelta, TokenLogprobs
 from k3serve.engine.sampling_params import SamplingParams
 from k3serve.prefill.handoff import HandoffJob, RankSender, RankShare
-from k3serve.transfer.auth import process_secret
+from k3serve.transfer.auth import ControlAuth, process_auth
 from k3serve.transfer.backend import TransferError
 from k3serve.transfer.backends import make_backend
 from k3serve.transfer.checksum import flatten_rank_checksums
@@ -57,13 +57,13 @@ class PrefillResult:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # of the prompt tokens, if asked (echo)
 
 
-def make_sender(view: CacheView, transfer: str, transfer_options: dict | None, control_secret: str | None = None
+def make_sender(view: CacheView, transfer: str, transfer_options: dict | None, control_auth: ControlAuth | None = None
                 ) -> RankSender:
-    """This rank's transfer agent over its cache shard; `control_secret`: the deployment's (default this
+    """This rank's transfer agent over its cache shard; `control_auth`: the deployment's (default this
     process's own, transfer/auth.py)."""
     layout = CacheLayout.from_view(view)
     return RankSender(make_backend(transfer, **(transfer_options or {})), view.cache, layout, layout.compat_hash,
-                      control_secret=control_secret or process_secret())
+                      control_auth=control_auth or process_auth())
 
 
 class PrefillWorker:
@@ -75,14 +75,14 @@ class PrefillWorker:
         transfer_options: dict | None = None,
         name: str = "prefill-0",
         group: TPGroup | None = None,
-        control_secret: str | None = None,
+        control_auth: ControlAuth | None = None,
     ) -> None:
-        """`control_secret`: the deployment's (transfer/auth.py), which the decode ranks want; default this
-        process's own."""
+        """`control_auth`: the deployment's secret and mTLS files (transfer/auth.py), which the decode ranks want;
+        default this process's own secret."""
         self.name = name
         self.lease_seconds = lease_seconds
         self.handoff = KVHandoff(args, group, on_prompt_done=self._hold)
-        self.sender = make_sender(self.handoff.cache_view, transfer, transfer_options, control_secret)
+        self.sender = make_sender(self.handoff.cache_view, transfer, transfer_options, control_auth)
         self.metrics = transfer_metrics().bind(model=self.handoff.model_name, role="prefill")
         self.pins = PinManager(self.handoff.pins, metrics=self.metrics)  # engine thread
         self._held: dict[str, BoundaryState] = {}  # request id -> its pinned boundary state; engine thread

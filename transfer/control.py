@@ -31,7 +31,7 @@ from typing import NamedTuple, Protocol, TypeVar
 import grpc
 
 from k3serve.engine.host_ip import check_host_ip, uri_host
-from k3serve.transfer.auth import METADATA_KEY, SecretCheck, check_secret
+from k3serve.transfer.auth import METADATA_KEY, ControlTLS, SecretCheck, check_secret
 from k3serve.transfer.backend import AgentInfo, RegionDesc
 from k3serve.transfer.proto import transfer_pb2 as pb
 from k3serve.transfer.proto import transfer_pb2_grpc as pb_grpc
@@ -355,13 +355,15 @@ class DecodeControlServer:
 
     `host` is both the address bound and the one published: the node's address that prefill ranks
     dial (cluster/node_address.py), on that interface only; never 0.0.0.0, which no peer could dial.
-    `secret`: the deployment's (transfer/auth.py); every call without it is refused before the handler."""
+    `secret`: the deployment's (transfer/auth.py); every call without it is refused before the handler.
+    `tls`: serve over mutual TLS only (clients must present a certificate of its CA); None: plain TCP."""
 
     def __init__(self, handler: DecodeControlHandler, compat_hash: str, host: str = "127.0.0.1",
-                 port: int = 0, max_workers: int = 8, *, secret: str) -> None:
+                 port: int = 0, max_workers: int = 8, *, secret: str, tls: ControlTLS | None = None) -> None:
         if not compat_hash:
             raise ValueError("compat_hash is empty: pass the hash of model config + cache dtype + block size + layout")
         self._secret_check = SecretCheck(secret)
+        self._tls = tls
         self.host = check_host_ip(host.strip("[]"), "DecodeControlServer host")
         self.port: int | None = None  # set by start()
         self.instance_id = uuid.uuid4().hex  # new per server: tells clients the regions moved
@@ -388,7 +390,8 @@ class DecodeControlServer:
         pb_grpc.add_DecodeControlServicer_to_server(self._servicer, server)
         target = f"{uri_host(self.host)}:{self._requested_port}"
         try:
-            port = server.add_insecure_port(target)
+            port = (server.add_insecure_port(target) if self._tls is None
+                    else server.add_secure_port(target, self._tls.server_credentials()))
         except RuntimeError as e:
             raise ControlPlaneError(f"DecodeControlServer cannot bind {target}: {e}") from None
         if port == 0:
@@ -425,9 +428,11 @@ _CHANNEL_OPTIONS = [
 class DecodeControlClient:
     """Typed calls to one decode rank's `DecodeControl`, each with a `timeout_s` deadline.
     Raises a `ControlPlaneError` subclass on refusal (ok = false) or RPC failure; `UnauthenticatedPeerError`
-    when the server does not take `secret` (the deployment's, transfer/auth.py). Thread-safe."""
+    when the server does not take `secret` (the deployment's, transfer/auth.py). `tls`: call over mutual TLS (the
+    server's `tls` must be set too); None: plain TCP. Thread-safe."""
 
-    def __init__(self, address: str, compat_hash: str, timeout_s: float = 2.0, *, secret: str) -> None:
+    def __init__(self, address: str, compat_hash: str, timeout_s: float = 2.0, *, secret: str,
+                 tls: ControlTLS | None = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self._metadata = ((METADATA_KEY, check_secret(secret, "DecodeControlClient")),)
@@ -435,7 +440,8 @@ class DecodeControlClient:
         self.compat_hash = compat_hash
         self.timeout_s = timeout_s
         self.peer_instance_id = ""  # the server instance of the last successful handshake
-        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._channel = (grpc.insecure_channel(address, options=_CHANNEL_OPTIONS) if tls is None
+                         else grpc.secure_channel(address, tls.channel_credentials(), options=_CHANNEL_OPTIONS))
         self._stub = pb_grpc.DecodeControlStub(self._channel)
 
     def _call(self, rpc: str, request: object, what: str) -> object:

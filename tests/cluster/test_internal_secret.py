@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from k3serve.cli import build_parser, serve_config
 from k3serve.cluster.config import INTERNAL_SECRET_ENV
 from k3serve.cluster.serve import _worker_kwargs
+from k3serve.transfer.auth import ControlAuth
 
 SECRET = "k3-internal-secret-0123456789abcdef"
 
@@ -35,10 +36,12 @@ def test_the_secret_comes_from_the_flag_or_the_file_else_the_environment(tmp_pat
 def test_both_pools_get_the_configured_secret_or_one_fresh_per_start(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(INTERNAL_SECRET_ENV, raising=False)
     prefill, decode = _worker_kwargs(_config("--internal-secret", SECRET))
-    assert prefill["control_secret"] == decode["control_secret"] == SECRET
+    assert prefill["control_auth"] == decode["control_auth"] == ControlAuth(SECRET)
     first, second = (_worker_kwargs(_config()) for _ in range(2))
-    assert first[0]["control_secret"] == first[1]["control_secret"] != second[0]["control_secret"]
-    assert len(first[0]["control_secret"]) >= 32
+    assert first[0]["control_auth"] == first[1]["control_auth"] != second[0]["control_auth"]
+    assert len(first[0]["control_auth"].secret) >= 32
+    tls = _worker_kwargs(_config("--internal-secret", SECRET, "--internal-tls-dir", "/etc/k3serve/tls"))[1]
+    assert tls["control_auth"] == ControlAuth(SECRET, "/etc/k3serve/tls")
 
 
 def test_the_secret_shows_in_no_repr_and_no_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,7 +19,7 @@ import pytest
 from k3serve.decode.worker import DecodeWorker
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.sampling_params import SamplingParams
-from k3serve.transfer.auth import new_secret
+from k3serve.transfer.auth import ControlAuth, new_secret
 from k3serve.transfer.backend import AgentInfo
 from k3serve.transfer.control import (
     DecodeControlClient,
@@ -40,7 +40,7 @@ LEASE_S = 20.0
 def decode(tiny_checkpoint: Path):
     args = EngineArgs(model=str(tiny_checkpoint), block_size=16, max_model_len=512, cache_memory_bytes=64 << 20,
                       max_num_seqs=16)
-    worker = DecodeWorker(args, control_secret=SECRET, max_reservations_per_peer=PER_PEER, lease_seconds=LEASE_S)
+    worker = DecodeWorker(args, control_auth=ControlAuth(SECRET), max_reservations_per_peer=PER_PEER, lease_seconds=LEASE_S)
     yield worker
     worker.shutdown()
 

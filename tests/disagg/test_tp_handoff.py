@@ -33,7 +33,7 @@ from k3serve.prefill import rank as prefill_rank
 from k3serve.prefill.handoff import RankSender
 from k3serve.prefill.worker import HandoffTarget, PrefillWorker
 from k3serve.transfer.backend import TransferError, WriteOp
-from k3serve.transfer.auth import new_secret
+from k3serve.transfer.auth import ControlAuth, new_secret
 from k3serve.transfer.backends import available_backends
 from k3serve.transfer.control import ChecksumMismatchError, DecodeControlClient, InvalidArgumentError
 from k3serve.transfer.tp_map import RequestSpan
@@ -42,6 +42,7 @@ from _local_ranks import free_port
 
 pytestmark = pytest.mark.timeout(120)
 SECRET = new_secret()  # the pair's deployment secret, which the spawned followers get too
+AUTH = ControlAuth(SECRET)
 
 BACKEND = next((b for b in ("mooncake", "nixl") if available_backends().get(b)), None)
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 17, 40, 64, 100)]
@@ -80,13 +81,13 @@ class Pair:
             return TPGroup(0, tp, init, timeout_s=60)
 
         try:
-            pgroup = group(prefill_tp, functools.partial(prefill_rank.follower_main, control_secret=SECRET),
+            pgroup = group(prefill_tp, functools.partial(prefill_rank.follower_main, control_auth=AUTH),
                            lambda r, i: (r, pargs, i, BACKEND, None, 1))
-            self.prefill = PrefillWorker(pargs, transfer=BACKEND, group=pgroup, control_secret=SECRET)
-            dgroup = group(decode_tp, functools.partial(decode_rank.follower_main, control_secret=SECRET),
+            self.prefill = PrefillWorker(pargs, transfer=BACKEND, group=pgroup, control_auth=AUTH)
+            dgroup = group(decode_tp, functools.partial(decode_rank.follower_main, control_auth=AUTH),
                            lambda r, i: (r, dargs, i, BACKEND, "127.0.0.1", prefill_tp, None, 1))
             self.decode = DecodeWorker(dargs, transfer=BACKEND, prefill_tp=prefill_tp, group=dgroup,
-                                       control_secret=SECRET)
+                                       control_auth=AUTH)
         except BaseException:
             self.close()
             raise
