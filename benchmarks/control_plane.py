@@ -98,7 +98,8 @@ def main() -> None:
         server = DecodeControlServer(TrivialDecode(), COMPAT, max_workers=workers, secret=args.secret).start()
         address, stop = server.address, lambda: server.stop(0)
     else:
-        child = subprocess.Popen([sys.executable, __file__, "--serve", "--clients", str(args.clients), "--secret", args.secret],
+        child = subprocess.Popen([sys.executable, __file__, "--serve", "--clients", str(args.clients),
+                                  "--secret", args.secret],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         address = child.stdout.readline().strip()
 

@@ -9,8 +9,9 @@ its stream is abandoned. Control-plane reservations are bounded per peer host (`
 size by `max_model_len`, their lease by `lease_seconds`. Landed state is checked again right before the request's
 first decode step, and its prompt's MLA rows (which decoding never rewrites) at random steps with
 `reverify_probability`: state changed behind the engine's back (a stray or hostile one-sided write) fails the
-request with an error, counted (`k3serve:transfer_integrity_failures_total`) and logged, never continued. A router follows its requests through one feed (`feed`, then `admit(..., feed=...)`):
-per engine step one message with the deltas of all of them. Ranks > 0 run `decode.rank.follower_main`; the
+request with an error, counted (`k3serve:transfer_integrity_failures_total`) and logged, never continued. A router
+follows its requests through one feed (`feed`, then `admit(..., feed=...)`): per engine step one message with the
+deltas of all of them. Ranks > 0 run `decode.rank.follower_main`; the
 engine's address is its ranks' control addresses, rank 0 first. The sequence is drawn in docs/design/handoff.md.
 """
 
@@ -95,9 +96,10 @@ class DecodeWorker:
         max_reservations_per_peer: int = 16,
         reverify_probability: float = 0.0,
     ) -> None:
-        """`control_auth`: the deployment's secret and mTLS files (transfer/auth.py; default this process's own). `lease_seconds`: a
-        reservation's lease, and the longest a control-plane Reserve may ask for. `reverify_probability`: the chance
-        per step that an adopted request's prompt MLA rows are checked again (0: only before its first step)."""
+        """`control_auth`: the deployment's secret and mTLS files (transfer/auth.py; default this process's own).
+        `lease_seconds`: a reservation's lease, and the longest a control-plane Reserve may ask for.
+        `reverify_probability`: the chance per step that an adopted request's prompt MLA rows are checked again (0:
+        only before its first step)."""
         if max_reservations_per_peer < 1:
             raise ValueError(f"max_reservations_per_peer must be >= 1, got {max_reservations_per_peer}")
         if not 0.0 <= reverify_probability <= 1.0:

@@ -64,8 +64,8 @@ class _Peer:
 
 class RankSender:
     def __init__(
-        self, backend: TransferBackend, cache: ModelCache, layout: CacheLayout, compat_hash: str, timeout_s: float = 30.0,
-        *, control_auth: ControlAuth,
+        self, backend: TransferBackend, cache: ModelCache, layout: CacheLayout, compat_hash: str,
+        timeout_s: float = 30.0, *, control_auth: ControlAuth,
     ) -> None:
         """`control_auth`: the deployment's secret (and mTLS files), which every decode rank's control server wants
         (transfer/auth.py)."""
