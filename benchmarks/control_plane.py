@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 
+from k3serve.transfer.auth import new_secret
 from k3serve.transfer.backend import AgentInfo, RegionDesc
 from k3serve.transfer.control import DecodeControlClient, DecodeControlServer, HandshakeInfo, Reservation
 
@@ -33,10 +34,10 @@ class TrivialDecode:
         self.lock = threading.Lock()
         self.known: set[str] = set()
 
-    def handshake(self, peer, layout_json, tp_size, tp_rank):
+    def handshake(self, peer, layout_json, tp_size, tp_rank, request_id):
         return HandshakeInfo(AGENT, "{}", 1, 0)
 
-    def reserve(self, request_id, num_tokens, lease_seconds):
+    def reserve(self, request_id, num_tokens, lease_seconds, peer):
         with self.lock:
             self.known.add(request_id)
         return Reservation(tuple(range(-(-num_tokens // 16))), 0, time.time() + lease_seconds)
@@ -83,20 +84,22 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--in-process", action="store_true", help="run the server in this process")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child process
+    parser.add_argument("--secret", default=new_secret(), help=argparse.SUPPRESS)  # the child's: the parent's
     args = parser.parse_args()
 
     workers = max(8, args.clients)
     if args.serve:
-        server = DecodeControlServer(TrivialDecode(), COMPAT, max_workers=workers).start()
+        server = DecodeControlServer(TrivialDecode(), COMPAT, max_workers=workers, secret=args.secret).start()
         print(server.address, flush=True)
         sys.stdin.read()  # until the parent closes our stdin
         server.stop(0)
         return
     if args.in_process:
-        server = DecodeControlServer(TrivialDecode(), COMPAT, max_workers=workers).start()
+        server = DecodeControlServer(TrivialDecode(), COMPAT, max_workers=workers, secret=args.secret).start()
         address, stop = server.address, lambda: server.stop(0)
     else:
-        child = subprocess.Popen([sys.executable, __file__, "--serve", "--clients", str(args.clients)],
+        child = subprocess.Popen([sys.executable, __file__, "--serve", "--clients", str(args.clients),
+                                  "--secret", args.secret],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         address = child.stdout.readline().strip()
 
@@ -106,7 +109,7 @@ def main() -> None:
 
     rows: dict[str, dict] = {}
     try:
-        client = DecodeControlClient(address, COMPAT, timeout_s=5.0)
+        client = DecodeControlClient(address, COMPAT, timeout_s=5.0, secret=args.secret)
         t0 = time.perf_counter()
         client.handshake(AGENT, "{}", 1, 0)
         rows["handshake (64 regions, once)"] = stats_ms([time.perf_counter() - t0])
@@ -124,7 +127,7 @@ def main() -> None:
         rows["Heartbeat (64 ids)"] = stats_ms(hb)
         client.close()
 
-        clients = [DecodeControlClient(address, COMPAT, timeout_s=5.0) for _ in range(args.clients)]
+        clients = [DecodeControlClient(address, COMPAT, timeout_s=5.0, secret=args.secret) for _ in range(args.clients)]
         results: list[dict[str, list[float]]] = [{} for _ in clients]
 
         def work(k: int) -> None:

@@ -20,6 +20,7 @@ from k3serve.cluster.node_address import ReplicaAddresses, node_ip
 from k3serve.decode.worker import DecodeWorker
 from k3serve.engine.config import EngineArgs
 from k3serve.prefill.worker import PrefillWorker
+from k3serve.transfer.auth import ControlAuth
 from k3serve.transfer.backend import TransferBackend
 from k3serve.transfer.backends import host_options
 
@@ -117,12 +118,12 @@ class PrefillRankActor:
     """Rank > 0 of a TP prefill engine: follows rank 0 until it stops."""
 
     def run(self, rank: int, engine_kwargs: dict[str, Any], init_method: str, transfer: str,
-            advertise_host: str | None = None, num_threads: int = 1) -> None:
+            advertise_host: str | None = None, num_threads: int = 1, control_auth: ControlAuth | None = None) -> None:
         from k3serve.prefill.rank import follower_main
 
         host, transfer_options = _on_this_node(transfer, advertise_host)
         follower_main(rank, EngineArgs(**engine_kwargs), init_method, transfer, transfer_options,
-                      num_threads=num_threads, host=host)
+                      num_threads=num_threads, host=host, control_auth=control_auth)
 
 
 @ray.remote(max_restarts=0)
@@ -130,12 +131,13 @@ class DecodeRankActor:
     """Rank > 0 of a TP decode engine: follows rank 0 until it stops; answers handshakes."""
 
     def run(self, rank: int, engine_kwargs: dict[str, Any], init_method: str, transfer: str,
-            advertise_host: str | None = None, prefill_tp: int = 1, num_threads: int = 1) -> None:
+            advertise_host: str | None = None, prefill_tp: int = 1, num_threads: int = 1,
+            control_auth: ControlAuth | None = None) -> None:
         from k3serve.decode.rank import follower_main
 
         host, transfer_options = _on_this_node(transfer, advertise_host)
         follower_main(rank, EngineArgs(**engine_kwargs), init_method, transfer, host, prefill_tp,
-                      transfer_options, num_threads=num_threads)
+                      transfer_options, num_threads=num_threads, control_auth=control_auth)
 
 
 @ray.remote(max_restarts=-1, max_task_retries=0)

@@ -24,6 +24,7 @@ from k3serve.engine.config import EngineArgs, engine_arg_docs
 from k3serve.cluster.ingress_limits import IngressLimits
 from k3serve.cluster.room_watch import STALL_SECONDS
 from k3serve.engine.host_ip import check_host_ip
+from k3serve.transfer.auth import check_secret
 
 # The admission queue's default length, in rounds of the decode pool (decode_replicas x its max_num_seqs):
 # a request queued k rounds deep waits about k request lifetimes, so at 8 rounds of few-second requests
@@ -35,6 +36,8 @@ QUEUE_ROUNDS = 8
 # Where `ServeConfig.load` finds the API key when neither the file nor a flag gives one: a secret need not
 # sit in a YAML file or on a command line (which `ps` shows); a Kubernetes Secret arrives this way.
 API_KEY_ENV = "K3SERVE_API_KEY"
+# The same for the secret of the internal control plane, which every worker of a multi-node deployment must share.
+INTERNAL_SECRET_ENV = "K3SERVE_INTERNAL_SECRET"
 
 _LIMITS = IngressLimits()  # the defaults of the ingress limits (cluster/ingress_limits.py)
 
@@ -128,6 +131,15 @@ class ServeConfig(EngineOptions):
         "vLLM's (k3serve:time_to_first_token_seconds, ...; cluster/metrics.py LEGACY_NAMES); for one release",
     )
     verify_checksums: bool = Field(True, description="decode verifies every handoff's checksums before continuing")
+    reverify_probability: float = Field(
+        0.0, ge=0.0, le=1.0, description="decode: the chance per step that an adopted request's prompt KV is "
+        "checksummed again (state changed behind the engine fails the request); 0: only before its first step",
+    )
+    internal_secret: SecretStr | None = Field(
+        None, description="the secret every internal control-plane call carries (prefill -> decode gRPC); "
+        f"default: ${INTERNAL_SECRET_ENV}, else a new one at every start (fine on one node or one Ray cluster "
+        "started here; workers on several nodes that join by other means must share one)",
+    )
     ray_address: str | None = Field(None, description="join this Ray cluster; default: start a local one")
     ray_dashboard: bool = Field(False, description="the local Ray's dashboard on http://127.0.0.1:8265, with Ray's "
                                 "autoscaler and log monitors (off: none of the three, ~300 MB less)")
@@ -174,6 +186,19 @@ class ServeConfig(EngineOptions):
             raise ValueError("must be printable ASCII: an HTTP header carries nothing else")
         return key
 
+    internal_tls_dir: str | None = Field(
+        None, description="directory of ca.crt, tls.crt and tls.key on every node (a mounted cert-manager Secret): "
+        "the internal control plane then runs over mutual TLS, each worker with its own node's certificate "
+        "(for its pod IP), the secret still checked; default: plain TCP",
+    )
+
+    @field_validator("internal_secret")
+    @classmethod
+    def _usable_secret(cls, secret: SecretStr | None) -> SecretStr | None:
+        if secret is not None:
+            check_secret(secret.get_secret_value(), "internal_secret")
+        return secret
+
     @model_validator(mode="after")
     def _cross_check(self) -> "ServeConfig":
         if self.mode == "disaggregated" and self.transfer == "local" and self.launcher == "ray":
@@ -213,7 +238,8 @@ class ServeConfig(EngineOptions):
     @classmethod
     def load(cls, path: str | Path | None = None, **overrides: Any) -> "ServeConfig":
         """File values, then `overrides` (flags that were given; None means not given); then, when neither
-        gives an api_key, $K3SERVE_API_KEY (as vLLM: `--api-key`, else $VLLM_API_KEY)."""
+        gives an api_key, $K3SERVE_API_KEY (as vLLM: `--api-key`, else $VLLM_API_KEY); the same for
+        internal_secret and $K3SERVE_INTERNAL_SECRET."""
         data: dict[str, Any] = {}
         if path is not None:
             loaded = yaml.safe_load(Path(path).read_text()) or {}
@@ -223,6 +249,8 @@ class ServeConfig(EngineOptions):
         data.update({k: v for k, v in overrides.items() if v is not None})
         if data.get("api_key") is None and API_KEY_ENV in os.environ:
             data["api_key"] = os.environ[API_KEY_ENV]
+        if data.get("internal_secret") is None and INTERNAL_SECRET_ENV in os.environ:
+            data["internal_secret"] = os.environ[INTERNAL_SECRET_ENV]
         return cls(**data)
 
     @property

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from k3serve.cluster.config import ServeConfig
 from k3serve.cluster.metrics import IngressMetrics
-from k3serve.cluster.node_address import LOOPBACK
+from k3serve.cluster.node_address import HOST_IP_ENV, LOOPBACK
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.llm_engine import resolve_model_dir
 from k3serve.model.presets import PRESETS
@@ -99,10 +99,17 @@ def _check_tp(config: ServeConfig, model_dir: str) -> None:
 
 
 def _worker_kwargs(config: ServeConfig) -> tuple[dict, dict]:
-    prefill = {"transfer": config.transfer, "lease_seconds": config.lease_seconds}
+    """The prefill and decode workers' keyword arguments; both carry the deployment's control-plane auth
+    (`internal_secret`, else one made now, and `internal_tls_dir`: transfer/auth.py)."""
+    from k3serve.transfer.auth import ControlAuth, new_secret
+
+    secret = config.internal_secret.get_secret_value() if config.internal_secret is not None else new_secret()
+    auth = ControlAuth(secret, config.internal_tls_dir)
+    prefill = {"transfer": config.transfer, "lease_seconds": config.lease_seconds, "control_auth": auth}
     decode = {
         "transfer": config.transfer, "lease_seconds": config.lease_seconds, "prefill_tp": config.prefill_tp,
-        "verify_checksums": config.verify_checksums,
+        "verify_checksums": config.verify_checksums, "reverify_probability": config.reverify_probability,
+        "control_auth": auth,
     }
     return prefill, decode
 
@@ -153,14 +160,17 @@ def _start_local(config: ServeConfig, prefill_args: EngineArgs, decode_args: Eng
             prefill = [
                 start(f"prefill-{i}", config.prefill_tp,
                       lambda group, name=f"prefill-{i}": PrefillWorker(prefill_args, name=name, group=group, **prefill_kw),
-                      prefill_rank.follower_main, lambda rank, init: (rank, prefill_args, init, config.transfer))
+                      prefill_rank.follower_main,
+                      lambda rank, init: (rank, prefill_args, init, config.transfer, None, None, LOOPBACK,
+                                          prefill_kw["control_auth"]))
                 for i in range(config.prefill_replicas)
             ]
             decode = [
                 start(f"decode-{i}", config.decode_tp,
                       lambda group, name=f"decode-{i}": DecodeWorker(decode_args, name=name, group=group, **decode_kw),
                       decode_rank.follower_main,
-                      lambda rank, init: (rank, decode_args, init, config.transfer, LOOPBACK, config.prefill_tp))
+                      lambda rank, init: (rank, decode_args, init, config.transfer, LOOPBACK, config.prefill_tp, None,
+                                          None, decode_kw["control_auth"]))
                 for i in range(config.decode_replicas)
             ]
             router, metrics = _router(config, prefill, decode, decode_args.model, decode_args.served_model_name)
@@ -180,8 +190,11 @@ def _start_ray(config: ServeConfig, prefill_args: EngineArgs, decode_args: Engin
     from k3serve.cluster.replicas import RayDecodeReplica, RayPrefillReplica
 
     stops: list[Callable[[], None]] = []
+    single_node = not config.ray_address and not ray.is_initialized()
     if not ray.is_initialized():
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        # Ray's token auth stays on (Ray 2.60 turns it on for a cluster ray.init starts, making ~/.ray/auth_token,
+        # unless $RAY_AUTH_MODE says otherwise; a joined cluster needs its token): without it anyone who reaches
+        # the node's Ray ports runs code on the cluster. Not set here: Ray reads the mode once, at import.
         if config.ray_address:
             ray.init(address=config.ray_address, include_dashboard=False, log_to_driver=False)
             stops.append(ray.shutdown)
@@ -193,8 +206,13 @@ def _start_ray(config: ServeConfig, prefill_args: EngineArgs, decode_args: Engin
             with stage(f"starting a local Ray ({num_cpus} CPUs, {dashboard})"):
                 stops.append(start_local_ray(num_cpus, dashboard=config.ray_dashboard).stop)
     prefill_kw, decode_kw = _worker_kwargs(config)
-    prefill_pool = _RayPool(PrefillActor, PrefillRankActor, asdict(prefill_args), {})
-    decode_pool = _RayPool(DecodeActor, DecodeRankActor, asdict(decode_args), {"prefill_tp": config.prefill_tp})
+    secret = {"control_auth": prefill_kw["control_auth"]}
+    prefill_pool = _RayPool(PrefillActor, PrefillRankActor, asdict(prefill_args), secret)
+    decode_pool = _RayPool(DecodeActor, DecodeRankActor, asdict(decode_args),
+                           {"prefill_tp": config.prefill_tp, **secret})
+    # A cluster started here is this node alone: every worker binds and advertises loopback (advertise_host
+    # still wins); a joined cluster's workers each choose their node's address (cluster/node_address.py).
+    advertise_host = config.advertise_host or (LOOPBACK if single_node and not os.environ.get(HOST_IP_ENV) else None)
     replicas = {
         **{f"prefill-{i}": (prefill_pool, prefill_kw) for i in range(config.prefill_replicas)},
         **{f"decode-{i}": (decode_pool, decode_kw) for i in range(config.decode_replicas)},
@@ -202,7 +220,7 @@ def _start_ray(config: ServeConfig, prefill_args: EngineArgs, decode_args: Engin
     actors: list[Any] = []  # every actor started, killed if the deployment fails to start
     try:
         with stage(f"starting {_replica_names(config)} as Ray actors (weights, pools, warm-up)"):
-            leaders = _start_ray_replicas(config, replicas, stops, actors)
+            leaders = _start_ray_replicas(config, replicas, stops, actors, advertise_host)
         for leader in leaders.values():
             stops.append(lambda a=leader: _stop_actor(a))
         prefill = [RayPrefillReplica(name, a) for name, a in leaders.items() if name.startswith("prefill-")]
@@ -272,6 +290,7 @@ _RANK0_TIMEOUT_S = 120.0  # a TP replica's rank 0 answering its group's address 
 
 def _start_ray_replicas(
     config: ServeConfig, replicas: dict[str, tuple[_RayPool, dict]], stops: list, actors: list,
+    advertise_host: str | None,
 ) -> dict[str, Any]:
     """Each replica's rank-0 actor by name, once every one is up; each step is started for all
     replicas, then waited for once. A replica is a single actor when TP is 1; else TP ranks in a
@@ -279,6 +298,7 @@ def _start_ray_replicas(
     group's address on its own node, the followers (decode ones answer handshakes) are started
     with it, then rank 0 forms the group. A TP replica is not restarted piecewise
     (`max_restarts=0`). Every rank chooses its own node's address (`advertise_host` overrides it).
+    `advertise_host` (None: each rank's node address) is what every rank binds and advertises.
     A follower whose run ends while the replicas start (it failed) fails the start at once, naming it,
     rather than leaving its rank 0 to wait out the group's join timeout.
     Every actor started is appended to `actors`, every placement group's removal to `stops`."""
@@ -292,7 +312,7 @@ def _start_ray_replicas(
             groups[name] = _placement_group(config, pool.tp, stops)
             options = {"max_restarts": 0, **_in_bundle(config, groups[name], 0)}
         leaders[name] = pool.leader.options(**options).remote(
-            pool.engine_kwargs, {**worker_kwargs, "name": name}, advertise_host=config.advertise_host)
+            pool.engine_kwargs, {**worker_kwargs, "name": name}, advertise_host=advertise_host)
         actors.append(leaders[name])
         if pool.tp == 1:
             up[name] = leaders[name].stats.remote()
@@ -308,7 +328,7 @@ def _start_ray_replicas(
             follower = pool.follower.options(**_in_bundle(config, groups[name], rank)).remote()
             actors.append(follower)
             runs[f"{name} rank {rank}"] = follower.run.remote(rank, pool.engine_kwargs, init, config.transfer,
-                                                              config.advertise_host, **pool.follower_kwargs)
+                                                              advertise_host, **pool.follower_kwargs)
         up[name] = leaders[name].start.remote()
     _wait_all(up, "starting", None, runs)  # no limit: loading a large model's weights takes what it takes
     return leaders

@@ -70,14 +70,16 @@ class HandshakeOnly:
     def __init__(self, receiver: RankReceiver) -> None:
         self.receiver = receiver
 
-    def handshake(self, peer: AgentInfo, layout_json: str, tp_size: int, tp_rank: int) -> HandshakeInfo:
+    def handshake(self, peer: AgentInfo, layout_json: str, tp_size: int, tp_rank: int,
+                  request_id: str) -> HandshakeInfo:
+        """Any authenticated peer: a rank > 0 does not know the reservations (rank 0 does)."""
         return self.receiver.handshake(peer, layout_json, tp_size, tp_rank)
 
     def _refuse(self, *args: object) -> None:
         raise InvalidArgumentError(f"rank {self.receiver.rank} of a decode engine only answers handshakes "
                                    "(reservations, TransferReady, aborts and heartbeats go to rank 0)")
 
-    def reserve(self, request_id: str, num_tokens: int, lease_seconds: float) -> Reservation:
+    def reserve(self, request_id: str, num_tokens: int, lease_seconds: float, peer: str) -> Reservation:
         self._refuse()
 
     def transfer_ready(self, request_id: str, from_rank: int, first_token_id: int, num_tokens: int,

@@ -5,13 +5,20 @@ state into every decode rank and report with TransferReady; once all have, rank 
 checksums on every rank and adopts the request (or fails it loudly and frees the reservation). It drives its
 engine through the handoff seam (`KVHandoff`); every pool operation runs on the engine thread, so the scheduler
 never races a gRPC handler. A reservation never completed is freed when its lease runs out, on abort, or when
-its stream is abandoned. A router follows its requests through one feed (`feed`, then `admit(..., feed=...)`):
-per engine step one message with the deltas of all of them. Ranks > 0 run `decode.rank.follower_main`; the
+its stream is abandoned. Control-plane reservations are bounded per peer host (`max_reservations_per_peer`), their
+size by `max_model_len`, their lease by `lease_seconds`. Landed state is checked again right before the request's
+first decode step, and its prompt's MLA rows (which decoding never rewrites) at random steps with
+`reverify_probability`: state changed behind the engine's back (a stray or hostile one-sided write) fails the
+request with an error, counted (`k3serve:transfer_integrity_failures_total`) and logged, never continued. A router
+follows its requests through one feed (`feed`, then `admit(..., feed=...)`): per engine step one message with the
+deltas of all of them. Ranks > 0 run `decode.rank.follower_main`; the
 engine's address is its ranks' control addresses, rank 0 first. The sequence is drawn in docs/design/handoff.md.
 """
 
 from __future__ import annotations
 
+import logging
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,6 +29,7 @@ from k3serve.engine.config import EngineArgs
 from k3serve.engine.kv_handoff import BoundaryState, DeltaFeed, EngineStats, Item, KVHandoff, TPGroup
 from k3serve.engine.outputs import RequestDelta
 from k3serve.engine.sampling_params import SamplingParams
+from k3serve.transfer.auth import ControlAuth, process_auth
 from k3serve.transfer.backend import AgentInfo
 from k3serve.transfer.checksum import combine_request_checksums, mismatched_regions, split_rank_checksums
 from k3serve.transfer.control import (
@@ -35,6 +43,8 @@ from k3serve.transfer.control import (
 )
 from k3serve.transfer.metrics import transfer_metrics
 from k3serve.transfer.tp_map import sending_ranks
+
+logger = logging.getLogger(__name__)
 
 
 class HandoffFailedError(RuntimeError):
@@ -57,6 +67,17 @@ class _Pending:
     shares: dict[int, dict[int, dict[str, str]]] = field(default_factory=dict)  # prefill rank -> decode rank -> sums
     first_token_id: int | None = None
     grammar: Any = None  # the structured output constraint's compiled grammar, for the adoption
+    peer: str | None = None  # the control-plane peer host that reserved it; None: admitted by the router
+
+
+@dataclass
+class _Landed:
+    """An adopted request's verified state, to check again: before its first decode step, then at random steps."""
+
+    state: BoundaryState
+    num_tokens: int  # the prompt's, whose state landed
+    sums: list[dict[str, str]]  # [decode_tp] region -> checksum, as verified at adoption
+    stepped: bool = False  # its first decode step ran (its KDA slot moves on from now: only MLA rows are checked)
 
 
 class DecodeWorker:
@@ -71,12 +92,27 @@ class DecodeWorker:
         transfer_options: dict | None = None,
         name: str = "decode-0",
         group: TPGroup | None = None,
+        control_auth: ControlAuth | None = None,
+        max_reservations_per_peer: int = 16,
+        reverify_probability: float = 0.0,
     ) -> None:
+        """`control_auth`: the deployment's secret and mTLS files (transfer/auth.py; default this process's own).
+        `lease_seconds`: a reservation's lease, and the longest a control-plane Reserve may ask for.
+        `reverify_probability`: the chance per step that an adopted request's prompt MLA rows are checked again (0:
+        only before its first step)."""
+        if max_reservations_per_peer < 1:
+            raise ValueError(f"max_reservations_per_peer must be >= 1, got {max_reservations_per_peer}")
+        if not 0.0 <= reverify_probability <= 1.0:
+            raise ValueError(f"reverify_probability must be in [0, 1], got {reverify_probability}")
         self.name = name
-        self.handoff = KVHandoff(args, group, on_abort=self._on_engine_abort)
+        self.handoff = KVHandoff(args, group, on_abort=self._on_engine_abort, before_step=self._check_adopted)
         self.decode_tp = self.handoff.tp_size
         self.lease_seconds = lease_seconds
         self.verify_checksums = verify_checksums
+        self.max_reservations_per_peer = max_reservations_per_peer
+        self.reverify_probability = reverify_probability
+        self._adopted: dict[str, _Landed] = {}  # engine thread
+        self._random = random.Random()
         self.prefill_tp = prefill_tp
         self.metrics = transfer_metrics().bind(model=self.handoff.model_name, role="decode")
         self._lock = threading.Lock()
@@ -89,7 +125,9 @@ class DecodeWorker:
             self._expected_ranks = self._sources(prefill_tp)
             self.receiver = make_receiver(self.handoff.cache_view, transfer, transfer_options, prefill_tp)
             self.compat_hash = self.receiver.compat_hash
-            self.server = DecodeControlServer(self, self.compat_hash, host=host).start()
+            auth = control_auth or process_auth()
+            self.server = DecodeControlServer(self, self.compat_hash, host=host, secret=auth.secret,
+                                              tls=auth.tls()).start()
             self.control_addresses: tuple[str, ...] = self.handoff.submit(self._gather_addresses).result()
         except BaseException:
             self.shutdown()  # releases the followers too: none is left waiting for rank 0
@@ -203,11 +241,26 @@ class DecodeWorker:
             self.receiver.close()
 
     # ---- DecodeControlHandler (gRPC threads) ---------------------------------------------------
-    def handshake(self, peer: AgentInfo, layout_json: str, tp_size: int, tp_rank: int) -> HandshakeInfo:
+    def handshake(self, peer: AgentInfo, layout_json: str, tp_size: int, tp_rank: int,
+                  request_id: str) -> HandshakeInfo:
+        """Rank 0's regions go to a peer about to write a live reservation only (one it was granted)."""
+        now = time.monotonic()
+        with self._lock:
+            pending = self._pending.get(request_id)
+            live = pending is not None and pending.deadline >= now
+        if not live:
+            raise UnknownRequestError("handshake names no live reservation on this decode engine: a peer learns "
+                                      "its regions only to write a reservation it was granted")
         return self.receiver.handshake(peer, layout_json, tp_size, tp_rank)
 
-    def reserve(self, request_id: str, num_tokens: int, lease_seconds: float) -> Reservation:
-        return self.handoff.submit(lambda: self._reserve(request_id, num_tokens, lease_seconds)).result()
+    def reserve(self, request_id: str, num_tokens: int, lease_seconds: float, peer: str) -> Reservation:
+        if num_tokens > self.handoff.max_model_len:
+            raise InvalidArgumentError(f"num_tokens {num_tokens} exceeds this engine's max_model_len "
+                                       f"{self.handoff.max_model_len}")
+        if lease_seconds > self.lease_seconds:
+            raise InvalidArgumentError(f"lease_seconds {lease_seconds:g} exceeds this decode's limit "
+                                       f"{self.lease_seconds:g} (heartbeats extend a lease)")
+        return self.handoff.submit(lambda: self._reserve(request_id, num_tokens, lease_seconds, peer)).result()
 
     def transfer_ready(
         self, request_id: str, from_rank: int, first_token_id: int, num_tokens: int, checksums: dict[str, str]
@@ -248,10 +301,16 @@ class DecodeWorker:
         return unknown
 
     # ---- engine thread ---------------------------------------------------------------------------
-    def _reserve(self, request_id: str, num_tokens: int, lease_seconds: float | None = None) -> Reservation:
+    def _reserve(self, request_id: str, num_tokens: int, lease_seconds: float | None = None,
+                 peer: str | None = None) -> Reservation:
+        now = time.monotonic()
         with self._lock:
             if request_id in self._pending or self.handoff.has_request(request_id):
                 raise InvalidArgumentError(f"request {request_id!r} is already here")
+            held = 0 if peer is None else sum(p.peer == peer and p.deadline >= now for p in self._pending.values())
+        if held >= self.max_reservations_per_peer:
+            raise NoCapacityError(f"peer {peer} already holds {held} reservations here, the limit "
+                                  f"max_reservations_per_peer={self.max_reservations_per_peer}")
         state = self.handoff.reserve(request_id, num_tokens)
         if state is None:
             free = self.handoff.stats()
@@ -259,7 +318,7 @@ class DecodeWorker:
                                   f"{free.num_free_slots} free slots")
         lease = lease_seconds or self.lease_seconds
         with self._lock:
-            self._pending[request_id] = _Pending(state, time.monotonic() + lease)
+            self._pending[request_id] = _Pending(state, time.monotonic() + lease, peer=peer)
         return Reservation(state.block_ids, state.slot_id, time.time() + lease)
 
     def _adopt(self, request_id: str, pending: _Pending) -> None:
@@ -267,8 +326,9 @@ class DecodeWorker:
             if self._pending.pop(request_id, None) is None:
                 raise UnknownRequestError(f"request {request_id!r} was aborted during its handoff")
         state = pending.state
+        landed: list[dict[str, str]] | None = None
         if self.verify_checksums:
-            bad = self._verify(state, len(pending.prompt_token_ids), pending.shares)
+            bad, landed = self._verify(state, len(pending.prompt_token_ids), pending.shares)
             if bad:
                 self.handoff.cancel(state)
                 error = ChecksumMismatchError(f"request {request_id!r}: state corrupted in transfer, regions {bad}")
@@ -281,13 +341,21 @@ class DecodeWorker:
             self.handoff.cancel(state)
             self.handoff.fail(request_id, error)
             raise
+        if landed is not None:
+            self._adopted[request_id] = _Landed(state, len(pending.prompt_token_ids), landed)
 
-    def _verify(self, state: BoundaryState, num_tokens: int, shares: dict[int, dict[int, dict[str, str]]]) -> list[str]:
-        """Engine thread: every decode rank checksums its landed shard (one gather through the TP
-        group); each is compared with the sum of what the prefill ranks sent it. Returns the
-        mismatched "<decode rank>/<region>" names (or why a rank could not tell); [] = intact."""
+    def _landed(self, state: BoundaryState, num_tokens: int) -> list[dict[str, str] | str]:
+        """Engine thread: every decode rank's checksums of its view of `state`'s first `num_tokens` tokens (one
+        gather through the TP group), or why a rank could not compute them."""
         args = (state.block_ids, state.slot_id, num_tokens)
-        landed = self.handoff.on_all_ranks("checksums", args, lambda: self.receiver.landed_checksums(*args))
+        return self.handoff.on_all_ranks("checksums", args, lambda: self.receiver.landed_checksums(*args))
+
+    def _verify(self, state: BoundaryState, num_tokens: int, shares: dict[int, dict[int, dict[str, str]]]
+                ) -> tuple[list[str], list[dict[str, str]]]:
+        """Engine thread: every decode rank checksums its landed shard; each is compared with the sum of what the
+        prefill ranks sent it. Returns the mismatched "<decode rank>/<region>" names (or why a rank could not
+        tell; [] = intact) and the landed sums by rank."""
+        landed = self._landed(state, num_tokens)
         bad = []
         for r, got in enumerate(landed):
             if not isinstance(got, dict):
@@ -295,6 +363,40 @@ class DecodeWorker:
                 continue
             expected = combine_request_checksums(share.get(r, {}) for share in shares.values())
             bad += [f"{r}/{name}" for name in mismatched_regions(expected, got, self.metrics)]
+        return bad, [got for got in landed if isinstance(got, dict)]
+
+    def _check_adopted(self) -> dict[str, str]:
+        """Engine thread, before each step schedules (`before_step`): the adopted requests whose state changed
+        since it was verified, with why; each is counted and logged here, and failed by the engine."""
+        failed: dict[str, str] = {}
+        for request_id in [rid for rid in self._adopted if not self.handoff.has_request(rid)]:
+            del self._adopted[request_id]  # finished or aborted
+        for request_id, landed in list(self._adopted.items()):
+            if landed.stepped and self._random.random() >= self.reverify_probability:
+                continue
+            stage = "step" if landed.stepped else "first_step"
+            bad = self._changed_regions(landed)
+            landed.stepped = True
+            if bad:
+                self.metrics.integrity_failure(stage)
+                logger.error("decode %s: request %r: state changed after its handoff was verified (%s check), "
+                             "regions %s: failing it", self.name, request_id, stage, bad)
+                failed[request_id] = (f"request {request_id!r}: its cached state changed after the handoff was "
+                                      f"verified (regions {bad}); failed rather than continued")
+            if bad or self.reverify_probability == 0.0:
+                del self._adopted[request_id]
+        return failed
+
+    def _changed_regions(self, landed: _Landed) -> list[str]:
+        """"<rank>/<region>" of `landed` whose sums differ from those verified: every region before the first
+        decode step, the MLA ones after it (the KDA slot moves with each step; the prompt's MLA rows never do)."""
+        bad = []
+        for r, (got, verified) in enumerate(zip(self._landed(landed.state, landed.num_tokens), landed.sums)):
+            if not isinstance(got, dict):
+                bad.append(str(got))
+                continue
+            names = [n for n in verified if not landed.stepped or n.startswith("mla.")]
+            bad += [f"{r}/{name}" for name in names if got.get(name) != verified[name]]
         return bad
 
     def _drop_reservation(self, request_id: str, error: BaseException) -> bool:

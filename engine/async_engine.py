@@ -104,11 +104,12 @@ class AsyncEngine:
     def __init__(
         self, args: EngineArgs | None = None, group: TPGroup | None = None,
         on_finish: Callable[[Request], None] | None = None, on_abort: Callable[[str], None] | None = None,
-        **engine_args: Any,
+        before_step: Callable[[], dict[str, str]] | None = None, **engine_args: Any,
     ) -> None:
-        """`on_finish`: the scheduler's hook (`Scheduler.on_finish`); `on_abort(request_id)`: after every abort.
-        Both run on the engine thread."""
-        self.engine = LLMEngine(args if args is not None else EngineArgs.from_kwargs(**engine_args), group, on_finish)
+        """`on_finish`: the scheduler's hook (`Scheduler.on_finish`); `on_abort(request_id)`: after every abort;
+        `before_step`: `LLMEngine`'s. All run on the engine thread."""
+        self.engine = LLMEngine(args if args is not None else EngineArgs.from_kwargs(**engine_args), group, on_finish,
+                                before_step)
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._streams: dict[str, _Sink] = {}  # where each followed request's deltas go
         self._lock = threading.Lock()

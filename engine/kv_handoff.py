@@ -100,7 +100,9 @@ class KVHandoff:
 
     `on_prompt_done` (engine thread): a request finished with its whole prompt computed (not aborted), before
     the engine frees its blocks and slot; pin what must outlive it (`pins`). `on_abort` (engine thread): after
-    every abort of a request, known to the engine or not (a decode reservation is not)."""
+    every abort of a request, known to the engine or not (a decode reservation is not). `before_step` (engine
+    thread): before each step schedules, {request_id: why} of the adopted requests to fail now, each ending its
+    stream with that error (a decode worker's re-check of landed state; `on_all_ranks` may be used in it)."""
 
     def __init__(
         self,
@@ -108,13 +110,15 @@ class KVHandoff:
         group: TPGroup | None = None,
         on_prompt_done: Callable[[BoundaryState], None] | None = None,
         on_abort: Callable[[str], None] | None = None,
+        before_step: Callable[[], dict[str, str]] | None = None,
     ) -> None:
         self._on_prompt_done = on_prompt_done
         self._group = group
         self._engine = AsyncEngine(args, group, on_finish=self._finished if on_prompt_done else None,
-                                   on_abort=on_abort)
+                                   on_abort=on_abort, before_step=before_step)
         llm = self._engine.engine  # read here once, before any step; fixed from now on (any thread)
         self.model_name: str = llm.model_name
+        self.max_model_len: int = llm.args.max_model_len
         self.num_kda_heads: int = llm.config.kda.num_heads
         self.tp_size: int = group.world_size if group is not None else 1
         self.cache_view = CacheView(llm.runner.cache, llm.config, 0, self.tp_size, args.torch_dtype, args.block_size)

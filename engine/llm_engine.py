@@ -88,13 +88,17 @@ class _Tracked:
 class LLMEngine:
     """`group`: rank 0's TP group when the engine spans several ranks (the followers run
     `engine.tp_group.follow_forever`); None for a single-rank engine. `on_finish`: the scheduler's hook
-    (`Scheduler.on_finish`, engine thread). On CUDA the start runs one warm-up step and raises
-    `engine.warmup.MemoryPlanError` when it exceeds the memory plan (`warmup`: what it measured)."""
+    (`Scheduler.on_finish`, engine thread). `before_step` (engine thread): called before each step schedules,
+    returns {request_id: why} of the requests to fail now (a decode worker's integrity checks). On CUDA the start
+    runs one warm-up step and raises `engine.warmup.MemoryPlanError` when it exceeds the memory plan (`warmup`:
+    what it measured)."""
 
     def __init__(
-        self, args: EngineArgs, group: TPGroup | None = None, on_finish: Callable[[Request], None] | None = None
+        self, args: EngineArgs, group: TPGroup | None = None, on_finish: Callable[[Request], None] | None = None,
+        before_step: Callable[[], dict[str, str]] | None = None,
     ) -> None:
         self.args = args
+        self.before_step = before_step
         torch.manual_seed(args.seed)
         self.model_dir = resolve_model_dir(args.model, args.seed, args.model_cache_dir)
         self.model_name = args.served_model_name or (args.model if args.model in PRESETS else self.model_dir.name)
@@ -305,10 +309,12 @@ class LLMEngine:
         deltas, self._pending = self._pending, []
         if deltas:  # handoff first tokens reach their clients now, not after the next forward pass
             return deltas
+        refused = [] if self.before_step is None else [
+            self._end(rid, error=why) for rid, why in self.before_step().items() if rid in self._tracked]
         output = self.scheduler.schedule()
         self.num_preemptions += len(output.preempted_request_ids)
         if output.is_empty:
-            return []
+            return refused
         result = self.runner.execute(output, self._prompt_scoring(output))
         for request_id, entries in result.prompt_logprobs.items():
             self._tracked[request_id].prompt_logprobs.extend(entries)
@@ -331,7 +337,7 @@ class LLMEngine:
         verdict = self.structured_outputs.accept_sampled(sampled)
         failed = [self._end(rid, error=why) for rid, why in verdict.failed.items()]  # update_from_output skips them
         finished = {r.request_id: r for r in self.scheduler.update_from_output(output, sampled, verdict.terminated)}
-        return failed + [self._delta(rid, token, logprobs.get(rid), finished.get(rid))
+        return refused + failed + [self._delta(rid, token, logprobs.get(rid), finished.get(rid))
                          for rid, token in sampled.items() if rid not in verdict.failed]
 
     def _delta(self, request_id: str, token_id: int, logprobs: TokenLogprobs | None, done: Request | None) -> RequestDelta:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from k3serve.model.batch import ModelCache
+from k3serve.transfer.auth import ControlAuth
 from k3serve.transfer.backend import TransferBackend, TransferError, TransferStatus
 from k3serve.transfer.checksum import CachedRequest, views_checksums
 from k3serve.transfer.control import DecodeControlClient, Reservation
@@ -63,35 +64,41 @@ class _Peer:
 
 class RankSender:
     def __init__(
-        self, backend: TransferBackend, cache: ModelCache, layout: CacheLayout, compat_hash: str, timeout_s: float = 30.0
+        self, backend: TransferBackend, cache: ModelCache, layout: CacheLayout, compat_hash: str,
+        timeout_s: float = 30.0, *, control_auth: ControlAuth,
     ) -> None:
+        """`control_auth`: the deployment's secret (and mTLS files), which every decode rank's control server wants
+        (transfer/auth.py)."""
         self.backend, self.cache, self.layout = backend, cache, layout
+        self.control_secret, self.control_tls = control_auth.secret, control_auth.tls()
         self.regions = register_cache(backend, cache)
         self.compat_hash = compat_hash
         self.timeout_s = timeout_s
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()
 
-    def peer(self, addresses: Addresses) -> _Peer:
+    def peer(self, addresses: Addresses, request_id: str = "") -> _Peer:
         """Handshake once per decode engine, with each of its ranks: agent metadata, regions,
-        layout, compatibility. `addresses[r]` must answer as rank r of len(addresses)."""
+        layout, compatibility. `addresses[r]` must answer as rank r of len(addresses); `request_id`
+        names the reservation about to be written (decode rank 0 shows its regions for a live one only)."""
         addresses = tuple(addresses)
         with self._lock:
             peer = self._peers.get(addresses)
             if peer is None:
-                peer = self._peers[addresses] = self._handshake(addresses)
+                peer = self._peers[addresses] = self._handshake(addresses, request_id)
             return peer
 
-    def _handshake(self, addresses: Addresses) -> _Peer:
+    def _handshake(self, addresses: Addresses, request_id: str) -> _Peer:
         if not addresses:
             raise ValueError("a decode engine needs at least one control address")
         clients: list[DecodeControlClient] = []
         try:
             infos = []
             for r, address in enumerate(addresses):
-                clients.append(DecodeControlClient(address, self.compat_hash))
+                clients.append(DecodeControlClient(address, self.compat_hash, secret=self.control_secret,
+                                                   tls=self.control_tls))
                 info = clients[-1].handshake(self.backend.agent_info(), self.layout.to_json(), self.layout.tp_size,
-                                             self.layout.tp_rank)
+                                             self.layout.tp_rank, request_id)
                 if (info.tp_rank, info.tp_size) != (r, len(addresses)):
                     raise TransferError(
                         f"decode address {address} (position {r} of {len(addresses)}) answered as rank {info.tp_rank} "
@@ -119,7 +126,7 @@ class RankSender:
         it has landed. Never raises: a failure is reported in the share, so every rank still
         joins the gather that follows."""
         try:
-            peer = self.peer(job.decode_addresses)
+            peer = self.peer(job.decode_addresses, job.request_id)
             span = RequestSpan(job.src_block_ids, job.reservation.block_ids, job.src_slot, job.reservation.slot_id,
                                job.num_tokens)
             s = self.layout.tp_rank

@@ -18,6 +18,7 @@ from k3serve.engine.kv_handoff import BoundaryState, CacheView, EngineStats, KVH
 from k3serve.engine.outputs import RequestDelta, TokenLogprobs
 from k3serve.engine.sampling_params import SamplingParams
 from k3serve.prefill.handoff import HandoffJob, RankSender, RankShare
+from k3serve.transfer.auth import ControlAuth, process_auth
 from k3serve.transfer.backend import TransferError
 from k3serve.transfer.backends import make_backend
 from k3serve.transfer.checksum import flatten_rank_checksums
@@ -57,10 +58,13 @@ class PrefillResult:
     num_cached_tokens: int = 0  # prompt tokens the prefill engine's prefix cache served
 
 
-def make_sender(view: CacheView, transfer: str, transfer_options: dict | None) -> RankSender:
-    """This rank's transfer agent over its cache shard."""
+def make_sender(view: CacheView, transfer: str, transfer_options: dict | None, control_auth: ControlAuth | None = None
+                ) -> RankSender:
+    """This rank's transfer agent over its cache shard; `control_auth`: the deployment's (default this
+    process's own, transfer/auth.py)."""
     layout = CacheLayout.from_view(view)
-    return RankSender(make_backend(transfer, **(transfer_options or {})), view.cache, layout, layout.compat_hash)
+    return RankSender(make_backend(transfer, **(transfer_options or {})), view.cache, layout, layout.compat_hash,
+                      control_auth=control_auth or process_auth())
 
 
 class PrefillWorker:
@@ -72,11 +76,14 @@ class PrefillWorker:
         transfer_options: dict | None = None,
         name: str = "prefill-0",
         group: TPGroup | None = None,
+        control_auth: ControlAuth | None = None,
     ) -> None:
+        """`control_auth`: the deployment's secret and mTLS files (transfer/auth.py), which the decode ranks want;
+        default this process's own secret."""
         self.name = name
         self.lease_seconds = lease_seconds
         self.handoff = KVHandoff(args, group, on_prompt_done=self._hold)
-        self.sender = make_sender(self.handoff.cache_view, transfer, transfer_options)
+        self.sender = make_sender(self.handoff.cache_view, transfer, transfer_options, control_auth)
         self.metrics = transfer_metrics().bind(model=self.handoff.model_name, role="prefill")
         self.pins = PinManager(self.handoff.pins, metrics=self.metrics)  # engine thread
         self._held: dict[str, BoundaryState] = {}  # request id -> its pinned boundary state; engine thread
@@ -126,7 +133,7 @@ class PrefillWorker:
             self.metrics.failure("write")
             raise TransferError(f"handoff of {request_id!r} failed: {'; '.join(errors)}")
         try:
-            client = self.sender.peer(target.decode_addresses).leader  # decode rank 0 verifies for all ranks
+            client = self.sender.peer(target.decode_addresses, request_id).leader  # decode rank 0 verifies for all ranks
             for share in shares:
                 if share.checksums:  # a rank that wrote nothing is not waited for
                     await asyncio.to_thread(client.transfer_ready, request_id, share.rank, first, job.num_tokens,

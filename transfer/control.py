@@ -3,21 +3,25 @@ transfer/proto/transfer.proto. Only small control messages travel here; MLA KV a
 transfer backend.
 
     prefill rank (DecodeControlClient)             decode rank (DecodeControlServer -> handler)
-    handshake(agent, layout_json, tp)      --->    HandshakeInfo, refused unless compat hashes match
+    handshake(agent, layout_json, tp, id)  --->    HandshakeInfo, refused unless compat hashes match (rank 0:
+                                                   and `id` holds a live reservation)
     reserve(request_id, num_tokens, lease) --->    Reservation(block_ids, slot_id, deadline)
     transfer_ready(request_id, rank, ...)  --->    checksums verified once all ranks reported
     heartbeat(request_ids, sender)         --->    leases extended; unknown ids come back
     abort(request_id, reason)              --->    reservation freed
 
-Every decode rank answers `handshake`; only decode rank 0 answers the rest. Every `ok = false` answer and every
-failed or timed-out RPC raises a `ControlPlaneError` subclass on the client; every call carries a deadline.
-Who answers what and why: docs/design/control_plane.md.
+Every decode rank answers `handshake`; only decode rank 0 answers the rest. Every call carries the deployment's
+secret (transfer/auth.py), checked before anything else: a call without it is refused UNAUTHENTICATED and learns
+nothing. Every field is checked against its bound here (`_check_*`) before the handler sees it. Every `ok = false`
+answer and every failed or timed-out RPC raises a `ControlPlaneError` subclass on the client; every call carries
+a deadline. Who answers what and why: docs/design/control_plane.md.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import math
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
@@ -27,6 +31,7 @@ from typing import NamedTuple, Protocol, TypeVar
 import grpc
 
 from k3serve.engine.host_ip import check_host_ip, uri_host
+from k3serve.transfer.auth import METADATA_KEY, ControlTLS, SecretCheck, check_secret
 from k3serve.transfer.backend import AgentInfo, RegionDesc
 from k3serve.transfer.proto import transfer_pb2 as pb
 from k3serve.transfer.proto import transfer_pb2_grpc as pb_grpc
@@ -36,6 +41,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "ErrorCode", "ControlPlaneError", "IncompatiblePeerError", "InvalidArgumentError", "NoCapacityError",
     "UnknownRequestError", "ChecksumMismatchError", "PeerRestartedError", "PeerUnreachableError",
+    "UnauthenticatedPeerError", "peer_host",
     "HandshakeInfo", "Reservation", "DecodeControlHandler", "DecodeControlServer", "DecodeControlClient",
     "region_to_proto", "region_from_proto", "agent_info_to_proto", "agent_info_from_proto",
 ]
@@ -73,6 +79,10 @@ class ControlPlaneError(RuntimeError):
 
 class IncompatiblePeerError(ControlPlaneError):
     code = ErrorCode.INCOMPATIBLE
+
+
+class UnauthenticatedPeerError(IncompatiblePeerError):
+    """The server refused the call before reading it: this client does not hold the deployment's secret."""
 
 
 class InvalidArgumentError(ControlPlaneError):
@@ -147,9 +157,16 @@ class DecodeControlHandler(Protocol):
     is answered ok = false, code INTERNAL, with its message. The compat hash is checked before
     `handshake` is called."""
 
-    def handshake(self, peer: AgentInfo, layout_json: str, tp_size: int, tp_rank: int) -> HandshakeInfo: ...
+    def handshake(self, peer: AgentInfo, layout_json: str, tp_size: int, tp_rank: int,
+                  request_id: str) -> HandshakeInfo:
+        """`request_id`: the reservation the peer is about to write ('' when it names none); a handler that
+        knows reservations answers only a live one's."""
+        ...
 
-    def reserve(self, request_id: str, num_tokens: int, lease_seconds: float) -> Reservation: ...
+    def reserve(self, request_id: str, num_tokens: int, lease_seconds: float, peer: str) -> Reservation:
+        """`num_tokens` >= 1 and `lease_seconds` finite and >= 0 (0: the handler's default) are checked already;
+        `peer` is the caller's host (`peer_host`), for per-peer limits."""
+        ...
 
     def transfer_ready(self, request_id: str, from_rank: int, first_token_id: int, num_tokens: int,
                        checksums: dict[str, str]) -> None: ...
@@ -189,8 +206,63 @@ def agent_info_from_proto(msg: pb.AgentInfo) -> AgentInfo:
 _Response = TypeVar("_Response")
 
 
+# Bounds of what a request may carry, checked before its handler runs (a flood of huge maps or ids costs the
+# server nothing but the refusal). gRPC's own 4 MiB message limit stays below them all.
+MAX_ID_CHARS = 256  # request_id, sender
+MAX_REASON_CHARS = 1024
+MAX_CHECKSUMS = 4096  # TransferReady entries: decode ranks x regions
+MAX_CHECKSUM_KEY_CHARS, MAX_CHECKSUM_CHARS = 256, 64
+MAX_HEARTBEAT_IDS = 4096
+MAX_LAYOUT_CHARS = 1 << 20
+MAX_REGIONS = 4096
+MAX_METADATA_BYTES = 1 << 16
+
+
+def peer_host(context_peer: str) -> str:
+    """The host of a gRPC peer string ("ipv4:10.0.0.7:41234" -> "10.0.0.7", "ipv6:[::1]:5" -> "::1")."""
+    _, _, address = context_peer.partition(":")
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    return host.strip("[]") or context_peer
+
+
+def _check_text(value: str, field_name: str, max_chars: int, *, required: bool = True) -> None:
+    if required and not value:
+        raise InvalidArgumentError(f"{field_name} is empty")
+    if len(value) > max_chars:
+        raise InvalidArgumentError(f"{field_name} has {len(value)} characters, more than the limit {max_chars}")
+
+
+def _check_count(n: int, field_name: str, limit: int) -> None:
+    if n > limit:
+        raise InvalidArgumentError(f"{field_name} has {n} entries, more than the limit {limit}")
+
+
+def _check_agent(agent: pb.AgentInfo) -> None:
+    _check_count(len(agent.regions), "agent.regions", MAX_REGIONS)
+    _check_text(agent.endpoint, "agent.endpoint", MAX_ID_CHARS, required=False)
+    if len(agent.metadata) > MAX_METADATA_BYTES:
+        raise InvalidArgumentError(f"agent.metadata has {len(agent.metadata)} bytes, more than the limit "
+                                   f"{MAX_METADATA_BYTES}")
+
+
+def _check_reserve(request: pb.ReserveRequest) -> None:
+    if request.num_tokens < 1:
+        raise InvalidArgumentError(f"num_tokens must be >= 1, got {request.num_tokens}")
+    lease = request.lease_seconds
+    if not math.isfinite(lease) or lease < 0:
+        raise InvalidArgumentError(f"lease_seconds must be finite and >= 0 (0: the decode's default), got {lease!r}")
+
+
+def _check_checksums(checksums: Mapping[str, str]) -> None:
+    _check_count(len(checksums), "checksums", MAX_CHECKSUMS)
+    for key, value in checksums.items():
+        _check_text(key, "a checksums key", MAX_CHECKSUM_KEY_CHARS)
+        _check_text(value, f"checksums[{key!r}]", MAX_CHECKSUM_CHARS)
+
+
 class _Servicer(pb_grpc.DecodeControlServicer):
-    """Validates, calls the handler, and turns every exception into an ok = false answer."""
+    """Validates, calls the handler, and turns every exception into an ok = false answer. Only authenticated
+    calls get here (`SecretCheck` runs first)."""
 
     def __init__(self, handler: DecodeControlHandler, compat_hash: str, instance_id: str) -> None:
         self._handler = handler
@@ -208,34 +280,37 @@ class _Servicer(pb_grpc.DecodeControlServicer):
 
     @staticmethod
     def _require_request_id(request_id: str) -> None:
-        if not request_id:
-            raise InvalidArgumentError("request_id is empty")
+        _check_text(request_id, "request_id", MAX_ID_CHARS)
 
     def Handshake(self, request: pb.HandshakeRequest, context: grpc.ServicerContext) -> pb.HandshakeResponse:
+        """A refusal carries the reason only: the compat hash and instance id go with an accepted handshake."""
         def run() -> pb.HandshakeResponse:
             if request.compat_hash != self._compat_hash:
                 raise IncompatiblePeerError(
-                    f"incompatible peer: prefill compat_hash {request.compat_hash!r} != decode compat_hash "
-                    f"{self._compat_hash!r} (model config, cache dtype, block size or layout version differ)")
+                    f"incompatible peer: prefill compat_hash {request.compat_hash!r:.80} is not this decode's (model "
+                    "config, cache dtype, block size or layout version differ)")
             if request.tp_size < 1 or request.tp_rank >= request.tp_size:
                 raise InvalidArgumentError(f"bad prefill TP: tp_rank {request.tp_rank} of tp_size {request.tp_size}")
+            _check_agent(request.agent)
+            _check_text(request.layout_json, "layout_json", MAX_LAYOUT_CHARS)
+            _check_text(request.request_id, "request_id", MAX_ID_CHARS, required=False)
             info = self._handler.handshake(agent_info_from_proto(request.agent), request.layout_json,
-                                           request.tp_size, request.tp_rank)
+                                           request.tp_size, request.tp_rank, request.request_id)
             return pb.HandshakeResponse(ok=True, agent=agent_info_to_proto(info.agent), layout_json=info.layout_json,
                                         tp_size=info.tp_size, tp_rank=info.tp_rank, compat_hash=self._compat_hash,
                                         instance_id=self._instance_id)
 
-        response = self._guarded("Handshake", pb.HandshakeResponse, run)
-        response.compat_hash, response.instance_id = self._compat_hash, self._instance_id
-        return response
+        return self._guarded("Handshake", pb.HandshakeResponse, run)
 
     def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
         def run() -> pb.ReserveResponse:
             self._require_request_id(request.request_id)
+            _check_reserve(request)
             if request.instance_id and request.instance_id != self._instance_id:
                 raise PeerRestartedError(f"decode rank restarted: handshake was with instance {request.instance_id}, "
                                          f"this is {self._instance_id}; handshake again")
-            r = self._handler.reserve(request.request_id, request.num_tokens, request.lease_seconds)
+            r = self._handler.reserve(request.request_id, request.num_tokens, request.lease_seconds,
+                                      peer_host(context.peer()))
             return pb.ReserveResponse(ok=True, block_ids=r.block_ids, slot_id=r.slot_id,
                                       lease_deadline_unix=r.lease_deadline_unix)
 
@@ -244,6 +319,7 @@ class _Servicer(pb_grpc.DecodeControlServicer):
     def TransferReady(self, request: pb.TransferReadyRequest, context: grpc.ServicerContext) -> pb.Ack:
         def run() -> pb.Ack:
             self._require_request_id(request.request_id)
+            _check_checksums(request.checksums)
             self._handler.transfer_ready(request.request_id, request.from_rank, request.first_token_id,
                                          request.num_tokens, dict(request.checksums))
             return pb.Ack(ok=True)
@@ -253,6 +329,7 @@ class _Servicer(pb_grpc.DecodeControlServicer):
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.Ack:
         def run() -> pb.Ack:
             self._require_request_id(request.request_id)
+            _check_text(request.reason, "reason", MAX_REASON_CHARS, required=False)
             self._handler.abort(request.request_id, request.reason)
             return pb.Ack(ok=True)
 
@@ -260,6 +337,10 @@ class _Servicer(pb_grpc.DecodeControlServicer):
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         def run() -> pb.HeartbeatResponse:
+            _check_count(len(request.request_ids), "request_ids", MAX_HEARTBEAT_IDS)
+            _check_text(request.sender, "sender", MAX_ID_CHARS, required=False)
+            for request_id in request.request_ids:
+                self._require_request_id(request_id)
             unknown = self._handler.heartbeat(list(request.request_ids), request.sender)
             return pb.HeartbeatResponse(ok=True, unknown_request_ids=unknown)
 
@@ -273,13 +354,16 @@ class DecodeControlServer:
     picks a free port) and publishes the bound port in `.port` / `.address`; nothing guesses.
 
     `host` is both the address bound and the one published: the node's address that prefill ranks
-    dial (cluster/node_address.py), on that interface only. Not 0.0.0.0: the control plane has no
-    authentication, so it is not opened on every interface, and no peer could dial that address."""
+    dial (cluster/node_address.py), on that interface only; never 0.0.0.0, which no peer could dial.
+    `secret`: the deployment's (transfer/auth.py); every call without it is refused before the handler.
+    `tls`: serve over mutual TLS only (clients must present a certificate of its CA); None: plain TCP."""
 
     def __init__(self, handler: DecodeControlHandler, compat_hash: str, host: str = "127.0.0.1",
-                 port: int = 0, max_workers: int = 8) -> None:
+                 port: int = 0, max_workers: int = 8, *, secret: str, tls: ControlTLS | None = None) -> None:
         if not compat_hash:
             raise ValueError("compat_hash is empty: pass the hash of model config + cache dtype + block size + layout")
+        self._secret_check = SecretCheck(secret)
+        self._tls = tls
         self.host = check_host_ip(host.strip("[]"), "DecodeControlServer host")
         self.port: int | None = None  # set by start()
         self.instance_id = uuid.uuid4().hex  # new per server: tells clients the regions moved
@@ -301,11 +385,13 @@ class DecodeControlServer:
             futures.ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix="k3-decode-control"),
             # No SO_REUSEPORT: a second server on an explicit port must fail, not share it silently.
             options=[("grpc.so_reuseport", 0)],
+            interceptors=[self._secret_check],
         )
         pb_grpc.add_DecodeControlServicer_to_server(self._servicer, server)
         target = f"{uri_host(self.host)}:{self._requested_port}"
         try:
-            port = server.add_insecure_port(target)
+            port = (server.add_insecure_port(target) if self._tls is None
+                    else server.add_secure_port(target, self._tls.server_credentials()))
         except RuntimeError as e:
             raise ControlPlaneError(f"DecodeControlServer cannot bind {target}: {e}") from None
         if port == 0:
@@ -341,24 +427,32 @@ _CHANNEL_OPTIONS = [
 
 class DecodeControlClient:
     """Typed calls to one decode rank's `DecodeControl`, each with a `timeout_s` deadline.
-    Raises a `ControlPlaneError` subclass on refusal (ok = false) or RPC failure. Thread-safe."""
+    Raises a `ControlPlaneError` subclass on refusal (ok = false) or RPC failure; `UnauthenticatedPeerError`
+    when the server does not take `secret` (the deployment's, transfer/auth.py). `tls`: call over mutual TLS (the
+    server's `tls` must be set too); None: plain TCP. Thread-safe."""
 
-    def __init__(self, address: str, compat_hash: str, timeout_s: float = 2.0) -> None:
+    def __init__(self, address: str, compat_hash: str, timeout_s: float = 2.0, *, secret: str,
+                 tls: ControlTLS | None = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self._metadata = ((METADATA_KEY, check_secret(secret, "DecodeControlClient")),)
         self.address = address
         self.compat_hash = compat_hash
         self.timeout_s = timeout_s
         self.peer_instance_id = ""  # the server instance of the last successful handshake
-        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._channel = (grpc.insecure_channel(address, options=_CHANNEL_OPTIONS) if tls is None
+                         else grpc.secure_channel(address, tls.channel_credentials(), options=_CHANNEL_OPTIONS))
         self._stub = pb_grpc.DecodeControlStub(self._channel)
 
     def _call(self, rpc: str, request: object, what: str) -> object:
         try:
-            response = getattr(self._stub, rpc)(request, timeout=self.timeout_s)
+            response = getattr(self._stub, rpc)(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:
             status = e.code() if isinstance(e, grpc.Call) else None
             details = e.details() if isinstance(e, grpc.Call) else str(e)
+            if status is grpc.StatusCode.UNAUTHENTICATED:
+                raise UnauthenticatedPeerError(f"DecodeControl.{rpc}({what}) refused by {self.address}: {details} "
+                                               "(is this worker part of that deployment?)") from None
             name = status.name if status is not None else "RPC error"
             raise PeerUnreachableError(f"DecodeControl.{rpc}({what}) to {self.address} failed "
                                        f"(deadline {self.timeout_s:g} s): {name}: {details}", status=status) from None
@@ -368,10 +462,12 @@ class DecodeControlClient:
             raise cls(message) if cls is not None else ControlPlaneError(message)
         return response
 
-    def handshake(self, agent: AgentInfo, layout_json: str, tp_size: int, tp_rank: int) -> HandshakeInfo:
-        """Exchange agents and layouts; returns the decode rank's side."""
+    def handshake(self, agent: AgentInfo, layout_json: str, tp_size: int, tp_rank: int,
+                  request_id: str = "") -> HandshakeInfo:
+        """Exchange agents and layouts; returns the decode rank's side. `request_id`: the reservation this
+        rank is about to write (decode rank 0 refuses a handshake naming no live one)."""
         request = pb.HandshakeRequest(agent=agent_info_to_proto(agent), layout_json=layout_json, tp_size=tp_size,
-                                      tp_rank=tp_rank, compat_hash=self.compat_hash)
+                                      tp_rank=tp_rank, compat_hash=self.compat_hash, request_id=request_id)
         response = self._call("Handshake", request, f"tp_rank={tp_rank}")
         if response.compat_hash != self.compat_hash:  # a server that skipped its check must not pass
             raise IncompatiblePeerError(

@@ -11,6 +11,9 @@ labelled by `model` and `role` ("prefill" or "decode"):
     k3serve:transfer_pinned_slots                    gauge      slot pins held by in-flight transfers
     k3serve:transfer_lease_expiries_total            counter    leases released by the deadline sweep
     k3serve:transfer_checksum_mismatches_total       counter    regions whose landed bytes differ
+    k3serve:transfer_integrity_failures_total{stage}  counter    adopted requests failed: state changed after
+                                                                 its checks ("first_step": before the first
+                                                                 decode step; "step": a random re-check)
 
 The collectors are created once per registry: `transfer_metrics()` (the process-wide default
 registry) returns the same object however often it is called or this module is imported, and
@@ -43,6 +46,7 @@ class TransferMetrics:
     pinned_slots: Gauge
     lease_expiries_total: Counter
     checksum_mismatches_total: Counter
+    integrity_failures_total: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> "TransferMetrics":
@@ -81,6 +85,12 @@ class TransferMetrics:
                 _LABELS,
                 registry=registry,
             ),
+            integrity_failures_total=Counter(
+                "k3serve:transfer_integrity_failures",
+                "Adopted requests failed because their state changed after its checksums were verified.",
+                (*_LABELS, "stage"),
+                registry=registry,
+            ),
         )
 
     def bind(self, model: str = "", role: str = "") -> "BoundTransferMetrics":
@@ -115,6 +125,9 @@ class BoundTransferMetrics:
     def checksum_mismatch(self, num_regions: int = 1) -> None:
         self.metrics.checksum_mismatches_total.labels(self.model, self.role).inc(num_regions)
 
+    def integrity_failure(self, stage: str) -> None:
+        self.metrics.integrity_failures_total.labels(self.model, self.role, stage).inc()
+
 
 _lock = threading.Lock()
 _by_registry: "weakref.WeakKeyDictionary[CollectorRegistry, TransferMetrics]" = weakref.WeakKeyDictionary()
@@ -148,4 +161,5 @@ def _reuse_registered(registry: CollectorRegistry) -> TransferMetrics:
         pinned_slots=names["k3serve:transfer_pinned_slots"],
         lease_expiries_total=names["k3serve:transfer_lease_expiries"],
         checksum_mismatches_total=names["k3serve:transfer_checksum_mismatches"],
+        integrity_failures_total=names["k3serve:transfer_integrity_failures"],
     )

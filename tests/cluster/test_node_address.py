@@ -23,6 +23,7 @@ from k3serve.cluster.config import ServeConfig
 from k3serve.cluster.node_address import HOST_IP_ENV, node_ip
 from k3serve.transfer.backend import TransferError
 from k3serve.transfer.backends import host_options
+from k3serve.transfer.auth import new_secret
 from k3serve.transfer.control import ControlPlaneError, DecodeControlServer
 from k3serve.cluster.local_ray import start_local_ray
 
@@ -99,16 +100,16 @@ def test_mooncake_is_told_the_address_the_others_need_none() -> None:
 @pytest.mark.parametrize("unspecified", ["0.0.0.0", "::", "[::]"])
 def test_a_decode_control_server_refuses_to_listen_everywhere(unspecified: str) -> None:
     with pytest.raises(ValueError, match="DecodeControlServer host=.* is the unspecified address"):
-        DecodeControlServer(object(), "compat", host=unspecified)
+        DecodeControlServer(object(), "compat", host=unspecified, secret=new_secret())
 
 
 def test_a_decode_control_server_refuses_a_name() -> None:
     with pytest.raises(ValueError, match="DecodeControlServer host='localhost' is not an IP address"):
-        DecodeControlServer(object(), "compat", host="localhost")
+        DecodeControlServer(object(), "compat", host="localhost", secret=new_secret())
 
 
 def test_a_decode_control_server_on_ipv6_publishes_a_bracketed_address() -> None:
-    server = DecodeControlServer(object(), "compat", host="[::1]")
+    server = DecodeControlServer(object(), "compat", host="[::1]", secret=new_secret())
     assert server.host == "::1"
     try:
         server.start()

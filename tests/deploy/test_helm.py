@@ -117,7 +117,7 @@ def validate(doc: dict, tmp_path: Path) -> None:
         validate_crd(doc)
         if kind == "PrometheusRule":
             check_rule_groups(doc, tmp_path)
-    elif kind in ("ConfigMap", "Service", "Ingress"):
+    elif kind in ("ConfigMap", "Service", "Ingress", "NetworkPolicy"):
         validate_core(doc)
     else:
         raise AssertionError(f"no schema to check kind {kind}: add one to tests/deploy/test_helm.py")
@@ -393,3 +393,30 @@ def test_validation_rejects_a_misspelt_field(where, tmp_path):
         doc["spec"]["ports"][0]["targetPorts"] = "http"
     with pytest.raises(AssertionError, match="Additional properties|additional properties"):
         validate(doc, tmp_path)
+
+
+def test_the_network_policy_opens_the_cluster_to_itself_and_only_the_api_and_metrics_ports_outside():
+    docs = render()
+    (policy,) = of_kind(docs, "NetworkPolicy")
+    (cluster,) = of_kind(docs, "RayCluster")
+    (service,) = of_kind(docs, "Service")
+    spec = policy["spec"]
+    own = {"ray.io/cluster": cluster["metadata"]["name"]}
+    assert spec["podSelector"] == {"matchLabels": own} and service["spec"]["selector"]["ray.io/cluster"] == own[
+        "ray.io/cluster"]  # every pod of the RayCluster (KubeRay labels them), head and pools
+    assert spec["policyTypes"] == ["Ingress"]
+    inside, *outside = spec["ingress"]
+    assert inside == {"from": [{"podSelector": {"matchLabels": own}}]}  # any port: Ray, Mooncake, UCX, gRPC
+    assert [rule["ports"] for rule in outside] == [[{"port": 8000, "protocol": "TCP"}],
+                                                   [{"port": 8080, "protocol": "TCP"}]]
+    assert all("from" not in rule for rule in outside)  # default: those two ports from anywhere
+
+
+def test_the_network_policy_narrows_the_api_to_the_peers_given_and_can_be_turned_off():
+    peers = ("networkPolicy.apiFrom[0].namespaceSelector.matchLabels.team=llm-gateway",
+             "networkPolicy.extraIngress[0].ports[0].port=8265")
+    (policy,) = of_kind(render(sets=peers), "NetworkPolicy")
+    api, metrics, extra = policy["spec"]["ingress"][1:]
+    assert api["from"] == [{"namespaceSelector": {"matchLabels": {"team": "llm-gateway"}}}]
+    assert "from" not in metrics and extra == {"ports": [{"port": 8265}]}
+    assert of_kind(render(sets=("networkPolicy.enabled=false",)), "NetworkPolicy") == []

@@ -15,6 +15,7 @@ everything.
 from __future__ import annotations
 
 import asyncio
+import functools
 import multiprocessing
 import time
 from contextlib import contextmanager
@@ -32,6 +33,7 @@ from k3serve.prefill import rank as prefill_rank
 from k3serve.prefill.handoff import RankSender
 from k3serve.prefill.worker import HandoffTarget, PrefillWorker
 from k3serve.transfer.backend import TransferError, WriteOp
+from k3serve.transfer.auth import ControlAuth, new_secret
 from k3serve.transfer.backends import available_backends
 from k3serve.transfer.control import ChecksumMismatchError, DecodeControlClient, InvalidArgumentError
 from k3serve.transfer.tp_map import RequestSpan
@@ -39,6 +41,8 @@ from k3serve.transfer.tp_map import RequestSpan
 from _local_ranks import free_port
 
 pytestmark = pytest.mark.timeout(120)
+SECRET = new_secret()  # the pair's deployment secret, which the spawned followers get too
+AUTH = ControlAuth(SECRET)
 
 BACKEND = next((b for b in ("mooncake", "nixl") if available_backends().get(b)), None)
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 17, 40, 64, 100)]
@@ -77,11 +81,13 @@ class Pair:
             return TPGroup(0, tp, init, timeout_s=60)
 
         try:
-            pgroup = group(prefill_tp, prefill_rank.follower_main, lambda r, i: (r, pargs, i, BACKEND, None, 1))
-            self.prefill = PrefillWorker(pargs, transfer=BACKEND, group=pgroup)
-            dgroup = group(decode_tp, decode_rank.follower_main,
+            pgroup = group(prefill_tp, functools.partial(prefill_rank.follower_main, control_auth=AUTH),
+                           lambda r, i: (r, pargs, i, BACKEND, None, 1))
+            self.prefill = PrefillWorker(pargs, transfer=BACKEND, group=pgroup, control_auth=AUTH)
+            dgroup = group(decode_tp, functools.partial(decode_rank.follower_main, control_auth=AUTH),
                            lambda r, i: (r, dargs, i, BACKEND, "127.0.0.1", prefill_tp, None, 1))
-            self.decode = DecodeWorker(dargs, transfer=BACKEND, prefill_tp=prefill_tp, group=dgroup)
+            self.decode = DecodeWorker(dargs, transfer=BACKEND, prefill_tp=prefill_tp, group=dgroup,
+                                       control_auth=AUTH)
         except BaseException:
             self.close()
             raise
@@ -147,7 +153,7 @@ def test_greedy_outputs_match_colocated(tiny_checkpoint, reference, prefill_tp: 
         if decode_tp > 1:
             asyncio.run(_rank_0_address_alone_is_refused(p))
         for rank, address in enumerate(addresses[1:], start=1):  # followers answer handshakes only
-            with DecodeControlClient(address, p.decode.compat_hash) as client:
+            with DecodeControlClient(address, p.decode.compat_hash, secret=SECRET) as client:
                 with pytest.raises(InvalidArgumentError, match=f"rank {rank} of a decode engine only answers handshakes"):
                     client.reserve("x", 8, 5.0)
     assert time.monotonic() - start < 30

@@ -7,7 +7,7 @@
     # actor workers) must be gone within STOP_DEADLINE_S, else ServerError (stragglers killed)
 
 Each server gets its own short temp dir as TMPDIR (Ray's session dir, whose sockets need short
-paths, lands under it) and HOME, `RAY_AUTH_MODE=disabled` and no usage stats; the engines are
+paths, lands under it) and HOME (Ray's token auth makes its token there) and no usage stats; the engines are
 small (64 MiB of cache, max_model_len 1024, block size 16). The server's output goes to
 `log_path`, whose tail is in every error message.
 """
@@ -78,7 +78,7 @@ class ServerSpec:
 def server_env(workdir: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
-        TMPDIR=str(workdir), HOME=str(workdir / "home"), RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0",
+        TMPDIR=str(workdir), HOME=str(workdir / "home"), RAY_USAGE_STATS_ENABLED="0",
         PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
     )
     (workdir / "home").mkdir(exist_ok=True)

@@ -40,6 +40,7 @@ from k3serve.transfer.control import (  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 COMPAT = "compat-aaaa"
+SECRET = "test-deployment-secret-0123456789"
 PREFILL_AGENT = AgentInfo(
     backend="local", endpoint="prefill-0", metadata=b"\x00\xffmeta",
     regions=(RegionDesc("mla.0", 0x7F00_0000_1000, 4096, "cpu"), RegionDesc("kda_recurrent.0", 2**63 + 8, 65536, "cuda:1")),
@@ -71,13 +72,15 @@ class FakeDecode:
         if self.fail_with is not None:
             raise self.fail_with
 
-    def handshake(self, peer: AgentInfo, layout_json: str, tp_size: int, tp_rank: int) -> HandshakeInfo:
+    def handshake(self, peer: AgentInfo, layout_json: str, tp_size: int, tp_rank: int,
+                  request_id: str) -> HandshakeInfo:
         self._maybe_fail()
         self.peer = (peer, layout_json, tp_size, tp_rank)
         return HandshakeInfo(DECODE_AGENT, '{"decode": true}', 1, 0)
 
-    def reserve(self, request_id: str, num_tokens: int, lease_seconds: float) -> Reservation:
+    def reserve(self, request_id: str, num_tokens: int, lease_seconds: float, peer: str) -> Reservation:
         self._maybe_fail()
+        self.reserved_by = peer
         num_blocks = -(-num_tokens // self.block_size)
         with self.lock:
             if num_blocks > len(self.free_blocks) or not self.free_slots:
@@ -131,14 +134,14 @@ def decode() -> FakeDecode:
 
 @pytest.fixture
 def server(decode: FakeDecode):
-    server = DecodeControlServer(decode, COMPAT).start()
+    server = DecodeControlServer(decode, COMPAT, secret=SECRET).start()
     yield server
     server.stop(0)
 
 
 @pytest.fixture
 def client(server: DecodeControlServer):
-    client = DecodeControlClient(server.address, COMPAT, timeout_s=2.0)
+    client = DecodeControlClient(server.address, COMPAT, timeout_s=2.0, secret=SECRET)
     yield client
     client.close()
 
@@ -148,7 +151,7 @@ def test_conversion_round_trips_agent_info_with_64_bit_addresses() -> None:
 
 
 def test_port_is_bound_by_the_kernel_and_published(decode: FakeDecode) -> None:
-    server = DecodeControlServer(decode, COMPAT)
+    server = DecodeControlServer(decode, COMPAT, secret=SECRET)
     with pytest.raises(RuntimeError, match="before start"):
         server.address
     server.start()
@@ -157,7 +160,7 @@ def test_port_is_bound_by_the_kernel_and_published(decode: FakeDecode) -> None:
         assert server.address == f"127.0.0.1:{server.port}"
         # An explicit port already in use fails loudly (no SO_REUSEPORT sharing).
         with pytest.raises(ControlPlaneError, match="cannot bind"):
-            DecodeControlServer(decode, COMPAT, port=server.port).start()
+            DecodeControlServer(decode, COMPAT, port=server.port, secret=SECRET).start()
     finally:
         server.stop(0)
 
@@ -170,12 +173,13 @@ def test_handshake_exchanges_agents_layouts_and_tp(client: DecodeControlClient, 
     assert client.peer_instance_id == server.instance_id
 
 
-def test_handshake_with_a_different_compat_hash_is_refused_naming_both(server: DecodeControlServer,
-                                                                      decode: FakeDecode) -> None:
-    with DecodeControlClient(server.address, "compat-bbbb", timeout_s=2.0) as other:
+def test_handshake_with_a_different_compat_hash_is_refused_revealing_nothing_of_the_decode(
+        server: DecodeControlServer, decode: FakeDecode) -> None:
+    with DecodeControlClient(server.address, "compat-bbbb", timeout_s=2.0, secret=SECRET) as other:
         with pytest.raises(IncompatiblePeerError) as e:
             other.handshake(PREFILL_AGENT, "{}", tp_size=1, tp_rank=0)
-    assert "compat-aaaa" in str(e.value) and "compat-bbbb" in str(e.value)
+    assert "compat-bbbb" in str(e.value) and "compat-aaaa" not in str(e.value)
+    assert server.instance_id not in str(e.value)
     assert e.value.code == ErrorCode.INCOMPATIBLE
     assert not hasattr(decode, "peer")  # the handler never saw the incompatible peer
 
@@ -263,7 +267,7 @@ def test_handler_exception_reaches_the_client_with_its_message(client: DecodeCon
 
 def test_slow_handler_fails_within_the_deadline(server: DecodeControlServer, decode: FakeDecode) -> None:
     decode.delay_s = 2.0
-    with DecodeControlClient(server.address, COMPAT, timeout_s=0.3) as fast:
+    with DecodeControlClient(server.address, COMPAT, timeout_s=0.3, secret=SECRET) as fast:
         start = time.monotonic()
         with pytest.raises(PeerUnreachableError, match="DEADLINE_EXCEEDED") as e:
             fast.reserve("req-1", 1, 1.0)
@@ -272,14 +276,14 @@ def test_slow_handler_fails_within_the_deadline(server: DecodeControlServer, dec
 
 
 def test_restarted_server_is_detected(decode: FakeDecode) -> None:
-    first = DecodeControlServer(decode, COMPAT).start()
+    first = DecodeControlServer(decode, COMPAT, secret=SECRET).start()
     port = first.port
-    client = DecodeControlClient(first.address, COMPAT, timeout_s=2.0)
+    client = DecodeControlClient(first.address, COMPAT, timeout_s=2.0, secret=SECRET)
     try:
         client.handshake(PREFILL_AGENT, "{}", 1, 0)
         client.reserve("req-1", 1, 30.0)
         first.stop(0)
-        second = DecodeControlServer(FakeDecode(), COMPAT, port=port).start()
+        second = DecodeControlServer(FakeDecode(), COMPAT, port=port, secret=SECRET).start()
         try:
             deadline = time.monotonic() + 5
             while True:  # the channel reconnects within its (short) backoff
@@ -307,23 +311,23 @@ SERVER_SCRIPT = textwrap.dedent("""
     import sys, time
     from k3serve.transfer.control import DecodeControlServer, Reservation
     class Handler:
-        def reserve(self, request_id, num_tokens, lease_seconds):
+        def reserve(self, request_id, num_tokens, lease_seconds, peer):
             return Reservation((1, 2), 0, time.time() + lease_seconds)
         def heartbeat(self, request_ids, sender):
             return []
-    server = DecodeControlServer(Handler(), sys.argv[1]).start()
+    server = DecodeControlServer(Handler(), sys.argv[1], secret=sys.argv[2]).start()
     print(server.port, flush=True)
     time.sleep(600)
 """)
 
 
 def test_killed_server_fails_the_call_within_its_deadline() -> None:
-    proc = subprocess.Popen([sys.executable, "-c", SERVER_SCRIPT, COMPAT], stdout=subprocess.PIPE, text=True,
+    proc = subprocess.Popen([sys.executable, "-c", SERVER_SCRIPT, COMPAT, SECRET], stdout=subprocess.PIPE, text=True,
                             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         port = int(proc.stdout.readline())
         assert port > 0
-        with DecodeControlClient(f"127.0.0.1:{port}", COMPAT, timeout_s=1.0) as client:
+        with DecodeControlClient(f"127.0.0.1:{port}", COMPAT, timeout_s=1.0, secret=SECRET) as client:
             assert client.reserve("req-1", 1, 5.0).block_ids == (1, 2)
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=10)

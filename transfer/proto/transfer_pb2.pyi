@@ -53,18 +53,20 @@ class AgentInfo(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., endpoint: _Optional[str] = ..., metadata: _Optional[bytes] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("agent", "layout_json", "tp_size", "tp_rank", "compat_hash")
+    __slots__ = ("agent", "layout_json", "tp_size", "tp_rank", "compat_hash", "request_id")
     AGENT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     agent: AgentInfo
     layout_json: str
     tp_size: int
     tp_rank: int
     compat_hash: str
-    def __init__(self, agent: _Optional[_Union[AgentInfo, _Mapping]] = ..., layout_json: _Optional[str] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., compat_hash: _Optional[str] = ...) -> None: ...
+    request_id: str
+    def __init__(self, agent: _Optional[_Union[AgentInfo, _Mapping]] = ..., layout_json: _Optional[str] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., compat_hash: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
     __slots__ = ("ok", "error", "code", "agent", "layout_json", "tp_size", "tp_rank", "compat_hash", "instance_id")
