@@ -119,6 +119,9 @@ class ServeConfig(EngineOptions):
         "once. Keep it below the pod's terminationGracePeriodSeconds (0: abort at once)",
     )
     verify_checksums: bool = Field(True, description="decode verifies every handoff's checksums before continuing")
+    migrate_on_decode_failure: bool = Field(
+        True, description="a stream whose decode replica dies continues on another one (the prompt and the tokens "
+        "already sent are prefilled again; docs/design/migration.md); off: it ends with a clean 503 error")
     ray_address: str | None = Field(None, description="join this Ray cluster; default: start a local one")
     advertise_host: str | None = Field(
         None, description="IP every Ray worker binds its servers on and advertises to peers (one node only); "

@@ -94,6 +94,10 @@ class IngressMetrics:
         self.structured_output_refusals = Counter("k3serve:structured_output_refusals", "Requests refused (400) "
                                                   "because their structured output constraint does not compile, by "
                                                   "kind.", ("model_name", "kind"), registry=reg)
+        self.handoff_retries = Counter("k3serve:handoff_retries", "Handoffs attempted again, into a new "
+                                       "reservation, after a prefill attempt failed.", m, registry=reg)
+        self.migrations = Counter("k3serve:request_migrations", "Streams continued on another decode replica "
+                                  "after theirs died.", m, registry=reg)
         self.replicas_healthy = Gauge("k3serve:replicas_healthy", "Replicas of a pool answering health checks.",
                                       ("model_name", "pool"), registry=reg)
         self.engine_config = Gauge("k3serve:engine_config_info", "1 for each replica's engine; its labels: the "
@@ -101,7 +105,8 @@ class IngressMetrics:
                                    POOL_LABELS + ENGINE_SETTINGS, registry=reg)
         self._engine_settings: dict[tuple[str, str], tuple[str, ...]] = {}  # (pool, replica) -> its labels now
         for series in (self.ttft, self.itl, self.tpot, self.e2e, self.queue_time, self.prefill_time,
-                       self.handoff_time, self.prompt_tokens, self.generation_tokens):
+                       self.handoff_time, self.prompt_tokens, self.generation_tokens, self.handoff_retries,
+                       self.migrations):
             series.labels(model_name)  # exported from the start, at 0
         for pool, replica in pools:
             self.set_pool_stats(pool, replica, 0, 0, 0.0, 0.0)
@@ -128,6 +133,12 @@ class IngressMetrics:
 
     def observe_handoff_time(self, seconds: float) -> None:
         self.handoff_time.labels(self.model_name).observe(seconds)
+
+    def count_handoff_retry(self) -> None:
+        self.handoff_retries.labels(self.model_name).inc()
+
+    def count_migration(self) -> None:
+        self.migrations.labels(self.model_name).inc()
 
     def set_pool_stats(self, pool: str, replica: str, num_running: int, num_waiting: int,
                        kv_block_usage: float, kda_slot_usage: float) -> None:
