@@ -16,8 +16,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import itertools
 import logging
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Iterator, Sequence
 
 from k3serve.cluster.admission import AdmissionQueue
 from k3serve.cluster.decode_feed import DecodeFeed, RequestDeltas
@@ -105,11 +106,12 @@ class DisaggregatedRouter:
         sent: list[int] = []  # token ids the client has
         lost: set[str] = set()  # decode replicas this request's streams died on
         continuation: Continuation | None = None
+        attempt_ids = _attempt_ids(rid)
         while True:
             leg_prompt, leg_params = (prompt_ids, params) if continuation is None else (
                 continuation.prompt_token_ids, continuation.params)
             try:
-                async for delta in self._leg(rid, leg_prompt, leg_params, lost):
+                async for delta in self._leg(rid, leg_prompt, leg_params, lost, attempt_ids):
                     if continuation is not None:
                         delta = continuation.delta(delta)
                     sent += delta.new_token_ids
@@ -135,15 +137,18 @@ class DisaggregatedRouter:
             return "it has all its tokens"
         return refusal(params)
 
-    async def _leg(self, rid: str, prompt_ids: list[int], params, lost: set[str]) -> AsyncIterator[RequestDelta]:
+    async def _leg(self, rid: str, prompt_ids: list[int], params, lost: set[str],
+                   attempt_ids: Iterator[str]) -> AsyncIterator[RequestDelta]:
         """One run of a request on a decode replica: admitted (a decode replica not in `lost` first), its
-        prompt handed off by a prefill replica, its deltas streamed. Each handoff attempt writes into a
-        reservation of its own: a prefill failure drops the attempt's reservation (or the request, if decode
-        adopted it already) before the retry reserves anew, and decode refuses any report for a dropped attempt.
-        A feed that dies raises ReplicaDiedError, its replica added to `lost`."""
+        prompt handed off by a prefill replica, its deltas streamed. Each handoff attempt is its own request
+        on both pools (the next of `attempt_ids`) with a reservation of its own: a failed attempt is dropped
+        on decode (its reservation, or the request if decode adopted it) before the retry reserves anew, and
+        decode refuses any report for a dropped attempt. A feed that dies raises ReplicaDiedError, its
+        replica added to `lost`. The deltas carry `rid`."""
         what = f"request {rid} ({len(prompt_ids)} prompt tokens)"
+        eid = next(attempt_ids)
         decode, target, deltas = await self.admission.admit(  # observes the queue time
-            lambda: self._admit(rid, prompt_ids, params, lost), what)
+            lambda: self._admit(eid, prompt_ids, params, lost), what)
         decode_done = False  # decode ended the request itself; otherwise its reservation is ours to free
         try:
             errors: list[str] = []
@@ -152,18 +157,19 @@ class DisaggregatedRouter:
                 if errors:  # fence the failed attempt, reserve anew (a live replica first) for this one
                     avoid = lost | {decode.name}
                     failed, decode = decode, None
-                    await self._drop(failed, deltas, rid)
+                    await self._drop(failed, deltas, eid)
                     if self.metrics is not None:
                         self.metrics.count_handoff_retry()
+                    eid = next(attempt_ids)
                     decode, target, deltas = await self.admission.admit(
-                        lambda: self._admit(rid, prompt_ids, params, avoid), what)
+                        lambda: self._admit(eid, prompt_ids, params, avoid), what)
                 try:
-                    result = await self._prefill_on(replica, rid, prompt_ids, params, target)
+                    result = await self._prefill_on(replica, eid, prompt_ids, params, target)
                     break
                 except (ValueError, TypeError):
                     raise
                 except Exception as e:
-                    log.warning("prefill replica %s failed on %s (attempt %d on %s): %r", replica.name, rid,
+                    log.warning("prefill replica %s failed on %s (attempt %d on %s): %r", replica.name, eid,
                                 target.reservation.attempt, decode.name, e)
                     errors.append(f"{replica.name}: {type(e).__name__}")  # the client sees this; the log has the rest
             if result is None:
@@ -172,11 +178,12 @@ class DisaggregatedRouter:
                 self.metrics.observe_prefill_time(result.prefill_seconds)
                 self.metrics.observe_handoff_time(result.transfer_seconds)
             if result.finished:  # ended at its first token: nothing was handed off, the reservation goes
-                yield result.delta
+                yield dataclasses.replace(result.delta, request_id=rid)
                 return
             first_logprobs, prompt_logprobs = result.first_logprobs, result.prompt_logprobs
             try:
                 async for delta in deltas:
+                    delta = dataclasses.replace(delta, request_id=rid)
                     if first_logprobs is not None and delta.logprobs is None:
                         # The first token was sampled by the prefill engine; its logprobs come from there.
                         delta = dataclasses.replace(delta, logprobs=first_logprobs)  # decode's first delta: that token
@@ -193,7 +200,7 @@ class DisaggregatedRouter:
                 self._decoding[decode.name] -= 1
                 deltas.close()
                 if not decode_done:
-                    await _quietly(asyncio.wait_for(decode.abort_request(rid), CLEANUP_SECONDS))
+                    await _quietly(asyncio.wait_for(decode.abort_request(eid), CLEANUP_SECONDS))
             self.admission.wake()  # its room is free
 
     async def _drop(self, decode: DecodeReplica, deltas: RequestDeltas, rid: str) -> None:
@@ -337,6 +344,14 @@ class DisaggregatedRouter:
             self._refresher.cancel()
         for feed in self._feeds.values():
             feed.close()
+
+
+def _attempt_ids(rid: str) -> Iterator[str]:
+    """The engine request ids of a request's handoff attempts: its own id, then `<id>#2`, `<id>#3`, ...
+    (a dropped attempt's late deltas or reports can never be taken for a later attempt's)."""
+    yield rid
+    for n in itertools.count(2):
+        yield f"{rid}#{n}"
 
 
 async def _quietly(awaitable) -> None:
