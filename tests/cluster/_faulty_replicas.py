@@ -1,7 +1,9 @@
 """Real in-process workers behind replica handles that fail as Ray actors do.
 
     KillableDecode(worker)   kill(): its feeds end with ReplicaDiedError at once (Ray cuts a dead actor's
-                             streams), the worker shuts down, every later call raises ReplicaDiedError
+                             streams), the worker shuts down, every later call raises ReplicaDiedError;
+                             restart(make): a new worker under the same name, as Ray restarts the actor
+    KillablePrefill(worker)  the same for a prefill worker: calls in flight raise ReplicaDiedError
     FlakyPrefill(worker)     before(replica, target): a hook run before each prefill call; after_handoff:
                              a number of calls that run in full (writes landed, decode adopted) and then
                              raise AmbiguousFailure, as a reply lost with its actor (ActorUnavailableError)
@@ -30,6 +32,10 @@ class KillableDecode:
     async def kill(self) -> None:
         self.killed.set()
         await asyncio.to_thread(self.worker.shutdown)
+
+    async def restart(self, make: Callable[[], DecodeWorker]) -> None:
+        self.worker = await asyncio.to_thread(make)
+        self.killed.clear()
 
     def _alive(self) -> None:
         if self.killed.is_set():
@@ -63,6 +69,52 @@ class KillableDecode:
     async def abort_request(self, request_id: str) -> None:
         self._alive()
         await self.worker.abort_request(request_id)
+
+    async def stats(self):
+        self._alive()
+        return await self.worker.stats()
+
+    async def metrics_text(self) -> str:
+        self._alive()
+        return await self.worker.metrics_text()
+
+
+class KillablePrefill:
+    def __init__(self, worker: PrefillWorker) -> None:
+        self.worker, self.name = worker, worker.name
+        self.killed = asyncio.Event()
+
+    async def kill(self) -> None:
+        self.killed.set()
+        await asyncio.to_thread(self.worker.shutdown)
+
+    async def restart(self, make: Callable[[], PrefillWorker]) -> None:
+        self.worker = await asyncio.to_thread(make)
+        self.killed.clear()
+
+    def _alive(self) -> None:
+        if self.killed.is_set():
+            raise ReplicaDiedError(f"prefill replica {self.name} died")
+
+    async def prefill(self, request_id, prompt_token_ids, params, target: HandoffTarget):
+        self._alive()
+        call = asyncio.ensure_future(self.worker.prefill(request_id, prompt_token_ids, params, target))
+        killed = asyncio.ensure_future(self.killed.wait())
+        try:
+            await asyncio.wait([call, killed], return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the caller left: so does the call
+            call.cancel()
+            raise
+        finally:
+            killed.cancel()
+        if not call.done():
+            call.cancel()
+            raise ReplicaDiedError(f"prefill replica {self.name} died")
+        return call.result()
+
+    async def abort(self, request_id: str) -> None:
+        self._alive()
+        await self.worker.abort(request_id)
 
     async def stats(self):
         self._alive()
