@@ -54,9 +54,8 @@ class KillableDecode:
                     raise ReplicaDiedError(f"decode replica {self.name} died")
                 killed.cancel()
                 yield next_batch.result()
-        finally:
-            if not self.killed.is_set():
-                await batches.aclose()
+        finally:  # a dead worker's feed ends too (nothing is left suspended that holds the worker)
+            await batches.aclose()
 
     async def addresses(self):
         self._alive()
@@ -109,6 +108,7 @@ class KillablePrefill:
             killed.cancel()
         if not call.done():
             call.cancel()
+            call = None  # the error's traceback (kept by log records) must not keep the dead worker
             raise ReplicaDiedError(f"prefill replica {self.name} died")
         return call.result()
 

@@ -85,9 +85,13 @@ def _all_pools_idle(server: Server) -> bool:
     return pools >= {"prefill", "decode"} and not _busy_gauges(server)
 
 
+LEASE_SECONDS = 10.0  # two_prefill_server's: how long a failed handoff may keep its pins and reservation
+
+
 @pytest.fixture(scope="module")
 def two_prefill_server(tiny_checkpoint: Path, artifacts_dir: Path):
-    yield from serve(ServerSpec(prefill_replicas=2), tiny_checkpoint, artifacts_dir, "faults")
+    spec = ServerSpec(prefill_replicas=2, extra_args=("--lease-seconds", str(LEASE_SECONDS)))
+    yield from serve(spec, tiny_checkpoint, artifacts_dir, "faults")
 
 
 @pytest.mark.timeout(240)
@@ -127,10 +131,12 @@ def test_killed_decode_replica_errors_cleanly_and_restarts(disagg_server: Server
 
 
 @pytest.mark.timeout(120)
-def test_client_disconnect_frees_both_pools(disagg_server: Server) -> None:
+def test_client_disconnect_frees_both_pools(two_prefill_server: Server) -> None:
     """Hang up mid-stream (once the pool gauges show the request: they are live), and at random
-    points of prefill / handoff / decode; both pools must end with no block and no slot in use."""
-    server = disagg_server
+    points of prefill / handoff / decode; both pools must end with no block and no slot in use.
+    A handoff cut while its writes may still land keeps its pins until its lease ends (by design:
+    docs/design/handoff.md), so the pools are idle within the lease and a few stats refreshes."""
+    server = two_prefill_server
     _wait_until(lambda: _all_pools_idle(server), 20, "idle pools before the test", lambda: _busy_gauges(server))
     body = {"model": server.model, "prompt": PROMPT, "max_tokens": 800, "temperature": 0, "ignore_eos": True,
             "stream": True}
@@ -152,5 +158,5 @@ def test_client_disconnect_frees_both_pools(disagg_server: Server) -> None:
 
     with ThreadPoolExecutor(6) as pool:
         list(pool.map(hang_up_after, [0.02, 0.05, 0.1, 0.2, 0.4, 0.8]))
-    _wait_until(lambda: _all_pools_idle(server), 20, "blocks and slots to return to zero on both pools",
-                lambda: _busy_gauges(server))
+    _wait_until(lambda: _all_pools_idle(server), LEASE_SECONDS + 10, "blocks and slots to return to zero on "
+                "both pools", lambda: _busy_gauges(server))
