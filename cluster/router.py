@@ -106,6 +106,7 @@ class DisaggregatedRouter:
         sent: list[int] = []  # token ids the client has
         lost: set[str] = set()  # decode replicas this request's streams died on
         continuation: Continuation | None = None
+        num_migrations = 0
         attempt_ids = _attempt_ids(rid)
         while True:
             leg_prompt, leg_params = (prompt_ids, params) if continuation is None else (
@@ -118,7 +119,7 @@ class DisaggregatedRouter:
                     yield delta
                 return
             except ReplicaDiedError as died:
-                why = self._why_not_migrate(params, sent, len(lost))
+                why = self._why_not_migrate(params, sent, num_migrations)
                 if why is not None:
                     log.info("request %s not migrated: %s", rid, why)
                     raise
@@ -126,13 +127,14 @@ class DisaggregatedRouter:
                             len(sent))
                 if self.metrics is not None:
                     self.metrics.count_migration()
+                num_migrations += 1
                 continuation = Continuation.of(prompt_ids, params, sent)
 
     def _why_not_migrate(self, params, sent: list[int], num_migrations: int) -> str | None:
         if not self.migrate_on_decode_failure:
             return "migrate_on_decode_failure is off"
-        if num_migrations > MAX_MIGRATIONS:
-            return f"it lost {num_migrations} decode replicas"
+        if num_migrations >= MAX_MIGRATIONS:
+            return f"it was migrated {num_migrations} times already"
         if params.max_tokens is not None and len(sent) >= params.max_tokens:
             return "it has all its tokens"
         return refusal(params)
