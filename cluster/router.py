@@ -14,6 +14,7 @@ are refreshed in the background for routing and the pool gauges. The steps in fu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -111,12 +112,13 @@ class DisaggregatedRouter:
         while True:
             leg_prompt, leg_params = (prompt_ids, params) if continuation is None else (
                 continuation.prompt_token_ids, continuation.params)
-            try:
-                async for delta in self._leg(rid, leg_prompt, leg_params, lost, attempt_ids):
-                    if continuation is not None:
-                        delta = continuation.delta(delta)
-                    sent += delta.new_token_ids
-                    yield delta
+            try:  # closed here, not when collected: a client that leaves frees its room before aclose() returns
+                async with contextlib.aclosing(self._leg(rid, leg_prompt, leg_params, lost, attempt_ids)) as leg:
+                    async for delta in leg:
+                        if continuation is not None:
+                            delta = continuation.delta(delta)
+                        sent += delta.new_token_ids
+                        yield delta
                 return
             except ReplicaDiedError as died:
                 why = self._why_not_migrate(params, sent, num_migrations)

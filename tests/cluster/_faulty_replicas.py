@@ -50,7 +50,8 @@ class KillableDecode:
                 killed = asyncio.ensure_future(self.killed.wait())
                 await asyncio.wait([next_batch, killed], return_when=asyncio.FIRST_COMPLETED)
                 if killed.done():
-                    next_batch.cancel()
+                    next_batch.cancel()  # the worker's feed ends (its requests aborted there) before this one
+                    await asyncio.wait([next_batch])
                     raise ReplicaDiedError(f"decode replica {self.name} died")
                 killed.cancel()
                 yield next_batch.result()
