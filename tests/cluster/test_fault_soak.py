@@ -120,7 +120,7 @@ class Soak:
             i = self.rng.randrange(len(PROMPTS))
             rid = f"soak-{c}-{self.num_requests}"
             self.num_requests += 1
-            request = asyncio.ensure_future(self._tokens(rid, PROMPTS[i]))
+            request = asyncio.ensure_future(self.tokens(rid, PROMPTS[i]))
             if self.disconnect_next:
                 self.disconnect_next = False
                 await asyncio.sleep(self.rng.uniform(0.0, 0.6))
@@ -145,7 +145,7 @@ class Soak:
                 self.outcomes["wrong"] += 1
                 self.wrong.append(rid)
 
-    async def _tokens(self, rid: str, prompt: list[int]) -> list[int]:
+    async def tokens(self, rid: str, prompt: list[int]) -> list[int]:
         return [t async for d in self.router.generate(GenerateRequest(rid, prompt, GREEDY)) for t in d.new_token_ids]
 
     # ---- faults -------------------------------------------------------------------------------
@@ -276,10 +276,13 @@ class Soak:
         lines = [f"fault soak: {self.num_requests} requests in {seconds:.0f} s, {NUM_CLIENTS} clients, 2P2D",
                  "  faults:   " + ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())),
                  "  outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(self.outcomes.items())),
-                 f"  handoff retries {self.metrics.handoff_retries.labels('k3-tiny')._value.get():.0f}, "
-                 f"migrations {self.metrics.migrations.labels('k3-tiny')._value.get():.0f}, "
+                 f"  handoff retries {self._count('k3serve:handoff_retries_total'):.0f}, "
+                 f"migrations {self._count('k3serve:request_migrations_total'):.0f}, "
                  f"RSS growth {rss_growth_mb:.0f} MB"]
         return "\n".join(lines)
+
+    def _count(self, name: str) -> float:
+        return self.metrics.registry.get_sample_value(name, {"model_name": "k3-tiny"}) or 0.0
 
     def shutdown(self) -> None:
         for replica in self.prefill + self.decode:
@@ -295,7 +298,7 @@ async def test_under_faults_every_request_is_exact_or_a_clean_error_and_nothing_
     level, quiet.level = quiet.level, logging.ERROR  # exceptions' tracebacks, would keep every dead worker alive
     try:
         for i, prompt in enumerate(PROMPTS[:2]):  # warm: the first requests are not the soak's
-            assert await soak._tokens(f"warm-{i}", prompt) == reference[i]
+            assert await soak.tokens(f"warm-{i}", prompt) == reference[i]
         rss_before, start = _rss_mb(), time.monotonic()
         until = start + SOAK_SECONDS
         await asyncio.gather(soak.inject(until), *(soak.client(c, until) for c in range(NUM_CLIENTS)))
@@ -313,7 +316,7 @@ async def test_under_faults_every_request_is_exact_or_a_clean_error_and_nothing_
         assert (set(router._decoding.values()), set(router._inflight.values()), router.admission.num_waiting) == (
             {0}, {0}, 0)
         assert rss_growth < MAX_RSS_GROWTH_MB, f"RSS grew by {rss_growth:.0f} MB"
-        assert await soak._tokens("after-soak", PROMPTS[3]) == reference[3]
+        assert await soak.tokens("after-soak", PROMPTS[3]) == reference[3]
         live = [w for w in gc.get_objects() if type(w) in (PrefillWorker, DecodeWorker)]
         assert len(live) == len(soak.prefill) + len(soak.decode), f"{len(live)} workers alive: dead ones are kept"
     finally:

@@ -9,6 +9,8 @@ as Ray cuts a dead actor's, the worker shuts down, later calls fail).
 - Over HTTP: the stream completes with the colocated greedy text; with `migrate_on_decode_failure` off it ends
   with a clean error event (503) instead.
 - A request that cannot be continued exactly (stop strings) ends with the replica's error.
+- The continuation: its seed draws what the original's draws k positions later, its budget is what is left, its
+  deltas count from the original prompt; which requests are refused.
 """
 
 from __future__ import annotations
@@ -21,17 +23,20 @@ from typing import AsyncIterator
 
 import httpx
 import pytest
+import torch
 import uvicorn
 
 from k3serve.cluster.api import build_app
 from k3serve.cluster.errors import ReplicaDiedError
 from k3serve.cluster.metrics import IngressMetrics
+from k3serve.cluster.migration import Continuation, refusal
 from k3serve.cluster.router import DisaggregatedRouter
 from k3serve.decode.worker import DecodeWorker
 from k3serve.engine.async_engine import GenerateRequest
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.llm import LLM
-from k3serve.engine.sampling_params import SamplingParams
+from k3serve.engine.outputs import RequestDelta
+from k3serve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from k3serve.model.config import ModelConfig
 from k3serve.model.tokenizer import Tokenizer
 from k3serve.prefill.worker import PrefillWorker
@@ -112,7 +117,7 @@ async def test_a_stream_whose_decode_replica_dies_continues_with_the_colocated_o
         await router.close()
     assert tokens == expected.token_ids
     assert text == expected.text
-    assert router.metrics.migrations.labels("")._value.get() == 1
+    assert router.metrics.registry.get_sample_value("k3serve:request_migrations_total", {"model_name": ""}) == 1
     await wait_decode_idle(survivor)
 
 
@@ -184,3 +189,32 @@ async def test_over_http_with_migration_off_the_stream_ends_with_a_clean_error(
         await router.close()
     assert "error" in events[-1] and events[-1]["error"]["code"] == 503, events[-3:]
     assert "died" in events[-1]["error"]["message"], events[-1]
+
+
+@pytest.mark.parametrize("seed, k", [(0, 1), (1234, 9), ((1 << 63) - 1, 500), (-7, 3)])
+def test_a_continuation_seed_draws_what_the_original_draws_k_positions_later(seed: int, k: int) -> None:
+    from k3serve.engine.llm_engine import _position_generator, continuation_seed
+
+    for j in range(3):
+        ours = torch.rand(4, generator=_position_generator(continuation_seed(seed, k), j))
+        assert torch.equal(ours, torch.rand(4, generator=_position_generator(seed, k + j)))
+
+
+def test_a_continuation_keeps_what_is_left_of_the_budget_and_reports_the_original_counts() -> None:
+    params = SamplingParams(max_tokens=10, min_tokens=6, seed=3, prompt_logprobs=1)
+    c = Continuation.of([5, 6, 7], params, [8, 9, 10, 11])
+    assert c.prompt_token_ids == [5, 6, 7, 8, 9, 10, 11]
+    assert (c.params.max_tokens, c.params.min_tokens, c.params.prompt_logprobs) == (6, 2, None)
+    delta = c.delta(RequestDelta(request_id="r", new_token_ids=[12], new_text="", finished=False, finish_reason=None,
+                                 logprobs=None, num_prompt_tokens=7, num_output_tokens=1))
+    assert (delta.num_prompt_tokens, delta.num_output_tokens) == (3, 5)
+
+
+@pytest.mark.parametrize("params, why", [
+    (SamplingParams(stop=["\n"]), "stop strings"),
+    (SamplingParams(frequency_penalty=0.5), "penalties"),
+    (SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")), "structured output"),
+])
+def test_requests_that_tokens_alone_cannot_continue_exactly_are_not_migrated(params, why) -> None:
+    assert why in refusal(params)
+    assert refusal(SamplingParams(repetition_penalty=1.2, min_tokens=3, logit_bias={5: 1.0}, seed=1)) is None
