@@ -4,7 +4,8 @@ a clean OpenAI error, nothing hangs, the pools recover, and nothing stays alloca
     kill a prefill replica mid-burst   -> retried on the other replica, or a clean 503; later OK
     kill a decode replica mid-stream (2P2D)
                                        -> its stream continues on the other one, with the same text
-    kill the decode replica mid-burst  -> clean errors; Ray restarts it; later requests succeed
+    kill the decode replica mid-burst  -> clean errors, or 200 once a stream migrated to the restarted
+                                          replica; Ray restarts it; later requests succeed
     client hangs up (mid-stream, or during prefill / handoff)
                                        -> blocks and slots back to zero on both pools
 """
