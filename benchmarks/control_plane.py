@@ -42,7 +42,7 @@ class TrivialDecode:
             self.known.add(request_id)
         return Reservation(tuple(range(-(-num_tokens // 16))), 0, time.time() + lease_seconds)
 
-    def transfer_ready(self, request_id, from_rank, first_token_id, num_tokens, checksums):
+    def transfer_ready(self, request_id, from_rank, first_token_id, num_tokens, checksums, attempt):
         pass
 
     def abort(self, request_id, reason):

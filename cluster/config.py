@@ -140,6 +140,9 @@ class ServeConfig(EngineOptions):
         f"default: ${INTERNAL_SECRET_ENV}, else a new one at every start (fine on one node or one Ray cluster "
         "started here; workers on several nodes that join by other means must share one)",
     )
+    migrate_on_decode_failure: bool = Field(
+        True, description="a stream whose decode replica dies continues on another one (the prompt and the tokens "
+        "already sent are prefilled again; docs/design/migration.md); off: it ends with a clean 503 error")
     ray_address: str | None = Field(None, description="join this Ray cluster; default: start a local one")
     ray_dashboard: bool = Field(False, description="the local Ray's dashboard on http://127.0.0.1:8265, with Ray's "
                                 "autoscaler and log monitors (off: none of the three, ~300 MB less)")

@@ -192,6 +192,10 @@ class IngressMetrics:
         self.structured_output_refusals = Counter("k3serve:structured_output_refusals", "Requests refused (400) "
                                                   "because their structured output constraint does not compile, by "
                                                   "kind.", ("model_name", "kind"), registry=reg)
+        self.handoff_retries = Counter("k3serve:handoff_retries", "Handoffs attempted again, into a new "
+                                       "reservation, after a prefill attempt failed.", m, registry=reg)
+        self.migrations = Counter("k3serve:request_migrations", "Streams continued on another decode replica "
+                                  "after theirs died.", m, registry=reg)
         self.replicas_healthy = Gauge("k3serve:replicas_healthy", "Replicas of a pool answering health checks and "
                                       "able to admit work (a decode replica whose room reservations have held, "
                                       "unmoving, for admission_stall_seconds is not counted).",
@@ -213,7 +217,8 @@ class IngressMetrics:
                        self.max_generation_tokens, self.prompt_tokens, self.generation_tokens,
                        self.prefix_cache_queries, self.prefix_cache_hits):
             series.labels(*self.vllm_labels)  # exported from the start, at 0
-        self.handoff_time.labels(model_name)
+        for series in (self.handoff_time, self.handoff_retries, self.migrations):
+            series.labels(model_name)
         self._set_pod_gauges()
         for pool, replica in pools:
             self.set_pool_stats(pool, replica, 0, 0, 0.0, 0.0)
@@ -249,6 +254,12 @@ class IngressMetrics:
     def observe_handoff_time(self, seconds: float) -> None:
         self.handoff_time.labels(self.model_name).observe(seconds)
         self.status.observe("handoff", seconds)
+
+    def count_handoff_retry(self) -> None:
+        self.handoff_retries.labels(self.model_name).inc()
+
+    def count_migration(self) -> None:
+        self.migrations.labels(self.model_name).inc()
 
     def set_pool_stats(self, pool: str, replica: str, num_running: int, num_waiting: int,
                        kv_block_usage: float, kda_slot_usage: float) -> None:

@@ -3,9 +3,11 @@
 One request: (1) checked as the engines check it (`engine/prompt_check.py`, its structured output constraint
 parsed), then admitted on the decode replica with the fewest requests in flight from here (then the most free
 blocks), the next one on NoCapacity, or queued (`cluster/admission.py`) while all are full; (2) a prefill
-replica picked by load with prefix affinity pushes the prompt state into the reservation, retried once on
-another replica if it fails before the decode side adopted the request; (3) its deltas streamed from the
-decode replica's feed (`cluster/decode_feed.py`). Client gone or any failure: abort on both sides. Replica stats
+replica picked by load with prefix affinity pushes the prompt state into the reservation; if it fails, the
+attempt is dropped on decode and retried once, on another prefill replica if there is one, into a new
+reservation (a live decode replica first); (3) its deltas streamed from the decode replica's feed
+(`cluster/decode_feed.py`); a feed that dies mid-stream is migrated: the request continues on another decode
+replica (`cluster/migration.py`). Client gone or any failure: abort on both sides. Replica stats
 are refreshed in the background for routing and the pool gauges. A replica whose refresh fails has its series
 dropped and is marked stale at once; /health is 503 while a pool has no replica answering, or while every decode
 replica's room is held by reservations that do not move (`cluster/room_watch.py`). The steps in full:
@@ -15,15 +17,18 @@ docs/design/router.md.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
+import itertools
 import logging
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Iterator, Sequence
 
 from k3serve.cluster.admission import AdmissionQueue
 from k3serve.cluster.decode_feed import DecodeFeed, RequestDeltas
 from k3serve.cluster.errors import PoolDegradedError, ReplicaDiedError, ReplicaUnavailableError
 from k3serve.cluster.metrics import IngressMetrics
+from k3serve.cluster.migration import MAX_MIGRATIONS, Continuation, refusal
 from k3serve.cluster.replica_metrics import ReplicaMetricsCollector
 from k3serve.cluster.replicas import DecodeReplica, PrefillReplica
 from k3serve.cluster.room_watch import STALL_SECONDS, RoomWatch
@@ -33,13 +38,14 @@ from k3serve.engine.outputs import RequestDelta
 from k3serve.engine.prompt_check import check_prompt
 from k3serve.engine.structured_output import parse_constraint
 from k3serve.model.tokenizer import Tokenizer
-from k3serve.prefill.worker import HandoffTarget
+from k3serve.prefill.worker import HandoffTarget, PrefillResult
 from k3serve.transfer.control import NoCapacityError
 
 log = logging.getLogger(__name__)
 
 AFFINITY_TOKENS = 256  # prompts that share their first tokens go to the same prefill replica
 AFFINITY_SLACK = 2  # ... unless it has this many more requests in flight than the least loaded
+CLEANUP_SECONDS = 5.0  # an abort on a replica that may be dead or restarting waits no longer
 
 
 class DisaggregatedRouter:
@@ -56,18 +62,21 @@ class DisaggregatedRouter:
         max_queued_requests: int | None = None,
         queue_timeout_seconds: float | None = None,
         admission_stall_seconds: float = STALL_SECONDS,
+        migrate_on_decode_failure: bool = True,
     ) -> None:
         """vocab_size: the model's (config.json), which the engines check ids against.
         max_queued_requests / queue_timeout_seconds bound the admission queue (None: no bound,
         as the colocated engine's scheduler queues); admission_stall_seconds: how long a decode
         replica's room may stay held by unmoving reservations before it counts as unable to admit
-        (`cluster/room_watch.py`); `k3serve serve` passes ServeConfig's."""
+        (`cluster/room_watch.py`); migrate_on_decode_failure: continue a stream whose decode replica died
+        on another one; `k3serve serve` passes ServeConfig's."""
         self.prefill, self.decode = list(prefill), list(decode)
         self.tokenizer, self.model_name, self.max_model_len = tokenizer, model_name, max_model_len
         self.vocab_size = vocab_size
         self.metrics = metrics
         self.replica_metrics = ReplicaMetricsCollector(metrics.registry if metrics is not None else None)
         self.refresh_seconds = refresh_seconds
+        self.migrate_on_decode_failure = migrate_on_decode_failure
         self._decode_stats: dict[str, object] = {}
         self._inflight: dict[str, int] = {r.name: 0 for r in self.prefill}  # prefill requests in flight
         self._decoding: dict[str, int] = {r.name: 0 for r in self.decode}  # admitted here, not yet ended
@@ -98,6 +107,9 @@ class DisaggregatedRouter:
         """The stream's own cleanup aborts on both sides; nothing is left to do by id."""
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestDelta]:
+        """The request's deltas. A decode replica that dies mid-stream is replaced: the request continues
+        on another one from the tokens sent (`cluster/migration.py`) unless migration is off or cannot be
+        exact for it; then the replica's ReplicaDiedError ends the stream."""
         self._start_refresher()
         prompt = request.prompt
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -105,42 +117,125 @@ class DisaggregatedRouter:
         check_prompt(prompt_ids, params, self.vocab_size, self.max_model_len)
         if params.structured_outputs is not None:
             parse_constraint(params.structured_outputs)
+        sent: list[int] = []  # token ids the client has
+        lost: set[str] = set()  # decode replicas this request's streams died on
+        continuation: Continuation | None = None
+        num_migrations = 0
+        attempt_ids = _attempt_ids(rid)
+        while True:
+            leg_prompt, leg_params = (prompt_ids, params) if continuation is None else (
+                continuation.prompt_token_ids, continuation.params)
+            try:  # closed here, not when collected: a client that leaves frees its room before aclose() returns
+                async with contextlib.aclosing(self._leg(rid, leg_prompt, leg_params, lost, attempt_ids)) as leg:
+                    async for delta in leg:
+                        if continuation is not None:
+                            delta = continuation.delta(delta)
+                        sent += delta.new_token_ids
+                        yield delta
+                return
+            except ReplicaDiedError as died:
+                why = self._why_not_migrate(params, sent, num_migrations)
+                if why is not None:
+                    log.info("request %s not migrated: %s", rid, why)
+                    raise
+                log.warning("request %s: %s; continuing on another decode replica after %d tokens", rid, died,
+                            len(sent))
+                if self.metrics is not None:
+                    self.metrics.count_migration()
+                num_migrations += 1
+                continuation = Continuation.of(prompt_ids, params, sent)
+
+    def _why_not_migrate(self, params, sent: list[int], num_migrations: int) -> str | None:
+        if not self.migrate_on_decode_failure:
+            return "migrate_on_decode_failure is off"
+        if num_migrations >= MAX_MIGRATIONS:
+            return f"it was migrated {num_migrations} times already"
+        if params.max_tokens is not None and len(sent) >= params.max_tokens:
+            return "it has all its tokens"
+        return refusal(params)
+
+    async def _leg(self, rid: str, prompt_ids: list[int], params, lost: set[str],
+                   attempt_ids: Iterator[str]) -> AsyncIterator[RequestDelta]:
+        """One run of a request on a decode replica: admitted (a decode replica not in `lost` first), its
+        prompt handed off by a prefill replica, its deltas streamed. Each handoff attempt is its own request
+        on both pools (the next of `attempt_ids`) with a reservation of its own: a failed attempt is dropped
+        on decode (its reservation, or the request if decode adopted it) before the retry reserves anew, and
+        decode refuses any report for a dropped attempt. A feed that dies raises ReplicaDiedError, its
+        replica added to `lost`. The deltas carry `rid`."""
+        what = f"request {rid} ({len(prompt_ids)} prompt tokens)"
+        eid = next(attempt_ids)
         decode, target, deltas = await self.admission.admit(  # observes the queue time
-            lambda: self._admit(rid, prompt_ids, params), f"request {rid} ({len(prompt_ids)} prompt tokens)")
+            lambda: self._admit(eid, prompt_ids, params, lost), what)
         decode_done = False  # decode ended the request itself; otherwise its reservation is ours to free
         try:
-            result = await self._prefill(rid, prompt_ids, params, target)
+            errors: list[str] = []
+            result = None
+            for replica in (self._prefill_order(prompt_ids) * 2)[:2]:  # one retry, elsewhere if there is one
+                if errors:  # fence the failed attempt, reserve anew (a live replica first) for this one
+                    avoid = lost | {decode.name}
+                    failed, decode = decode, None
+                    await self._drop(failed, deltas, eid)
+                    if self.metrics is not None:
+                        self.metrics.count_handoff_retry()
+                    eid = next(attempt_ids)
+                    decode, target, deltas = await self.admission.admit(
+                        lambda: self._admit(eid, prompt_ids, params, avoid), what)
+                try:
+                    result = await self._prefill_on(replica, eid, prompt_ids, params, target)
+                    break
+                except (ValueError, TypeError):
+                    raise
+                except Exception as e:
+                    log.warning("prefill replica %s failed on %s (attempt %d on %s): %r", replica.name, eid,
+                                target.reservation.attempt, decode.name, e)
+                    errors.append(f"{replica.name}: {type(e).__name__}")  # the client sees this; the log has the rest
+            if result is None:
+                raise ReplicaUnavailableError(f"prefill failed for request {rid}: {'; '.join(errors)}")
             if self.metrics is not None:
                 self.metrics.observe_prefill_time(result.prefill_seconds)
                 self.metrics.observe_handoff_time(result.transfer_seconds)
             if result.finished:  # ended at its first token: nothing was handed off, the reservation goes
-                yield result.delta
+                yield dataclasses.replace(result.delta, request_id=rid)
                 return
             first_logprobs, prompt_logprobs = result.first_logprobs, result.prompt_logprobs
-            async for delta in deltas:
-                if delta.num_cached_tokens != result.num_cached_tokens:  # the prompt's cache is the prefill engine's
-                    delta = dataclasses.replace(delta, num_cached_tokens=result.num_cached_tokens)
-                if first_logprobs is not None and delta.logprobs is None:
-                    # The first token was sampled by the prefill engine; its logprobs come from there.
-                    delta = dataclasses.replace(delta, logprobs=first_logprobs)  # decode's first delta: that token
-                if prompt_logprobs is not None:  # the prompt ran on the prefill engine too
-                    delta = dataclasses.replace(delta, prompt_logprobs=prompt_logprobs)
-                first_logprobs = prompt_logprobs = None
-                yield delta
-                decode_done = delta.finished
+            try:
+                async for delta in deltas:
+                    delta = dataclasses.replace(delta, request_id=rid)
+                    if delta.num_cached_tokens != result.num_cached_tokens:  # the prompt's cache is the prefill's
+                        delta = dataclasses.replace(delta, num_cached_tokens=result.num_cached_tokens)
+                    if first_logprobs is not None and delta.logprobs is None:
+                        # The first token was sampled by the prefill engine; its logprobs come from there.
+                        delta = dataclasses.replace(delta, logprobs=first_logprobs)  # decode's first delta: that token
+                    if prompt_logprobs is not None:  # the prompt ran on the prefill engine too
+                        delta = dataclasses.replace(delta, prompt_logprobs=prompt_logprobs)
+                    first_logprobs = prompt_logprobs = None
+                    yield delta
+                    decode_done = delta.finished
+            except ReplicaDiedError:
+                lost.add(decode.name)
+                raise
         finally:
-            self._decoding[decode.name] -= 1
-            deltas.close()
-            if not decode_done:
-                await _quietly(decode.abort_request(rid))
+            if decode is not None:
+                self._decoding[decode.name] -= 1
+                deltas.close()
+                if not decode_done:
+                    await _quietly(asyncio.wait_for(decode.abort_request(eid), CLEANUP_SECONDS))
             self.admission.wake()  # its room is free
 
+    async def _drop(self, decode: DecodeReplica, deltas: RequestDeltas, rid: str) -> None:
+        """End a request's handoff attempt on `decode`: its deltas unrouted, its reservation (or the
+        request, if decode adopted the attempt) freed there before the next attempt reserves."""
+        self._decoding[decode.name] -= 1
+        deltas.close()
+        await _quietly(asyncio.wait_for(decode.abort_request(rid), CLEANUP_SECONDS))
+        self.admission.wake()
+
     # ---- routing --------------------------------------------------------------------------------
-    async def _admit(self, rid: str, prompt_ids: list[int],
-                     params) -> tuple[DecodeReplica, HandoffTarget, RequestDeltas] | None:
+    async def _admit(self, rid: str, prompt_ids: list[int], params,
+                     avoid: set[str] = frozenset()) -> tuple[DecodeReplica, HandoffTarget, RequestDeltas] | None:
         """Decode replica with the fewest requests admitted by this router and not yet ended, then
         the most free blocks; the next one on NoCapacity; None when every healthy one answered
-        NoCapacity: the request waits for room, which comes as requests end (a prompt shorter than
+        NoCapacity (the replicas in `avoid`, where it just failed, last): the request waits for room, which comes as requests end (a prompt shorter than
         max_model_len, as `generate` checks, fits an idle replica: every engine's cache holds a whole
         max_model_len request, engine/scheduler.py). No healthy replica: 503 at once.
         The count is live; the stats are up to `refresh_seconds` old, so ranking by free blocks
@@ -150,7 +245,8 @@ class DisaggregatedRouter:
             await self._refresh()
         order = sorted(
             (r for r in self.decode if self._healthy.get(r.name, True)),
-            key=lambda r: (self._decoding[r.name], -getattr(self._decode_stats.get(r.name), "num_free_blocks", 0)),
+            key=lambda r: (r.name in avoid, self._decoding[r.name],
+                           -getattr(self._decode_stats.get(r.name), "num_free_blocks", 0)),
         )
         full = False  # some healthy replica answered NoCapacity
         for replica in order:
@@ -215,22 +311,19 @@ class DisaggregatedRouter:
             return [preferred] + [r for r in by_load if r is not preferred]
         return by_load
 
-    async def _prefill(self, rid, prompt_ids, params, target: HandoffTarget):
-        """Run the prompt on one prefill replica; once more elsewhere if it fails before handing off."""
-        errors = []
-        for replica in self._prefill_order(prompt_ids)[:2]:
-            self._inflight[replica.name] += 1
-            try:
-                return await replica.prefill(rid, prompt_ids, params, target)
-            except (ValueError, TypeError):
-                raise
-            except Exception as e:
-                log.warning("prefill replica %s failed on %s: %r", replica.name, rid, e)
-                errors.append(f"{replica.name}: {type(e).__name__}")  # the client sees this; the log has the rest
-                await _quietly(replica.abort(rid))
-            finally:
-                self._inflight[replica.name] -= 1
-        raise ReplicaUnavailableError(f"prefill failed for request {rid}: {'; '.join(errors)}")
+    async def _prefill_on(self, replica: PrefillReplica, rid: str, prompt_ids: list[int], params,
+                          target: HandoffTarget) -> PrefillResult:
+        """Run the prompt on `replica` into `target`; on failure abort it there (the caller retries)."""
+        self._inflight[replica.name] += 1
+        try:
+            return await replica.prefill(rid, prompt_ids, params, target)
+        except (ValueError, TypeError):
+            raise
+        except Exception:
+            await _quietly(asyncio.wait_for(replica.abort(rid), CLEANUP_SECONDS))
+            raise
+        finally:
+            self._inflight[replica.name] -= 1
 
     # ---- stats and health ---------------------------------------------------------------------
     def _start_refresher(self) -> None:
@@ -290,6 +383,14 @@ class DisaggregatedRouter:
             self._refresher.cancel()
         for feed in self._feeds.values():
             feed.close()
+
+
+def _attempt_ids(rid: str) -> Iterator[str]:
+    """The engine request ids of a request's handoff attempts: its own id, then `<id>#2`, `<id>#3`, ...
+    (a dropped attempt's late deltas or reports can never be taken for a later attempt's)."""
+    yield rid
+    for n in itertools.count(2):
+        yield f"{rid}#{n}"
 
 
 async def _quietly(awaitable) -> None:

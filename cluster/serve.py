@@ -127,7 +127,8 @@ def _router(config: ServeConfig, prefill: list, decode: list, model_dir: str, na
     router = DisaggregatedRouter(prefill, decode, tokenizer, name, config.max_model_len, vocab_size, metrics,
                                  max_queued_requests=config.queue_capacity,
                                  queue_timeout_seconds=config.queue_timeout_seconds,
-                                 admission_stall_seconds=config.admission_stall_seconds)
+                                 admission_stall_seconds=config.admission_stall_seconds,
+                                 migrate_on_decode_failure=config.migrate_on_decode_failure)
     return router, metrics
 
 

@@ -83,7 +83,7 @@ class HandshakeOnly:
         self._refuse()
 
     def transfer_ready(self, request_id: str, from_rank: int, first_token_id: int, num_tokens: int,
-                       checksums: dict[str, str]) -> None:
+                       checksums: dict[str, str], attempt: int) -> None:
         self._refuse()
 
     def abort(self, request_id: str, reason: str) -> None:

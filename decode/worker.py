@@ -62,6 +62,7 @@ class _Pending:
 
     state: BoundaryState  # where the handoff lands
     deadline: float  # monotonic
+    attempt: int  # the reservation's handoff attempt: TransferReady must name it
     prompt_token_ids: list[int] | None = None
     params: SamplingParams | None = None
     shares: dict[int, dict[int, dict[str, str]]] = field(default_factory=dict)  # prefill rank -> decode rank -> sums
@@ -120,6 +121,7 @@ class DecodeWorker:
         self._streams: dict[str, AsyncIterator[RequestDelta]] = {}  # admitted, not yet followed
         self._admitting: dict[str, bool] = {}  # request id -> aborted while `admit` awaited; the event loop's
         self._feeds: dict[str, DeltaFeed] = {}  # open feeds by id
+        self._num_attempts = 0  # reservations handed out so far: the last one's attempt number
         self.receiver = self.server = None
         try:
             self._expected_ranks = self._sources(prefill_tp)
@@ -263,12 +265,17 @@ class DecodeWorker:
         return self.handoff.submit(lambda: self._reserve(request_id, num_tokens, lease_seconds, peer)).result()
 
     def transfer_ready(
-        self, request_id: str, from_rank: int, first_token_id: int, num_tokens: int, checksums: dict[str, str]
+        self, request_id: str, from_rank: int, first_token_id: int, num_tokens: int, checksums: dict[str, str],
+        attempt: int,
     ) -> None:
+        """A prefill rank's writes into reservation `attempt` of `request_id` landed. Only the request's live
+        reservation is completed: a report for an attempt since dropped (a retry that replaced it, a stale
+        prefill replica) is refused and changes nothing."""
         with self._lock:
             pending = self._pending.get(request_id)
-            if pending is None:
-                raise UnknownRequestError(f"request {request_id!r} holds no reservation here (aborted or expired)")
+            if pending is None or pending.attempt != attempt:
+                raise UnknownRequestError(f"request {request_id!r} holds no reservation of attempt {attempt} here "
+                                          "(aborted, expired or replaced by a retry)")
             if from_rank not in self._expected_ranks:
                 raise InvalidArgumentError(f"rank {from_rank} does not write into this decode engine")
             try:
@@ -318,8 +325,10 @@ class DecodeWorker:
                                   f"{free.num_free_slots} free slots")
         lease = lease_seconds or self.lease_seconds
         with self._lock:
-            self._pending[request_id] = _Pending(state, time.monotonic() + lease, peer=peer)
-        return Reservation(state.block_ids, state.slot_id, time.time() + lease)
+            self._num_attempts += 1
+            attempt = self._num_attempts
+            self._pending[request_id] = _Pending(state, time.monotonic() + lease, attempt, peer=peer)
+        return Reservation(state.block_ids, state.slot_id, time.time() + lease, attempt)
 
     def _adopt(self, request_id: str, pending: _Pending) -> None:
         with self._lock:

@@ -391,12 +391,21 @@ class LLMEngine:
         return wanted
 
 
+_SEED_MIX = 0x9E3779B97F4A7C15  # odd: invertible modulo 2**63
+
+
 def _position_generator(seed: int | None, num_output_tokens: int) -> torch.Generator | None:
     """Seeded sampling is a pure function of (seed, output position): whichever engine samples a
     token (colocated, or prefill then decode after a handoff), the same seed gives the same text."""
     if seed is None:
         return None
-    return torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + num_output_tokens) % (1 << 63))
+    return torch.Generator().manual_seed((seed * _SEED_MIX + num_output_tokens) % (1 << 63))
+
+
+def continuation_seed(seed: int, num_output_tokens: int) -> int:
+    """The seed whose output position j draws what `seed` draws at position `num_output_tokens + j`: a
+    request continued from its first `num_output_tokens` tokens (as its prompt) samples what it would have."""
+    return (seed + num_output_tokens * pow(_SEED_MIX, -1, 1 << 63)) % (1 << 63)
 
 
 def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:

@@ -137,7 +137,7 @@ class PrefillWorker:
             for share in shares:
                 if share.checksums:  # a rank that wrote nothing is not waited for
                     await asyncio.to_thread(client.transfer_ready, request_id, share.rank, first, job.num_tokens,
-                                            flatten_rank_checksums(share.checksums))
+                                            flatten_rank_checksums(share.checksums), target.reservation.attempt)
         except Exception:
             self._release(request_id, "decode refused the handoff")
             raise

@@ -5,8 +5,8 @@ transfer backend.
     prefill rank (DecodeControlClient)             decode rank (DecodeControlServer -> handler)
     handshake(agent, layout_json, tp, id)  --->    HandshakeInfo, refused unless compat hashes match (rank 0:
                                                    and `id` holds a live reservation)
-    reserve(request_id, num_tokens, lease) --->    Reservation(block_ids, slot_id, deadline)
-    transfer_ready(request_id, rank, ...)  --->    checksums verified once all ranks reported
+    reserve(request_id, num_tokens, lease) --->    Reservation(block_ids, slot_id, deadline, attempt)
+    transfer_ready(request_id, rank, ...)  --->    checksums verified once all ranks reported (same attempt)
     heartbeat(request_ids, sender)         --->    leases extended; unknown ids come back
     abort(request_id, reason)              --->    reservation freed
 
@@ -148,6 +148,7 @@ class Reservation:
     block_ids: tuple[int, ...]  # [num_blocks] MLA block ids, in sequence order
     slot_id: int  # KDA state slot (recurrent + conv window)
     lease_deadline_unix: float  # seconds since the epoch, decode host clock
+    attempt: int = 0  # the handoff attempt this reservation is (from 1, new on every reserve); 0: none
 
 
 class DecodeControlHandler(Protocol):
@@ -169,7 +170,9 @@ class DecodeControlHandler(Protocol):
         ...
 
     def transfer_ready(self, request_id: str, from_rank: int, first_token_id: int, num_tokens: int,
-                       checksums: dict[str, str]) -> None: ...
+                       checksums: dict[str, str], attempt: int) -> None:
+        """Refuse (UnknownRequestError) unless `attempt` is the request's live reservation's."""
+        ...
 
     def abort(self, request_id: str, reason: str) -> None: ...
 
@@ -312,7 +315,7 @@ class _Servicer(pb_grpc.DecodeControlServicer):
             r = self._handler.reserve(request.request_id, request.num_tokens, request.lease_seconds,
                                       peer_host(context.peer()))
             return pb.ReserveResponse(ok=True, block_ids=r.block_ids, slot_id=r.slot_id,
-                                      lease_deadline_unix=r.lease_deadline_unix)
+                                      lease_deadline_unix=r.lease_deadline_unix, attempt=r.attempt)
 
         return self._guarded("Reserve", pb.ReserveResponse, run)
 
@@ -321,7 +324,7 @@ class _Servicer(pb_grpc.DecodeControlServicer):
             self._require_request_id(request.request_id)
             _check_checksums(request.checksums)
             self._handler.transfer_ready(request.request_id, request.from_rank, request.first_token_id,
-                                         request.num_tokens, dict(request.checksums))
+                                         request.num_tokens, dict(request.checksums), request.attempt)
             return pb.Ack(ok=True)
 
         return self._guarded("TransferReady", pb.Ack, run)
@@ -482,13 +485,14 @@ class DecodeControlClient:
         request = pb.ReserveRequest(request_id=request_id, num_tokens=num_tokens, lease_seconds=lease_seconds,
                                     instance_id=self.peer_instance_id)
         response = self._call("Reserve", request, request_id)
-        return Reservation(tuple(response.block_ids), response.slot_id, response.lease_deadline_unix)
+        return Reservation(tuple(response.block_ids), response.slot_id, response.lease_deadline_unix,
+                           response.attempt)
 
     def transfer_ready(self, request_id: str, from_rank: int, first_token_id: int, num_tokens: int,
-                       checksums: Mapping[str, str]) -> None:
-        """Report that every write of `from_rank` for this request polled DONE."""
+                       checksums: Mapping[str, str], attempt: int = 0) -> None:
+        """Report that every write of `from_rank` into reservation `attempt` of this request polled DONE."""
         request = pb.TransferReadyRequest(request_id=request_id, from_rank=from_rank, first_token_id=first_token_id,
-                                          num_tokens=num_tokens, checksums=dict(checksums))
+                                          num_tokens=num_tokens, checksums=dict(checksums), attempt=attempt)
         self._call("TransferReady", request, f"{request_id}, rank {from_rank}")
 
     def abort(self, request_id: str, reason: str) -> None:

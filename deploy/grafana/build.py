@@ -325,13 +325,21 @@ def pools() -> dashboard.Dashboard:
                                      "{{model_name}}", "A"),
                            ]))
         .with_panel(series(ids, "Transfer problems / s", "Failed transfers by reason, checksum mismatches (landed "
-                           "bytes differ: fail closed) and pin leases that expired unconfirmed.", "short", [
+                           "bytes differ: fail closed), pin leases that expired unconfirmed, handoffs retried into "
+                           "a new reservation, streams migrated to another decode replica and adopted state found "
+                           "changed behind the engine (integrity: the request failed).", "short", [
                                query(f"sum by (model_name, reason) (rate(k3serve:transfer_failures_total{{{MODEL}}}[{RATE}]))",
                                      "failed: {{reason}}", "A"),
                                query(f"sum by (model_name) (rate(k3serve:transfer_checksum_mismatches_total{{{MODEL}}}[{RATE}]))",
                                      "checksum mismatch", "B"),
                                query(f"sum by (model_name) (rate(k3serve:transfer_lease_expiries_total{{{MODEL}}}[{RATE}]))",
                                      "lease expired", "C"),
+                               query(f"sum by (model_name) (rate(k3serve:handoff_retries_total{{{MODEL}}}[{RATE}]))",
+                                     "handoff retried", "D"),
+                               query(f"sum by (model_name) (rate(k3serve:request_migrations_total{{{MODEL}}}[{RATE}]))",
+                                     "stream migrated", "E"),
+                               query(f"sum by (model_name, stage) (rate(k3serve:transfer_integrity_failures_total{{{MODEL}}}[{RATE}]))",
+                                     "integrity: {{stage}}", "F"),
                            ]))
         .with_panel(series(ids, "Pinned by in-flight transfers", "Decode-side KV blocks and KDA slots held by "
                            "transfers that have not been confirmed.", "short", [

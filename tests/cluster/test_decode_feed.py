@@ -7,7 +7,7 @@ in-process workers (prefill + decode, transfer "local", the tiny model), a real 
   (a step's deltas travel together).
 - A request whose consumer does not read holds back no other request and loses nothing.
 - A feed cut mid-stream (what a dead decode actor does) ends every request on it with
-  ReplicaDiedError at once; the decode pool is freed, and the next request opens a new feed.
+  ReplicaDiedError at once (migration off); the decode pool is freed, and the next request opens a new feed.
 - A client that leaves mid-stream frees the decode pool; so does one that leaves while its admit's
   answer is on the way (at once, not when the reservation's lease runs out).
 - A decode replica that restarted while the router's feed from it still looks open (admit answers
@@ -150,6 +150,8 @@ async def test_a_consumer_that_does_not_read_holds_back_nothing(router, referenc
 
 
 async def test_a_cut_feed_ends_every_request_on_it_and_the_next_request_opens_a_new_one(router, reference) -> None:
+    """With migration off (`migrate_on_decode_failure`: tests/cluster/test_migration.py has it on)."""
+    router.migrate_on_decode_failure = False
     decode = router.decode[0]
     streaming: set[str] = set()
     long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
@@ -214,6 +216,7 @@ def restarted_decode(tiny_checkpoint: Path):
 
 
 async def test_a_restarted_decode_replica_gets_a_new_feed_and_serves(router, reference, restarted_decode) -> None:
+    router.migrate_on_decode_failure = False  # the old feed's request ends, as it does with migration off
     decode = router.decode[0]
     before = decode.worker
     old_feed = router.generate(GenerateRequest("on-old-feed", PROMPTS[0], SamplingParams(max_tokens=400,

@@ -135,7 +135,7 @@ async def test_a_pool_held_by_unmoving_reservations_is_degraded_until_they_go(pr
         assert (await http.get("/health")).status_code == 200
         squatters = ["squatter-0", "squatter-1"]
         for rid in squatters:  # what a Reserve call on the control plane does (decode.reserve is its handler)
-            await asyncio.to_thread(decode.reserve, rid, 16, 60.0)
+            await asyncio.to_thread(decode.reserve, rid, 16, decode.lease_seconds, "127.0.0.1")
         try:
             await _check_degraded_until_freed(router, http, decode, squatters, capsys)
         finally:

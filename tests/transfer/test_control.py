@@ -97,7 +97,7 @@ class FakeDecode:
         self.free_slots.append(r["slot"])
 
     def transfer_ready(self, request_id: str, from_rank: int, first_token_id: int, num_tokens: int,
-                       checksums: dict[str, str]) -> None:
+                       checksums: dict[str, str], attempt: int) -> None:
         self._maybe_fail()
         with self.lock:
             if request_id not in self.requests:

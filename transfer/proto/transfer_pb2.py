@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%k3serve/transfer/proto/transfer.proto\x12\x13k3serve.transfer.v1\"D\n\x06Region\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x61\x64\x64r\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\"n\n\tAgentInfo\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x10\n\x08metadata\x18\x03 \x01(\x0c\x12,\n\x07regions\x18\x04 \x03(\x0b\x32\x1b.k3serve.transfer.v1.Region\"\xa1\x01\n\x10HandshakeRequest\x12-\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x1e.k3serve.transfer.v1.AgentInfo\x12\x13\n\x0blayout_json\x18\x02 \x01(\t\x12\x0f\n\x07tp_size\x18\x03 \x01(\r\x12\x0f\n\x07tp_rank\x18\x04 \x01(\r\x12\x13\n\x0b\x63ompat_hash\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"\xec\x01\n\x11HandshakeResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12,\n\x04\x63ode\x18\x08 \x01(\x0e\x32\x1e.k3serve.transfer.v1.ErrorCode\x12-\n\x05\x61gent\x18\x03 \x01(\x0b\x32\x1e.k3serve.transfer.v1.AgentInfo\x12\x13\n\x0blayout_json\x18\x04 \x01(\t\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\x12\x0f\n\x07tp_rank\x18\x06 \x01(\r\x12\x13\n\x0b\x63ompat_hash\x18\x07 \x01(\t\x12\x13\n\x0binstance_id\x18\t \x01(\t\"d\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\"\x9b\x01\n\x0fReserveResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12,\n\x04\x63ode\x18\x06 \x01(\x0e\x32\x1e.k3serve.transfer.v1.ErrorCode\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x0f\n\x07slot_id\x18\x04 \x01(\x05\x12\x1b\n\x13lease_deadline_unix\x18\x05 \x01(\x01\"\xe8\x01\n\x14TransferReadyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tfrom_rank\x18\x02 \x01(\r\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x03\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12K\n\tchecksums\x18\x05 \x03(\x0b\x32\x38.k3serve.transfer.v1.TransferReadyRequest.ChecksumsEntry\x1a\x30\n\x0e\x43hecksumsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"N\n\x03\x41\x63k\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12,\n\x04\x63ode\x18\x03 \x01(\x0e\x32\x1e.k3serve.transfer.v1.ErrorCode\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"7\n\x10HeartbeatRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x0e\n\x06sender\x18\x02 \x01(\t\"\x8e\x01\n\x11HeartbeatResponse\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12,\n\x04\x63ode\x18\x05 \x01(\x0e\x32\x1e.k3serve.transfer.v1.ErrorCode\x12\x1b\n\x13unknown_request_ids\x18\x01 \x03(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t*\x97\x02\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x01\x12\x1b\n\x17\x45RROR_CODE_INCOMPATIBLE\x10\x02\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x03\x12\x1a\n\x16\x45RROR_CODE_NO_CAPACITY\x10\x04\x12\x1e\n\x1a\x45RROR_CODE_UNKNOWN_REQUEST\x10\x05\x12 \n\x1c\x45RROR_CODE_CHECKSUM_MISMATCH\x10\x06\x12\x1d\n\x19\x45RROR_CODE_PEER_RESTARTED\x10\x07\x12\x1a\n\x16\x45RROR_CODE_UNREACHABLE\x10\x08\x32\xb9\x03\n\rDecodeControl\x12Z\n\tHandshake\x12%.k3serve.transfer.v1.HandshakeRequest\x1a&.k3serve.transfer.v1.HandshakeResponse\x12T\n\x07Reserve\x12#.k3serve.transfer.v1.ReserveRequest\x1a$.k3serve.transfer.v1.ReserveResponse\x12T\n\rTransferReady\x12).k3serve.transfer.v1.TransferReadyRequest\x1a\x18.k3serve.transfer.v1.Ack\x12\x44\n\x05\x41\x62ort\x12!.k3serve.transfer.v1.AbortRequest\x1a\x18.k3serve.transfer.v1.Ack\x12Z\n\tHeartbeat\x12%.k3serve.transfer.v1.HeartbeatRequest\x1a&.k3serve.transfer.v1.HeartbeatResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%k3serve/transfer/proto/transfer.proto\x12\x13k3serve.transfer.v1\"D\n\x06Region\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x61\x64\x64r\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\"n\n\tAgentInfo\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x10\n\x08metadata\x18\x03 \x01(\x0c\x12,\n\x07regions\x18\x04 \x03(\x0b\x32\x1b.k3serve.transfer.v1.Region\"\xa1\x01\n\x10HandshakeRequest\x12-\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x1e.k3serve.transfer.v1.AgentInfo\x12\x13\n\x0blayout_json\x18\x02 \x01(\t\x12\x0f\n\x07tp_size\x18\x03 \x01(\r\x12\x0f\n\x07tp_rank\x18\x04 \x01(\r\x12\x13\n\x0b\x63ompat_hash\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"\xec\x01\n\x11HandshakeResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12,\n\x04\x63ode\x18\x08 \x01(\x0e\x32\x1e.k3serve.transfer.v1.ErrorCode\x12-\n\x05\x61gent\x18\x03 \x01(\x0b\x32\x1e.k3serve.transfer.v1.AgentInfo\x12\x13\n\x0blayout_json\x18\x04 \x01(\t\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\x12\x0f\n\x07tp_rank\x18\x06 \x01(\r\x12\x13\n\x0b\x63ompat_hash\x18\x07 \x01(\t\x12\x13\n\x0binstance_id\x18\t \x01(\t\"d\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\"\xac\x01\n\x0fReserveResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12,\n\x04\x63ode\x18\x06 \x01(\x0e\x32\x1e.k3serve.transfer.v1.ErrorCode\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x0f\n\x07slot_id\x18\x04 \x01(\x05\x12\x1b\n\x13lease_deadline_unix\x18\x05 \x01(\x01\x12\x0f\n\x07\x61ttempt\x18\x07 \x01(\x04\"\xf9\x01\n\x14TransferReadyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tfrom_rank\x18\x02 \x01(\r\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x03\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12K\n\tchecksums\x18\x05 \x03(\x0b\x32\x38.k3serve.transfer.v1.TransferReadyRequest.ChecksumsEntry\x12\x0f\n\x07\x61ttempt\x18\x06 \x01(\x04\x1a\x30\n\x0e\x43hecksumsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"N\n\x03\x41\x63k\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12,\n\x04\x63ode\x18\x03 \x01(\x0e\x32\x1e.k3serve.transfer.v1.ErrorCode\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"7\n\x10HeartbeatRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x0e\n\x06sender\x18\x02 \x01(\t\"\x8e\x01\n\x11HeartbeatResponse\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12,\n\x04\x63ode\x18\x05 \x01(\x0e\x32\x1e.k3serve.transfer.v1.ErrorCode\x12\x1b\n\x13unknown_request_ids\x18\x01 \x03(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t*\x97\x02\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x01\x12\x1b\n\x17\x45RROR_CODE_INCOMPATIBLE\x10\x02\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x03\x12\x1a\n\x16\x45RROR_CODE_NO_CAPACITY\x10\x04\x12\x1e\n\x1a\x45RROR_CODE_UNKNOWN_REQUEST\x10\x05\x12 \n\x1c\x45RROR_CODE_CHECKSUM_MISMATCH\x10\x06\x12\x1d\n\x19\x45RROR_CODE_PEER_RESTARTED\x10\x07\x12\x1a\n\x16\x45RROR_CODE_UNREACHABLE\x10\x08\x32\xb9\x03\n\rDecodeControl\x12Z\n\tHandshake\x12%.k3serve.transfer.v1.HandshakeRequest\x1a&.k3serve.transfer.v1.HandshakeResponse\x12T\n\x07Reserve\x12#.k3serve.transfer.v1.ReserveRequest\x1a$.k3serve.transfer.v1.ReserveResponse\x12T\n\rTransferReady\x12).k3serve.transfer.v1.TransferReadyRequest\x1a\x18.k3serve.transfer.v1.Ack\x12\x44\n\x05\x41\x62ort\x12!.k3serve.transfer.v1.AbortRequest\x1a\x18.k3serve.transfer.v1.Ack\x12Z\n\tHeartbeat\x12%.k3serve.transfer.v1.HeartbeatRequest\x1a&.k3serve.transfer.v1.HeartbeatResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TRANSFERREADYREQUEST_CHECKSUMSENTRY']._loaded_options = None
   _globals['_TRANSFERREADYREQUEST_CHECKSUMSENTRY']._serialized_options = b'8\001'
-  _globals['_ERRORCODE']._serialized_start=1477
-  _globals['_ERRORCODE']._serialized_end=1756
+  _globals['_ERRORCODE']._serialized_start=1511
+  _globals['_ERRORCODE']._serialized_end=1790
   _globals['_REGION']._serialized_start=62
   _globals['_REGION']._serialized_end=130
   _globals['_AGENTINFO']._serialized_start=132
@@ -46,19 +46,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESERVEREQUEST']._serialized_start=647
   _globals['_RESERVEREQUEST']._serialized_end=747
   _globals['_RESERVERESPONSE']._serialized_start=750
-  _globals['_RESERVERESPONSE']._serialized_end=905
-  _globals['_TRANSFERREADYREQUEST']._serialized_start=908
-  _globals['_TRANSFERREADYREQUEST']._serialized_end=1140
-  _globals['_TRANSFERREADYREQUEST_CHECKSUMSENTRY']._serialized_start=1092
-  _globals['_TRANSFERREADYREQUEST_CHECKSUMSENTRY']._serialized_end=1140
-  _globals['_ACK']._serialized_start=1142
-  _globals['_ACK']._serialized_end=1220
-  _globals['_ABORTREQUEST']._serialized_start=1222
-  _globals['_ABORTREQUEST']._serialized_end=1272
-  _globals['_HEARTBEATREQUEST']._serialized_start=1274
-  _globals['_HEARTBEATREQUEST']._serialized_end=1329
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1332
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1474
-  _globals['_DECODECONTROL']._serialized_start=1759
-  _globals['_DECODECONTROL']._serialized_end=2200
+  _globals['_RESERVERESPONSE']._serialized_end=922
+  _globals['_TRANSFERREADYREQUEST']._serialized_start=925
+  _globals['_TRANSFERREADYREQUEST']._serialized_end=1174
+  _globals['_TRANSFERREADYREQUEST_CHECKSUMSENTRY']._serialized_start=1126
+  _globals['_TRANSFERREADYREQUEST_CHECKSUMSENTRY']._serialized_end=1174
+  _globals['_ACK']._serialized_start=1176
+  _globals['_ACK']._serialized_end=1254
+  _globals['_ABORTREQUEST']._serialized_start=1256
+  _globals['_ABORTREQUEST']._serialized_end=1306
+  _globals['_HEARTBEATREQUEST']._serialized_start=1308
+  _globals['_HEARTBEATREQUEST']._serialized_end=1363
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1366
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1508
+  _globals['_DECODECONTROL']._serialized_start=1793
+  _globals['_DECODECONTROL']._serialized_end=2234
 # @@protoc_insertion_point(module_scope)

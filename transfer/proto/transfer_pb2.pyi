@@ -103,23 +103,25 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("ok", "error", "code", "block_ids", "slot_id", "lease_deadline_unix")
+    __slots__ = ("ok", "error", "code", "block_ids", "slot_id", "lease_deadline_unix", "attempt")
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SLOT_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     error: str
     code: ErrorCode
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     slot_id: int
     lease_deadline_unix: float
-    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., block_ids: _Optional[_Iterable[int]] = ..., slot_id: _Optional[int] = ..., lease_deadline_unix: _Optional[float] = ...) -> None: ...
+    attempt: int
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., block_ids: _Optional[_Iterable[int]] = ..., slot_id: _Optional[int] = ..., lease_deadline_unix: _Optional[float] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class TransferReadyRequest(_message.Message):
-    __slots__ = ("request_id", "from_rank", "first_token_id", "num_tokens", "checksums")
+    __slots__ = ("request_id", "from_rank", "first_token_id", "num_tokens", "checksums", "attempt")
     class ChecksumsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -132,12 +134,14 @@ class TransferReadyRequest(_message.Message):
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     from_rank: int
     first_token_id: int
     num_tokens: int
     checksums: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., from_rank: _Optional[int] = ..., first_token_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., checksums: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    attempt: int
+    def __init__(self, request_id: _Optional[str] = ..., from_rank: _Optional[int] = ..., first_token_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., checksums: _Optional[_Mapping[str, str]] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("ok", "error", "code")
