@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 import torch
 
+from k3serve.engine.spec.config import SpeculativeConfig
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_CACHE_BYTES = 512 * 2**20
 DEFAULT_MODEL_CACHE_DIR = Path.home() / ".cache" / "k3serve" / "checkpoints"
@@ -62,7 +64,15 @@ class EngineArgs:
     """Decode batch sizes captured as CUDA graphs (a batch is padded up to the next one), strictly
     increasing, each <= max_num_seqs; None = 1, 2, 4, 8, then multiples of 16, up to min(max_num_seqs, 512)."""
 
+    # ---- speculative decoding ----
+    speculative_config: SpeculativeConfig | None = None
+    """vLLM's speculative_config, e.g. '{"method": "ngram", "num_speculative_tokens": 4}' (a JSON object or its
+    dict): method, num_speculative_tokens (1..8), prompt_lookup_min/max, ...; None: no speculation. Serving: the
+    decode pool's and a colocated engine's (a prefill engine samples one token)."""
+
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         for name in ("tensor_parallel_size", "block_size", "max_model_len", "max_num_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

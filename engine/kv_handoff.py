@@ -223,7 +223,7 @@ class FollowerRank:
         def gathered(fn: Callable[..., Any]) -> Callable[..., None]:
             return lambda *args: self._group.gather(fn(*args))
 
-        follow_forever(self._group, {"step": self._runner.execute, **{k: gathered(fn) for k, fn in actions.items()}})
+        follow_forever(self._group, {"step": self._runner.execute, "commit": self._runner.commit_verified, **{k: gathered(fn) for k, fn in actions.items()}})
 
     def close(self) -> None:
         self._group.close()
