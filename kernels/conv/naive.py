@@ -44,16 +44,18 @@ def conv_verify(
     state_indices: list[int],  # [N]
     activation: str | None = "silu",
 ) -> Tensor:
-    """`causal_conv1d`'s outputs, the slots left as they were (`conv_commit` moves their windows)."""
+    """`causal_conv1d`'s outputs, the slots left as they were (`conv_commit` moves their windows). A token at a
+    time, in a one-token step's shapes: the reduction over W and the activation round as a decode step's do
+    (bit-identical; over a whole row at once the vectorized tails round differently)."""
     W = weight.shape[1]
     wf = weight.float()
     y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     for n, slot in enumerate(state_indices):
         bos, eos = cu_seqlens[n], cu_seqlens[n + 1]
         window = torch.cat([conv_state[slot].float().T, x[bos:eos].float()])  # [W-1+L, C]
-        y[bos:eos] = (window.unfold(0, W, 1) * wf).sum(-1)
-    if activation == "silu":
-        y = F.silu(y)
+        for t in range(eos - bos):
+            row = (window[t : t + W].unfold(0, W, 1) * wf).sum(-1)  # [1, C]
+            y[bos + t : bos + t + 1] = F.silu(row) if activation == "silu" else row
     return y.to(x.dtype)
 
 

@@ -1,0 +1,65 @@
+"""Speculative decoding on the tiny model: a scripted proposer and a checkpoint that repeats itself.
+
+    ScriptedProposer(references, K)  drafts the non-speculative greedy continuation for the first a tokens and
+                                     garbage after them, a cycling through 0..K: every accepted length occurs
+    echo_checkpoint                  k3-tiny with 0.3 x the embedding added to its lm_head: a model that tends to
+                                     repeat its last token for a while, so prompt lookup has drafts to accept (and
+                                     to reject where the run changes). Random weights alone almost never repeat.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from k3serve.model.checkpoint import make_checkpoint
+
+VOCAB_SIZE = 512
+ECHO_WEIGHT = 0.3
+
+
+class ScriptedProposer:
+    def __init__(self, references: dict[tuple[int, ...], list[int]], num_speculative_tokens: int) -> None:
+        self.references = references  # prompt -> its non-speculative greedy output
+        self.k = num_speculative_tokens
+        self.calls: dict[str, int] = {}
+        self.released: set[str] = set()
+
+    def propose(self, request_id: str, token_ids: list[int], max_tokens: int) -> list[int]:
+        prompt = next(p for p in self.references if tuple(token_ids[: len(p)]) == p)
+        done = len(token_ids) - len(prompt)
+        good = self.calls.get(request_id, 0) % (self.k + 1)
+        self.calls[request_id] = self.calls.get(request_id, 0) + 1
+        right = self.references[prompt][done : done + max_tokens]
+        return [t if i < good else (t + 1) % VOCAB_SIZE for i, t in enumerate(right)]
+
+    def release(self, request_id: str) -> None:
+        self.released.add(request_id)
+
+
+def write_echo_checkpoint(out: Path) -> Path:
+    src = make_checkpoint("k3-tiny", out.with_name(out.name + "-src"), seed=0)
+    shutil.copytree(src, out)
+    files = sorted(set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].values()))
+    tensors = {f: load_file(out / f) for f in files}
+    embedding = next(t[k] for t in tensors.values() for k in t if k.endswith("embed_tokens.weight"))
+    for name, part in tensors.items():
+        for key in part:
+            if key.endswith("lm_head.weight"):
+                part[key] = part[key] + ECHO_WEIGHT * embedding
+        save_file(part, out / name, metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="session")
+def echo_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_echo_checkpoint(tmp_path_factory.mktemp("echo") / "k3-tiny-echo")
+
+
+def token_runs(outputs: Sequence) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in outputs]
