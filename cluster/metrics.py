@@ -44,7 +44,7 @@ REQUEST_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0
 
 POOL_LABELS = ("model_name", "pool", "replica")
 ENGINE_SETTINGS = ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "kda_checkpoint_mode",
-                   "num_gpu_blocks", "num_kda_slots", "block_size", "cuda_graphs")
+                   "num_gpu_blocks", "num_kda_slots", "block_size", "cuda_graphs", "speculative_config")
 """`LLMEngine.settings`' names: the labels `k3serve:engine_config_info` carries beside POOL_LABELS."""
 
 
@@ -88,6 +88,9 @@ class IngressMetrics:
                                     POOL_LABELS, registry=reg)
         self.kda_slot_usage = Gauge("k3serve:kda_slot_usage_ratio", "Fraction of KDA state slots in use.",
                                     POOL_LABELS, registry=reg)
+        self.spec_acceptance_length = Gauge("k3serve:spec_decode_mean_acceptance_length", "Tokens a replica's "
+                                            "speculative verify rows emitted on average (set once it has run one).",
+                                            POOL_LABELS, registry=reg)
         self.structured_outputs = Counter("k3serve:structured_output_requests", "Requests with a structured output "
                                           "constraint, by kind (tool_choice: a forced tool choice).",
                                           ("model_name", "kind"), registry=reg)
@@ -130,8 +133,11 @@ class IngressMetrics:
         self.handoff_time.labels(self.model_name).observe(seconds)
 
     def set_pool_stats(self, pool: str, replica: str, num_running: int, num_waiting: int,
-                       kv_block_usage: float, kda_slot_usage: float) -> None:
+                       kv_block_usage: float, kda_slot_usage: float,
+                       spec_mean_acceptance_length: float | None = None) -> None:
         labels = (self.model_name, pool, str(replica))
+        if spec_mean_acceptance_length is not None:
+            self.spec_acceptance_length.labels(*labels).set(spec_mean_acceptance_length)
         self.running.labels(*labels).set(num_running)
         self.waiting.labels(*labels).set(num_waiting)
         self.kv_block_usage.labels(*labels).set(kv_block_usage)
@@ -156,7 +162,8 @@ class IngressMetrics:
 
     def remove_replica(self, pool: str, replica: str) -> None:
         labels = (self.model_name, pool, str(replica))
-        for gauge in (self.running, self.waiting, self.kv_block_usage, self.kda_slot_usage):
+        for gauge in (self.running, self.waiting, self.kv_block_usage, self.kda_slot_usage,
+                      self.spec_acceptance_length):
             try:
                 gauge.remove(*labels)
             except KeyError:

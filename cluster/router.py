@@ -238,7 +238,8 @@ class DisaggregatedRouter:
                 self._healthy[r.name] = True
                 if self.metrics is not None:
                     self.metrics.set_pool_stats(
-                        pool, r.name, stats.num_running, stats.num_waiting, stats.block_usage, stats.slot_usage
+                        pool, r.name, stats.num_running, stats.num_waiting, stats.block_usage, stats.slot_usage,
+                        stats.spec_mean_acceptance_length,
                     )
                     self.metrics.set_engine_settings(pool, r.name, stats.settings)
                     self.replica_metrics.update(r.name, await asyncio.wait_for(r.metrics_text(), 5.0))

@@ -58,11 +58,13 @@ def start_deployment(config: ServeConfig) -> Deployment:
     args = {pool: replace(config.engine_args(pool), model=model_dir, served_model_name=name) for pool in config.pools}
     if config.mode == "colocated":
         from k3serve.engine.async_engine import AsyncEngine
+        from k3serve.engine.spec.metrics import spec_decode_metrics
         from k3serve.engine.structured_output_metrics import grammar_compile_metrics
 
         engine = AsyncEngine(args["colocated"])
         metrics = IngressMetrics(model_name=engine.model_name)
         metrics.include(grammar_compile_metrics().collectors)  # the engine compiles in this process
+        metrics.include(spec_decode_metrics().collectors)  # and speculates in it
         return Deployment(engine, metrics, config, [engine.shutdown])
     _check_tp(config, model_dir)
     if config.launcher == "ray":

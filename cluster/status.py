@@ -7,7 +7,8 @@ import urllib.error
 import urllib.request
 
 _GAUGES = ("k3serve:num_requests_running", "k3serve:num_requests_waiting", "k3serve:kv_block_usage_ratio",
-           "k3serve:kda_slot_usage_ratio", "k3serve:engine_config_info")  # the last: each engine's settings
+           "k3serve:kda_slot_usage_ratio", "k3serve:spec_decode_mean_acceptance_length",
+           "k3serve:engine_config_info")  # the last: each engine's settings
 
 
 def _get(url: str, api_key: str | None = None) -> tuple[int, bytes]:

@@ -97,6 +97,11 @@ def test_the_decode_engine_speculates_after_the_handoff(echo_checkpoint: Path) -
                 return [t async for d in router.generate(GenerateRequest(f"r{i}", prompt, params))
                         for t in d.new_token_ids]
             outs = await asyncio.gather(*(tokens(i, p) for i, p in enumerate(PROMPT_IDS)))
+            metrics_text = await decode.metrics_text()  # what the ingress re-exports, by vLLM's names
+            for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total",
+                         'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="echo",position="0"}',
+                         "k3serve:spec_decode_acceptance_length_bucket"):
+                assert name.split("{")[0] in metrics_text, name
             for _ in range(200):
                 stats = await decode.stats()
                 if (stats.num_running, stats.num_reserved, stats.block_usage, stats.slot_usage) == (0, 0, 0.0, 0.0):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.llm import LLM
@@ -66,6 +67,10 @@ def test_greedy_output_and_logprobs_are_the_non_speculative_ones_at_every_accept
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0, "no verify step ran"
     assert len(stats.accepted_per_position) == k, "some accepted length never occurred"
     assert stats.mean_acceptance_length > 1.0
+    labels = {"model_name": llm.engine.model_name}
+    assert REGISTRY.get_sample_value("vllm:spec_decode_num_accepted_tokens_total", labels) >= stats.num_accepted_tokens
+    assert REGISTRY.get_sample_value("vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                                     labels | {"position": str(k - 1)}) > 0
     assert proposer.released == set(proposer.calls), "a finished request's drafts outlived it"
 
 
