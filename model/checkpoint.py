@@ -30,10 +30,13 @@ _K3_A_LOG_ENTRIES = 128  # the published K3 checkpoint pads per-head A_log to 12
 
 
 def make_checkpoint(preset: str | dict, out_dir: str | Path, seed: int = 0, num_shards: int = 2,
-                    chat_format: str | None = None) -> Path:
+                    chat_format: str | None = None, echo_weight: float = 0.0) -> Path:
     """Write `preset` (a preset name, or a HF config dict) with random weights drawn from `seed`
     into `out_dir`; returns out_dir. `chat_format` (CHAT_FORMATS): the tokenizer's special tokens and
-    chat format; default the preset's, "kimi_k2" for a dict."""
+    chat format; default the preset's, "kimi_k2" for a dict. `echo_weight` > 0 adds that multiple of the
+    embedding to the lm_head: a model that tends to repeat its last token for a while, where prompt lookup's
+    drafts are accepted (and rejected where a run changes), for speculative decoding's tests and benchmarks;
+    random weights alone almost never repeat."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf = preset_hf_config(preset) if isinstance(preset, str) else copy.deepcopy(preset)
@@ -47,6 +50,10 @@ def make_checkpoint(preset: str | dict, out_dir: str | Path, seed: int = 0, num_
     config = ModelConfig.from_hf_dict(hf)
 
     tensors = _random_tensors(config, seed)
+    if echo_weight:
+        (head,) = [name for name in tensors if name.endswith("lm_head.weight")]
+        (embedding,) = [name for name in tensors if name.endswith("embed_tokens.weight")]
+        tensors[head] = tensors[head] + echo_weight * tensors[embedding]
     _write_shards(tensors, out, num_shards)
     (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     gen = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}

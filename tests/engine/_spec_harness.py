@@ -2,20 +2,17 @@
 
     ScriptedProposer(references, K)  drafts the non-speculative greedy continuation for the first a tokens and
                                      garbage after them, a cycling through 0..K: every accepted length occurs
-    echo_checkpoint                  k3-tiny with 0.3 x the embedding added to its lm_head: a model that tends to
-                                     repeat its last token for a while, so prompt lookup has drafts to accept (and
-                                     to reject where the run changes). Random weights alone almost never repeat.
+    echo_checkpoint                  k3-tiny with 0.3 x the embedding added to its lm_head (`make_checkpoint`'s
+                                     echo_weight): it repeats itself for a while, so prompt lookup has drafts to
+                                     accept (and to reject where a run changes); random weights almost never repeat
 """
 
 from __future__ import annotations
 
-import json
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file, save_file
 
 from k3serve.model.checkpoint import make_checkpoint
 
@@ -42,23 +39,9 @@ class ScriptedProposer:
         self.released.add(request_id)
 
 
-def write_echo_checkpoint(out: Path) -> Path:
-    src = make_checkpoint("k3-tiny", out.with_name(out.name + "-src"), seed=0)
-    shutil.copytree(src, out)
-    files = sorted(set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].values()))
-    tensors = {f: load_file(out / f) for f in files}
-    embedding = next(t[k] for t in tensors.values() for k in t if k.endswith("embed_tokens.weight"))
-    for name, part in tensors.items():
-        for key in part:
-            if key.endswith("lm_head.weight"):
-                part[key] = part[key] + ECHO_WEIGHT * embedding
-        save_file(part, out / name, metadata={"format": "pt"})
-    return out
-
-
 @pytest.fixture(scope="session")
 def echo_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_echo_checkpoint(tmp_path_factory.mktemp("echo") / "k3-tiny-echo")
+    return make_checkpoint("k3-tiny", tmp_path_factory.mktemp("k3-tiny-echo"), seed=0, echo_weight=ECHO_WEIGHT)
 
 
 def token_runs(outputs: Sequence) -> list[list[int]]:
