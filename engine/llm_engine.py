@@ -43,7 +43,8 @@ from k3serve.engine.spec.metrics import SpecDecodeStats, spec_decode_metrics
 from k3serve.engine.spec.proposer import Speculator
 from k3serve.engine.spec.rejection import rejection_sample
 from k3serve.engine.state_pool import StatePool
-from k3serve.engine.structured_output import StructuredOutputs
+from k3serve.engine.structured_output import ConstraintViolationError, StructuredOutputs
+from k3serve.engine.structured_output import Verdict as StructuredVerdict
 from k3serve.engine.structured_output_metrics import grammar_compile_metrics
 from k3serve.model.config import ModelConfig
 from k3serve.model.parallel import TensorParallel
@@ -337,12 +338,14 @@ class LLMEngine:
             )
             sampled = dict(zip(ids, out.sampled_token_ids))
             logprobs = dict(zip(ids, out.logprobs))
-        verified, verified_logprobs = self._verify(output, result.verify_logits)
+        verified, verified_logprobs, checked = self._verify(output, result.verify_logits)
         num_outputs = {rid: self.scheduler.requests[rid].num_output_tokens for rid in verified}
         verdict = self.structured_outputs.accept_sampled(sampled)
-        failed = [self._end(rid, error=why) for rid, why in verdict.failed.items()]  # update_from_output skips them
-        finished = {r.request_id: r for r in self.scheduler.update_from_output(output, sampled, verdict.terminated,
-                                                                                verified)}
+        failures = verdict.failed | checked.failed
+        failed = [self._end(rid, error=why) for rid, why in failures.items()]  # update_from_output skips them
+        verified = {rid: tokens for rid, tokens in verified.items() if rid not in failures}
+        finished = {r.request_id: r for r in self.scheduler.update_from_output(
+            output, sampled, verdict.terminated | checked.terminated, verified)}
         deltas = failed + [self._delta(rid, [token], [logprobs.get(rid)], finished.get(rid))
                            for rid, token in sampled.items() if rid not in verdict.failed]
         for rid, tokens in verified.items():  # the tokens the scheduler appended: up to the first stop
@@ -353,25 +356,39 @@ class LLMEngine:
         return deltas
 
     def _verify(self, output, verify_logits: dict[str, torch.Tensor]
-                ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs | None]]]:
-        """Rejection-sample each verify row's drafts and commit the accepted prefixes to the KDA state (every rank):
-        the tokens each row emits, and their logprobs (raw, each from its own row) where asked."""
+                ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs | None]], StructuredVerdict]:
+        """Rejection-sample each verify row's drafts (a constrained row's logits masked row by row, as its matcher
+        would mask them one step at a time) and commit the accepted prefixes to the KDA state (every rank): the
+        tokens each row emits, up to the one completing its constraint; their logprobs (raw, each from its own
+        row) where asked; which constraints completed or failed."""
+        checked = StructuredVerdict(set(), {})
         if not self.runner.has_pending_commit:
-            return {}, {}
+            return {}, {}, checked
         drafts = {seq.request_id: seq.token_ids[1:] for seq in output.seqs if seq.num_draft_tokens}
         emitted: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprobs | None]] = {}
         for rid, rows in verify_logits.items():
             params = self._tracked[rid].params
-            verdict = rejection_sample(rows.float(), drafts[rid], params,
-                                       self.scheduler.requests[rid].num_output_tokens)
+            logits = rows.float().clone(memory_format=torch.contiguous_format)
+            mask = self.structured_outputs.verify_mask(rid, drafts[rid])
+            if mask is not None:
+                mask.apply(logits)
+            verdict = rejection_sample(logits, drafts[rid], params, self.scheduler.requests[rid].num_output_tokens)
             emitted[rid] = verdict.token_ids
             self.spec_stats.record(len(drafts[rid]), verdict.num_accepted)
+            if mask is not None:
+                try:
+                    taken, complete = self.structured_outputs.accept_run(rid, verdict.token_ids)
+                except ConstraintViolationError as e:
+                    checked.failed[rid] = str(e)
+                    continue
+                emitted[rid] = verdict.token_ids[:taken]
+                if complete:
+                    checked.terminated.add(rid)
             if params.logprobs is not None:
-                logprobs[rid] = token_logprobs(rows[: len(verdict.token_ids)].float(), verdict.token_ids,
-                                               params.logprobs)
-        self.runner.commit_verified({rid: len(tokens) for rid, tokens in emitted.items()})
-        return emitted, logprobs
+                logprobs[rid] = token_logprobs(rows[: len(emitted[rid])].float(), emitted[rid], params.logprobs)
+        self.runner.commit_verified({rid: len(tokens) for rid, tokens in emitted.items() if rid not in checked.failed})
+        return emitted, logprobs, checked
 
     def _delta(self, request_id: str, token_ids: list[int], logprobs: list[TokenLogprobs | None],
                done: Request | None) -> RequestDelta:

@@ -243,7 +243,8 @@ class Scheduler:
                     f"request is at {req.num_computed_tokens}"
                 )
             if seq.num_draft_tokens:
-                if self._append_verified(req, (verified_token_ids or {}).get(req.request_id), seq.num_draft_tokens):
+                if self._append_verified(req, (verified_token_ids or {}).get(req.request_id), seq.num_draft_tokens,
+                                         req.request_id in stopped_request_ids):
                     finished.append(req)
                 continue
             req.num_computed_tokens += seq.num_scheduled_tokens
@@ -270,15 +271,17 @@ class Scheduler:
                 finished.append(req)
         return finished
 
-    def _append_verified(self, req: Request, token_ids: list[int] | None, num_drafts: int) -> bool:
-        """A verify row's emitted tokens appended until the first stop; True if that finished the request."""
+    def _append_verified(self, req: Request, token_ids: list[int] | None, num_drafts: int, stopped: bool) -> bool:
+        """A verify row's emitted tokens appended until the first stop (`stopped`: the last one completes its
+        structured output); True if that finished the request."""
         if not token_ids or len(token_ids) > num_drafts + 1:
             raise ValueError(f"verify row of {req.request_id!r} with {num_drafts} drafts needs 1..{num_drafts + 1} "
                              f"emitted tokens, got {token_ids!r}")
         req.num_computed_tokens += len(token_ids)  # the last token and the accepted drafts
-        for token_id in token_ids:
+        for i, token_id in enumerate(token_ids):
             req.output_token_ids.append(token_id)
-            status = self.check_stop(req, token_id)
+            last_stops = stopped and i == len(token_ids) - 1
+            status = RequestStatus.FINISHED_STOPPED if last_stops else self.check_stop(req, token_id)
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)

@@ -1,9 +1,10 @@
 """Which requests speculate, and their drafts: the scheduler asks `Speculator.drafts` for each decode.
 
-A request speculates when its verify rows sample exactly as plain decode rows would from the same logits:
-no structured output constraint (its mask depends on the tokens before each row), no penalties and no
-logit_bias (they depend on the outputs so far, or are left to the plain path), and min_tokens already met
-(its mask would change along the run). Others decode one token a step in the same batch. Engine thread.
+A request speculates when its verify rows sample exactly as plain decode rows would from the same logits: no
+penalties and no logit_bias (they depend on the outputs so far, or are left to the plain path), and min_tokens
+already met (its mask would change along the run). A structured output constraint does not stop it: the engine
+masks each verify row by its matcher walked along the drafts (`StructuredOutputs.verify_mask`). Others decode
+one token a step in the same batch. Engine thread.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ from k3serve.engine.spec.ngram import NgramProposer
 
 def can_speculate(request: Request) -> bool:
     p = request.sampling_params
-    return (p.structured_outputs is None and p.logit_bias is None and not p.has_penalties
-            and request.num_output_tokens >= p.min_tokens)
+    return p.logit_bias is None and not p.has_penalties and request.num_output_tokens >= p.min_tokens
 
 
 class DraftProposer(Protocol):

@@ -188,3 +188,21 @@ def test_a_bad_speculative_config_fails_at_start_naming_the_field() -> None:
     assert isinstance(EngineArgs(speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
                       .speculative_config.num_speculative_tokens, int)
     assert Speculator  # the engine's drafts come through it
+
+
+def test_structured_outputs_mask_each_verify_row_and_keep_the_constrained_output(make_llm) -> None:
+    from k3serve.engine.sampling_params import StructuredOutputsParams
+
+    prompts = _prompts(7)
+    cases = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=regex))
+             for regex in ("(ab|cd){3,6}x", "[0-9]{2,12}", r"\{\"k\": (true|false)\}")]
+    plain = make_llm(max_model_len=512)
+    want = plain.generate(prompts, cases)
+    llm = make_llm(max_model_len=512, speculative_config=_spec(8))
+    proposer = _scripted(llm, prompts, token_runs(want), 8)
+    proposer.calls = {f"req-{i}": 8 for i in range(3)}  # start with all drafts right: long accepted runs
+    got = llm.generate(prompts, cases)
+    assert token_runs(got) == token_runs(want)
+    assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in want]
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
+    assert llm.engine.structured_outputs.num_matchers == 0
