@@ -4,7 +4,8 @@ Colocated: /v1/completions with `speculative_config` (prompt lookup, K = 4) answ
 same engine without it, stop strings inside an accepted run included. Disaggregated (real router, in-process 1P1D
 workers, local transfer): the decode engine speculates on what it adopted (prompt lookup needs only the prompt ids
 the handoff brings) and produces the colocated non-speculative tokens; its stats report a mean acceptance length
-above 1 (verify rows ran and accepted drafts), and it ends holding nothing. The model is `_spec_harness`'s echo
+above 1 (verify rows ran and accepted drafts), which the ingress exports per replica for `k3serve status`, its
+counters go out by vLLM's names, and it ends holding nothing. The model is `_spec_harness`'s echo
 checkpoint, which repeats itself enough for prompt lookup to be accepted.
 """
 
@@ -17,7 +18,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from prometheus_client import CollectorRegistry, generate_latest
+
 from k3serve.cluster.api.app import build_app
+from k3serve.cluster.metrics import IngressMetrics
+from k3serve.cluster.status import _GAUGES as STATUS_GAUGES  # what `k3serve status` prints
 from k3serve.cluster.router import DisaggregatedRouter
 from k3serve.decode.worker import DecodeWorker
 from k3serve.engine.async_engine import AsyncEngine, GenerateRequest
@@ -87,10 +92,13 @@ def test_the_decode_engine_speculates_after_the_handoff(echo_checkpoint: Path) -
     decode = DecodeWorker(EngineArgs(model=str(echo_checkpoint), speculative_config=SPEC, **ENGINE_ARGS),
                           transfer="local", name="decode-0")
     checkpoint = str(echo_checkpoint)
+    registry = CollectorRegistry()
+    metrics = IngressMetrics(registry, model_name="echo", pools=[("prefill", "prefill-0"), ("decode", "decode-0")])
 
     async def run() -> tuple[list[list[int]], object]:
         router = DisaggregatedRouter([prefill], [decode], Tokenizer.from_dir(checkpoint), "echo",
-                                     ENGINE_ARGS["max_model_len"], ModelConfig.from_dir(checkpoint).vocab_size)
+                                     ENGINE_ARGS["max_model_len"], ModelConfig.from_dir(checkpoint).vocab_size,
+                                     metrics=metrics)
         try:
             async def tokens(i: int, prompt: list[int]) -> list[int]:
                 params = SamplingParams(temperature=0.0, max_tokens=32)
@@ -105,6 +113,7 @@ def test_the_decode_engine_speculates_after_the_handoff(echo_checkpoint: Path) -
             for _ in range(200):
                 stats = await decode.stats()
                 if (stats.num_running, stats.num_reserved, stats.block_usage, stats.slot_usage) == (0, 0, 0.0, 0.0):
+                    await router.check_health()  # a stats refresh: the ingress's gauges
                     return outs, stats
                 await asyncio.sleep(0.05)
             raise AssertionError(f"decode pool not idle: {stats}")
@@ -118,3 +127,7 @@ def test_the_decode_engine_speculates_after_the_handoff(echo_checkpoint: Path) -
         prefill.shutdown()
     assert outs == [o.outputs[0].token_ids for o in reference]
     assert stats.spec_mean_acceptance_length is not None and stats.spec_mean_acceptance_length > 1.0
+    shown = [line for line in generate_latest(registry).decode().splitlines() if line.startswith(STATUS_GAUGES)]
+    assert any(line.startswith('k3serve:spec_decode_mean_acceptance_length{model_name="echo",pool="decode"')
+               and float(line.split()[-1]) == stats.spec_mean_acceptance_length for line in shown), shown
+    assert any('speculative_config="ngram:4"' in line and 'pool="decode"' in line for line in shown), shown
