@@ -91,7 +91,7 @@ def test_every_listed_metric_is_on_a_dashboard():
     used = set()
     for path in DASHBOARDS:
         for _, expr in queries(json.loads(path.read_text())):
-            used.update(re.findall(r"k3serve:[a-z0-9_]+", expr))
+            used.update(re.findall(r"(?:k3serve|vllm):[a-z0-9_]+", expr))
     shown = {re.sub(r"_(bucket|sum|count)$", "", name) for name in used}
     assert set(load_metrics()) <= shown, f"not on any dashboard: {sorted(set(load_metrics()) - shown)}"
 
