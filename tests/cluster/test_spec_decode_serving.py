@@ -1,7 +1,7 @@
 """Specification: speculative decoding through the OpenAI API and across the disaggregated handoff.
 
 Colocated: /v1/completions with `speculative_config` (prompt lookup, K = 4) answers greedy requests exactly as the
-same engine without it, stop strings inside an accepted run included. Disaggregated (real router, in-process 1P1D
+same engine without it, stop strings inside an accepted run, n = 2 and logprobs included. Disaggregated (real router, in-process 1P1D
 workers, local transfer): the decode engine speculates on what it adopted (prompt lookup needs only the prompt ids
 the handoff brings) and produces the colocated non-speculative tokens; its stats report a mean acceptance length
 above 1 (verify rows ran and accepted drafts), which the ingress exports per replica for `k3serve status`, its
@@ -58,7 +58,7 @@ async def _complete(engine: AsyncEngine, bodies: list[dict]) -> list[dict]:
         for body in bodies:
             response = await http.post("/v1/completions", json=body | {"model": client.model_name})
             assert response.status_code == 200, response.text
-            answers.append(response.json()["choices"][0])
+            answers += response.json()["choices"]
         return answers
 
 
@@ -71,10 +71,15 @@ async def test_openai_completions_are_the_same_with_and_without_speculation(echo
         want = await _complete(plain, bodies)
         stop = want[0]["text"][6:9]  # a stop string well inside the output
         bodies.append({"model": "x", "prompt": PROMPTS[0], "max_tokens": 32, "temperature": 0, "stop": [stop]})
-        want += await _complete(plain, bodies[-1:])
+        bodies.append({"model": "x", "prompt": PROMPTS[1], "max_tokens": 32, "temperature": 0, "n": 2,
+                       "logprobs": 2})
+        want += await _complete(plain, bodies[-2:])
         got = await _complete(spec, bodies)
         assert [(c["text"], c["finish_reason"]) for c in got] == [(c["text"], c["finish_reason"]) for c in want]
-        assert want[-1]["finish_reason"] == "stop"
+        assert want[-3]["finish_reason"] == "stop" and len(got) == len(bodies) + 1  # n = 2: two choices
+        for g, w in zip(got[-2:], want[-2:]):  # logprobs of accepted tokens, each from its own row
+            assert g["logprobs"]["tokens"] == w["logprobs"]["tokens"]
+            assert g["logprobs"]["token_logprobs"] == pytest.approx(w["logprobs"]["token_logprobs"], abs=1e-4)
         stats = spec.engine.spec_stats
         assert stats.num_accepted_tokens > 0, "no draft was accepted through the API"
     finally:
