@@ -351,8 +351,8 @@ class LLMEngine:
         for rid, tokens in verified.items():  # the tokens the scheduler appended: up to the first stop
             done = finished.get(rid)
             appended = (done or self.scheduler.requests[rid]).output_token_ids[num_outputs[rid]:]
-            deltas.append(self._delta(rid, appended, (verified_logprobs.get(rid) or [None] * len(tokens))[: len(appended)],
-                                      done))
+            entries = verified_logprobs.get(rid) or [None] * len(tokens)
+            deltas.append(self._delta(rid, appended, entries[: len(appended)], done))
         return deltas
 
     def _verify(self, output, verify_logits: dict[str, torch.Tensor]
