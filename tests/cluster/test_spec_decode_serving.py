@@ -1,18 +1,17 @@
 """Specification: speculative decoding through the OpenAI API and across the disaggregated handoff.
 
-Colocated: /v1/completions with `speculative_config` (prompt lookup, K = 4) answers greedy requests exactly as the
-same engine without it, stop strings inside an accepted run, n = 2 and logprobs included. Disaggregated (real router, in-process 1P1D
-workers, local transfer): the decode engine speculates on what it adopted (prompt lookup needs only the prompt ids
-the handoff brings) and produces the colocated non-speculative tokens; its stats report a mean acceptance length
-above 1 (verify rows ran and accepted drafts), which the ingress exports per replica for `k3serve status`, its
-counters go out by vLLM's names, and it ends holding nothing. The model is `_spec_harness`'s echo
-checkpoint, which repeats itself enough for prompt lookup to be accepted.
+Colocated: /v1/completions with `speculative_config` (prompt lookup, K = 1, 4, 8) answers greedy requests exactly
+as the same engine without it, stop strings inside an accepted run, n = 2 and logprobs included. Disaggregated
+(real router, in-process 1P1D workers, local transfer): the decode engine speculates on what it adopted (prompt
+lookup needs only the prompt ids the handoff brings) and produces the colocated non-speculative tokens; its stats
+report a mean acceptance length above 1 (verify rows ran and accepted drafts), which the ingress exports per
+replica for `k3serve status`, its counters go out by vLLM's names, and it ends holding nothing. The model is
+tests/conftest.py's echo checkpoint, which repeats itself enough for prompt lookup to be accepted.
 """
 
 from __future__ import annotations
 
 import asyncio
-import sys
 from pathlib import Path
 
 import httpx
@@ -34,9 +33,6 @@ from k3serve.model.tokenizer import Tokenizer
 from k3serve.prefill.worker import PrefillWorker
 
 from _api_harness import EngineAdapter
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
-from _spec_harness import echo_checkpoint  # noqa: E402,F401  (fixture)
 
 pytestmark = pytest.mark.timeout(180)
 ENGINE_ARGS = dict(block_size=16, max_model_len=512, cache_memory_bytes=64 << 20)
@@ -63,9 +59,11 @@ async def _complete(engine: AsyncEngine, bodies: list[dict]) -> list[dict]:
 
 
 @pytest.mark.anyio
-async def test_openai_completions_are_the_same_with_and_without_speculation(echo_checkpoint: Path) -> None:
+@pytest.mark.parametrize("k", [1, 4, 8])
+async def test_openai_completions_are_the_same_with_and_without_speculation(echo_checkpoint: Path, k: int) -> None:
     plain = AsyncEngine(EngineArgs(model=str(echo_checkpoint), **ENGINE_ARGS))
-    spec = AsyncEngine(EngineArgs(model=str(echo_checkpoint), speculative_config=SPEC, **ENGINE_ARGS))
+    spec = AsyncEngine(EngineArgs(model=str(echo_checkpoint), speculative_config=SPEC | {"num_speculative_tokens": k},
+                                  **ENGINE_ARGS))
     try:
         bodies = [{"model": "x", "prompt": p, "max_tokens": 32, "temperature": 0} for p in PROMPTS]
         want = await _complete(plain, bodies)

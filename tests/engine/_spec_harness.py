@@ -1,23 +1,16 @@
-"""Speculative decoding on the tiny model: a scripted proposer and a checkpoint that repeats itself.
+"""Speculative decoding on the tiny model: a scripted proposer.
 
     ScriptedProposer(references, K)  drafts the non-speculative greedy continuation for the first a tokens and
                                      garbage after them, a cycling through 0..K: every accepted length occurs
-    echo_checkpoint                  k3-tiny with 0.3 x the embedding added to its lm_head (`make_checkpoint`'s
-                                     echo_weight): it repeats itself for a while, so prompt lookup has drafts to
-                                     accept (and to reject where a run changes); random weights almost never repeat
+    token_runs(outputs)              each output's token ids
+(The self-repeating model prompt lookup needs is tests/conftest.py's `echo_checkpoint`.)
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
-
-import pytest
-
-from k3serve.model.checkpoint import make_checkpoint
 
 VOCAB_SIZE = 512
-ECHO_WEIGHT = 0.3
 
 
 class ScriptedProposer:
@@ -37,11 +30,6 @@ class ScriptedProposer:
 
     def release(self, request_id: str) -> None:
         self.released.add(request_id)
-
-
-@pytest.fixture(scope="session")
-def echo_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint("k3-tiny", tmp_path_factory.mktemp("k3-tiny-echo"), seed=0, echo_weight=ECHO_WEIGHT)
 
 
 def token_runs(outputs: Sequence) -> list[list[int]]:

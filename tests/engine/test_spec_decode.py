@@ -24,7 +24,7 @@ from k3serve.engine.sampling_params import SamplingParams
 from k3serve.engine.spec.proposer import Speculator
 
 from _llm_harness import assert_engine_empty, engine_args, make_llm, random_prompt  # noqa: F401  (fixture)
-from _spec_harness import ScriptedProposer, echo_checkpoint, token_runs  # noqa: F401  (fixture)
+from _spec_harness import ScriptedProposer, token_runs
 
 PROMPT_LENS = [5, 70, 130]  # inside the first block, past it, past two (prefix-cache boundaries at 64, 128)
 MAX_TOKENS = 24
@@ -132,18 +132,24 @@ def test_prefix_cache_hits_and_preemption_keep_the_greedy_output(make_llm) -> No
 
 
 def test_an_abort_after_a_verify_step_leaves_nothing_behind(make_llm) -> None:
+    from k3serve.engine.sampling_params import StructuredOutputsParams
+
     prompts = _prompts(4)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    reference = token_runs(make_llm(max_model_len=512).generate(prompts, params))
+    cases = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+             SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2),
+             SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                            structured_outputs=StructuredOutputsParams(regex="[0-9]{20,30}"))]  # a matcher too
+    reference = token_runs(make_llm(max_model_len=512).generate(prompts, cases))
     llm = make_llm(max_model_len=512, speculative_config=_spec(8))
     _scripted(llm, prompts, reference, 8)
     engine = llm.engine
-    ids = [engine.add_request(p, params) for p in prompts]
-    while engine.spec_stats.num_drafts == 0:
+    ids = [engine.add_request(p, params) for p, params in zip(prompts, cases)]
+    while engine.spec_stats.num_drafts < len(ids):
         engine.step()
+    assert engine.structured_outputs.num_matchers == 1
     for rid in ids:
         engine.abort_request(rid)
-    assert_engine_empty(engine)
+    assert_engine_empty(engine)  # no block, slot, request state or matcher left
     assert engine.speculator.proposer.released >= set(ids) - {None}
 
 
@@ -164,7 +170,8 @@ def test_seeded_speculative_sampling_is_reproducible_and_batch_invariant(make_ll
     prompts = _prompts(6)
     params = SamplingParams(temperature=1.0, top_k=20, seed=11, max_tokens=16)
     llm = make_llm(max_model_len=512, speculative_config=_spec(4))
-    reference = token_runs(make_llm(max_model_len=512).generate(prompts, SamplingParams(temperature=0.0, max_tokens=16)))
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
+    reference = token_runs(make_llm(max_model_len=512).generate(prompts, greedy))
     _scripted(llm, prompts, reference, 4)
     together = token_runs(llm.generate(prompts, params))
     alone = [token_runs(llm.generate([p], params))[0] for p in prompts]

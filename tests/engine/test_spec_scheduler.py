@@ -13,8 +13,6 @@ from k3serve.engine.scheduler import Scheduler
 from k3serve.engine.spec.config import SpeculativeConfig
 from k3serve.engine.spec.proposer import Speculator
 
-from conftest import request
-
 K = 4
 
 
@@ -51,10 +49,10 @@ def _step_rejecting_all(scheduler: Scheduler):
     return output
 
 
-def test_a_verify_row_is_the_last_token_and_k_drafts_and_advances_by_what_it_emits(make_scheduler) -> None:
+def test_a_verify_row_is_the_last_token_and_k_drafts_and_advances_by_what_it_emits(make_scheduler, h) -> None:
     scheduler = make_scheduler(block_size=16)
     proposer = _speculating(scheduler)
-    scheduler.add_request(request("a", 14, max_tokens=20))
+    scheduler.add_request(h.request("a", 14, max_tokens=20))
     _prefill(scheduler)
     output = scheduler.schedule()
     (seq,) = output.seqs
@@ -68,12 +66,12 @@ def test_a_verify_row_is_the_last_token_and_k_drafts_and_advances_by_what_it_emi
     assert proposer.released == ["a"]
 
 
-def test_drafts_leave_room_for_max_tokens_max_model_len_and_the_budget(make_scheduler) -> None:
+def test_drafts_leave_room_for_max_tokens_max_model_len_and_the_budget(make_scheduler, h) -> None:
     scheduler = make_scheduler(block_size=16, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=4,
                                max_adaptive_batched_tokens=4)
     _speculating(scheduler)
-    scheduler.add_request(request("short", 4, max_tokens=3))
-    scheduler.add_request(request("long", 58, max_tokens=None))  # until max_model_len 64
+    scheduler.add_request(h.request("short", 4, max_tokens=3))
+    scheduler.add_request(h.request("long", 58, max_tokens=None))  # until max_model_len 64
     seen = {}
     while scheduler.has_unfinished():
         before = {rid: (r.num_output_tokens, r.num_tokens, r.sampling_params.max_tokens or 64)
@@ -89,21 +87,21 @@ def test_drafts_leave_room_for_max_tokens_max_model_len_and_the_budget(make_sche
     assert seen == {"short": True, "long": True}
 
 
-def test_a_stop_inside_the_run_truncates_it_and_finishes_the_request(make_scheduler) -> None:
+def test_a_stop_inside_the_run_truncates_it_and_finishes_the_request(make_scheduler, h) -> None:
     scheduler = make_scheduler(block_size=16, eos_token_id=2)
     _speculating(scheduler)
-    scheduler.add_request(request("a", 5, max_tokens=20))
+    scheduler.add_request(h.request("a", 5, max_tokens=20))
     _prefill(scheduler)
     output = scheduler.schedule()
     [done] = scheduler.update_from_output(output, {}, verified_token_ids={"a": [7, 2, 7]})
     assert (done.output_token_ids, done.finish_reason) == ([7, 7, 2], "stop")
 
 
-def test_a_request_with_penalties_decodes_plainly_beside_a_speculating_one(make_scheduler) -> None:
+def test_a_request_with_penalties_decodes_plainly_beside_a_speculating_one(make_scheduler, h) -> None:
     scheduler = make_scheduler(block_size=16)
     _speculating(scheduler)
-    scheduler.add_request(request("plain", 5, max_tokens=20, repetition_penalty=1.2))
-    scheduler.add_request(request("spec", 5, max_tokens=20))
+    scheduler.add_request(h.request("plain", 5, max_tokens=20, repetition_penalty=1.2))
+    scheduler.add_request(h.request("spec", 5, max_tokens=20))
     _prefill(scheduler)
     drafts = {s.request_id: s.num_draft_tokens for s in scheduler.schedule().seqs}
     assert drafts == {"plain": 0, "spec": K}

@@ -16,7 +16,6 @@ from k3serve.engine.tp_group import TPGroup
 
 from _llm_harness import assert_engine_empty
 from _local_ranks import spawned, tcp_init_method
-from _spec_harness import echo_checkpoint  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,8 +1,8 @@
 """End to end: `k3serve serve --speculative-config '<json>'` (a real server, local launcher) over Mooncake and
 NIXL answers greedy completions with exactly the text the same model gives without speculation in process, its
 decode replica accepted drafts (/metrics, vLLM's names, and the per-replica mean acceptance length that `k3serve
-status` prints), and it stops cleanly. The model is the echo checkpoint (`make_checkpoint(echo_weight=0.3)`),
-which repeats itself enough for prompt lookup to be accepted."""
+status` prints), and it stops cleanly. The model is tests/conftest.py's echo checkpoint, which repeats itself
+enough for prompt lookup to be accepted."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import pytest
 
 from k3serve.engine.llm import LLM
 from k3serve.engine.sampling_params import SamplingParams
-from k3serve.model.checkpoint import make_checkpoint
 
 from _server_harness import SERVED_MODEL, ServerSpec, launch
 
@@ -24,22 +23,17 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def echo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint("k3-tiny", tmp_path_factory.mktemp("echo"), seed=0, echo_weight=0.3)
-
-
-@pytest.fixture(scope="module")
-def reference(echo_dir: Path) -> list[str]:
-    llm = LLM(str(echo_dir), dtype="float32", cache_memory_bytes=64 << 20, max_model_len=1024, block_size=16)
+def reference(echo_checkpoint: Path) -> list[str]:
+    llm = LLM(str(echo_checkpoint), dtype="float32", cache_memory_bytes=64 << 20, max_model_len=1024, block_size=16)
     return [o.outputs[0].text for o in llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("transfer", ["mooncake", "nixl"])
-def test_a_speculating_decode_pool_serves_the_non_speculative_text(echo_dir: Path, reference: list[str],
+def test_a_speculating_decode_pool_serves_the_non_speculative_text(echo_checkpoint: Path, reference: list[str],
                                                                    transfer: str) -> None:
     spec = ServerSpec(transfer=transfer, launcher="local", extra_args=("--speculative-config", SPEC))
-    with launch(spec, echo_dir) as server:
+    with launch(spec, echo_checkpoint) as server:
         texts = []
         for prompt in PROMPTS:
             response = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
