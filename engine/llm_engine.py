@@ -133,7 +133,7 @@ class LLMEngine:
         block_pool, state_pool = BlockPool(self.plan.num_blocks, args.block_size), StatePool(self.plan.num_slots)
         spec = args.speculative_config
         self.speculator = Speculator(spec) if spec is not None else None
-        self.spec_stats = SpecDecodeStats(spec_decode_metrics(), self.model_name) if spec is not None else None
+        self.spec_stats = SpecDecodeStats(spec_decode_metrics(), self.model_name)
         self.scheduler = Scheduler(
             scheduler_config(args, _device_memory(args.device), self.tokenizer.eos_token_id),
             block_pool,
@@ -283,7 +283,7 @@ class LLMEngine:
             num_running=s.num_running, num_waiting=s.num_waiting, num_free_blocks=s.block_pool.num_free_blocks,
             num_free_slots=s.state_pool.num_free, block_usage=s.block_pool.usage, slot_usage=s.state_pool.usage,
             num_reserved=num_reserved, settings=self.settings(),
-            spec_mean_acceptance_length=self.spec_stats.mean_acceptance_length if self.spec_stats else None,
+            spec_mean_acceptance_length=self.spec_stats.mean_acceptance_length,
         )
 
     def settings(self) -> dict[str, str]:

@@ -55,7 +55,8 @@ def spec_decode_metrics(registry: CollectorRegistry = REGISTRY) -> SpecDecodeMet
 
 @dataclass
 class SpecDecodeStats:
-    """One engine's totals, recorded into the collectors as they grow."""
+    """One engine's totals, recorded into the collectors as they grow. Every engine has one, speculating or not:
+    its series are exported from the start, at 0 (the deploy files' metric list holds for every replica)."""
 
     metrics: SpecDecodeMetrics
     model_name: str
@@ -63,6 +64,11 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        m = self.metrics
+        for collector in (m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens, m.acceptance_length):
+            collector.labels(self.model_name)
 
     def record(self, num_draft_tokens: int, num_accepted: int) -> None:
         """One verify row: `num_draft_tokens` drafts, the first `num_accepted` of them accepted."""
