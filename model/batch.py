@@ -85,7 +85,8 @@ class ModelCache:
 
 @dataclass(frozen=True)
 class VerifyRecords:
-    """One KDA layer's records of a step's verify rows, for the commit after rejection (one step's life)."""
+    """One KDA layer's records of a step's verify rows, for the commit after rejection (one step's life). Each
+    tensor owns its storage: a view would keep the layer's whole projection output alive until the commit."""
 
     kda: KdaRecords
     conv_inputs: torch.Tensor  # [T_spec, 3P] the pre-conv q, k, v inputs

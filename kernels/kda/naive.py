@@ -216,7 +216,8 @@ def kda_verify(
     use_beta_sigmoid_in_kernel: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Each sequence's tokens one decode step at a time, from its slot's state, which is left as it was; returns
-    (o [T, H, V] in q.dtype, k_hat [T, H, K], u [T, H, V], g [T, H, K], all fp32): what `kda_commit` folds."""
+    (o [T, H, V] in q.dtype, k_hat [T, H, K], u [T, H, V], g [T, H, K], all fp32 and of their own storage, never
+    views of the inputs: they live until the commit, after the layer's activations are gone)."""
     out_dtype = q.dtype
     if use_beta_sigmoid_in_kernel:
         beta = torch.sigmoid(beta.float())
@@ -229,7 +230,7 @@ def kda_verify(
             rows = slice(t, t + 1)
             S, u[rows] = _update(S, k[rows], v[rows], g[rows], beta[rows])
             o[rows] = torch.einsum("...hk,...hkv->...hv", q[rows], S)
-    return o.to(out_dtype), k, u, g
+    return o.to(out_dtype), k.clone(), u, g.clone()  # records own their memory: not views of the layer's tensors
 
 
 def kda_commit(

@@ -132,7 +132,7 @@ class KimiDeltaAttention(Sharded):
         q, k, v = (t.reshape(T, H, d) for t in qkv.split(H * d, dim=-1))
         o, records = kda_verify(q, k, v, g, b, recurrent, slots, cu, use_qk_l2norm_in_kernel=True,
                                 use_beta_sigmoid_in_kernel=True)
-        batch.verify_records.append(VerifyRecords(records, qkv_in))
+        batch.verify_records.append(VerifyRecords(records, qkv_in.clone()))  # not a view: the projection is freed
         return o
 
     @staticmethod

@@ -68,6 +68,9 @@ def test_a_mixed_step_is_its_rows_run_alone_and_commits_the_accepted_prefix(mode
 
     mixed = _primed(model, prompts)
     got = mixed.execute(SchedulerOutput([prefill, verify, decode]))  # the runner orders the slices itself
+    for records in mixed._pending_commit.records:  # the verify rows' own tensors, not views of whole activations
+        for t in (records.kda.k_hat, records.kda.u, records.kda.g, records.conv_inputs):
+            assert t.shape[0] == 4 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
     mixed.commit_verified({"s": 2})  # the last token and the first draft stay
 
     alone = _primed(model, prompts)
