@@ -107,4 +107,3 @@ def test_a_request_with_penalties_decodes_plainly_beside_a_speculating_one(make_
     assert drafts == {"plain": 0, "spec": K}
     for rid in ("plain", "spec"):
         scheduler.finish_request(rid)
-
