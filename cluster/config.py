@@ -55,7 +55,10 @@ POOL_ENGINE_ARGS = ("max_num_seqs", "max_num_batched_tokens", "max_adaptive_batc
                     "num_kda_slots", "num_gpu_blocks_override", "kv_events_config")
 # Decode steps' CUDA graphs: the decode pool's and a colocated engine's; a prefill engine runs no decode step, so it
 # is always eager (capturing would cost time and memory for nothing).
-DECODE_ENGINE_ARGS = ("enforce_eager", "cuda_graph_batch_sizes")
+DECODE_ENGINE_ARGS = ("enforce_eager", "cuda_graph_batch_sizes", "speculative_config")
+_DECODE_NOTES = {"enforce_eager": " Serving: the decode pool's (prefill engines are always eager).",
+                 "cuda_graph_batch_sizes": " Serving: the decode pool's (prefill engines are always eager).",
+                 "speculative_config": ""}  # its own docstring says where it applies
 
 
 def _engine_fields() -> dict[str, Any]:
@@ -63,7 +66,7 @@ def _engine_fields() -> dict[str, Any]:
     docstring as the description), then the per-pool forms, None meaning the shared value."""
     hints, docs = get_type_hints(EngineArgs), engine_arg_docs()
     defaults = {f.name: f.default for f in fields(EngineArgs) if f.default is not MISSING}
-    notes = dict.fromkeys(DECODE_ENGINE_ARGS, " Serving: the decode pool's (prefill engines are always eager).")
+    notes = _DECODE_NOTES
     shared = {name: (hints[name], Field(defaults[name], description=docs[name] + notes.get(name, "")))
               for name in DEPLOYMENT_ENGINE_ARGS + POOL_ENGINE_ARGS + DECODE_ENGINE_ARGS}
     per_pool = {f"{pool}_{name}": (hints[name] | None, Field(None, description=f"the {pool} pool's {name}; "

@@ -67,7 +67,7 @@ INGRESS_ENGINE = "0"
 """The `engine` label of the ingress's `vllm:` series: one ingress is one engine to vLLM's tools."""
 POOL_LABELS = ("model_name", "pool", "replica")
 ENGINE_SETTINGS = ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "kda_checkpoint_mode",
-                   "num_gpu_blocks", "num_kda_slots", "block_size", "cuda_graphs")
+                   "num_gpu_blocks", "num_kda_slots", "block_size", "cuda_graphs", "speculative_config")
 """`LLMEngine.settings`' names: the labels `k3serve:engine_config_info` carries beside POOL_LABELS."""
 CACHE_CONFIG = ("block_size", "enable_prefix_caching", "num_gpu_blocks")
 """The fields of vLLM's CacheConfig that `vllm:cache_config_info` carries (with `engine`, and `model_name` as every
@@ -186,6 +186,9 @@ class IngressMetrics:
                                     POOL_LABELS, registry=reg)
         self.kda_slot_usage = Gauge("k3serve:kda_slot_usage_ratio", "Fraction of KDA state slots in use.",
                                     POOL_LABELS, registry=reg)
+        self.spec_acceptance_length = Gauge("k3serve:spec_decode_mean_acceptance_length", "Tokens a replica's "
+                                            "speculative verify rows emitted on average (set once it has run one).",
+                                            POOL_LABELS, registry=reg)
         self.structured_outputs = Counter("k3serve:structured_output_requests", "Requests with a structured output "
                                           "constraint, by kind (tool_choice: a forced tool choice).",
                                           ("model_name", "kind"), registry=reg)
@@ -262,9 +265,12 @@ class IngressMetrics:
         self.migrations.labels(self.model_name).inc()
 
     def set_pool_stats(self, pool: str, replica: str, num_running: int, num_waiting: int,
-                       kv_block_usage: float, kda_slot_usage: float) -> None:
+                       kv_block_usage: float, kda_slot_usage: float,
+                       spec_mean_acceptance_length: float | None = None) -> None:
         """A replica's fresh stats (its stale mark cleared)."""
         labels = (self.model_name, pool, str(replica))
+        if spec_mean_acceptance_length is not None:
+            self.spec_acceptance_length.labels(*labels).set(spec_mean_acceptance_length)
         self.running.labels(*labels).set(num_running)
         self.waiting.labels(*labels).set(num_waiting)
         self.kv_block_usage.labels(*labels).set(kv_block_usage)
@@ -305,7 +311,8 @@ class IngressMetrics:
     def remove_replica(self, pool: str, replica: str) -> None:
         """Every per-replica series of `replica` goes (its stale mark too)."""
         labels = (self.model_name, pool, str(replica))
-        for gauge in (self.running, self.waiting, self.kv_block_usage, self.kda_slot_usage, self.stats_stale):
+        for gauge in (self.running, self.waiting, self.kv_block_usage, self.kda_slot_usage, self.stats_stale,
+                      self.spec_acceptance_length):
             try:
                 gauge.remove(*labels)
             except KeyError:

@@ -364,7 +364,8 @@ class DisaggregatedRouter:
             if self.metrics is not None:
                 self.metrics.set_replica_healthy(pool, r.name, True)
                 self.metrics.set_pool_stats(
-                    pool, r.name, stats.num_running, stats.num_waiting, stats.block_usage, stats.slot_usage
+                    pool, r.name, stats.num_running, stats.num_waiting, stats.block_usage, stats.slot_usage,
+                    stats.spec_mean_acceptance_length,
                 )
                 self.metrics.set_engine_settings(pool, r.name, stats.settings)
                 self.replica_metrics.update(r.name, text)

@@ -23,7 +23,7 @@ from k3serve.cluster.metrics import ENGINE_SETTINGS
 
 _SETTING_NAMES = {"max_num_seqs": "seqs", "max_num_batched_tokens": "batch tokens", "enable_prefix_caching": "prefix",
                   "kda_checkpoint_mode": "kda ckpt", "num_gpu_blocks": "blocks", "num_kda_slots": "slots",
-                  "block_size": "block", "cuda_graphs": "graphs"}
+                  "block_size": "block", "cuda_graphs": "graphs", "speculative_config": "spec"}
 _LATENCY_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "handoff": "handoff"}
 
 
@@ -38,6 +38,7 @@ class ReplicaStatus:
     kda_slot_usage: float | None
     settings: dict[str, str] = field(default_factory=dict)  # engine_config_info's labels
     stale: bool = False  # its last stats refresh failed: the other figures are gone until it answers
+    acceptance_length: float | None = None  # speculative decoding's mean tokens a verify step (None: not speculating)
 
 
 @dataclass
@@ -104,7 +105,8 @@ def _parse_metrics(text: str) -> tuple[list[ReplicaStatus], list[LatencyStatus]]
     counts: dict[str, int] = {}
     fields_of = {"k3serve:num_requests_running": "running", "k3serve:num_requests_waiting": "waiting",
                  "k3serve:kv_block_usage_ratio": "kv_block_usage", "k3serve:kda_slot_usage_ratio": "kda_slot_usage",
-                 "k3serve:replica_healthy": "healthy", "k3serve:replica_stats_stale": "stale"}
+                 "k3serve:replica_healthy": "healthy", "k3serve:replica_stats_stale": "stale",
+                 "k3serve:spec_decode_mean_acceptance_length": "acceptance_length"}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             labels, value = sample.labels, sample.value
@@ -122,7 +124,8 @@ def _parse_metrics(text: str) -> tuple[list[ReplicaStatus], list[LatencyStatus]]
     replicas = [
         ReplicaStatus(pool, replica, None if "healthy" not in row else row["healthy"] == 1.0,
                       _int(row.get("running")), _int(row.get("waiting")) or 0, row.get("kv_block_usage"),
-                      row.get("kda_slot_usage"), row.get("settings", {}), row.get("stale") == 1.0)
+                      row.get("kda_slot_usage"), row.get("settings", {}), row.get("stale") == 1.0,
+                      row.get("acceptance_length"))
         for (pool, replica), row in sorted(per_replica.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0][1]))
     ]
     for replica in replicas:
@@ -149,11 +152,12 @@ def render_table(status: ServerStatus) -> str:
     reason = f": {status.health_reason}" if status.health_reason else ""
     health = "healthy" if status.healthy else f"unhealthy (/health {status.health_status}{reason})"
     lines = [f"{status.url}: {health}; models: {models}"]
-    rows = [("POOL", "REPLICA", "HEALTHY", "RUNNING", "WAITING", "KV BLOCKS", "KDA SLOTS", "ENGINE")]
+    rows = [("POOL", "REPLICA", "HEALTHY", "RUNNING", "WAITING", "KV BLOCKS", "KDA SLOTS", "ACCEPT", "ENGINE")]
     for r in status.replicas:
         healthy = {True: "yes", False: "NO", None: "-"}[r.healthy] + (" (stale)" if r.stale else "")
         rows.append((r.pool, r.replica, healthy, _or_dash(r.running),
-                     str(r.waiting), _percent(r.kv_block_usage), _percent(r.kda_slot_usage), _settings(r.settings)))
+                     str(r.waiting), _percent(r.kv_block_usage), _percent(r.kda_slot_usage),
+                     "-" if r.acceptance_length is None else f"{r.acceptance_length:.2f}", _settings(r.settings)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in rows]
     if status.latency:
@@ -177,7 +181,7 @@ def _ms(seconds: float | None) -> str:
 
 
 def _settings(settings: dict[str, str]) -> str:
-    return ", ".join(f"{_SETTING_NAMES[k]} {v}" for k, v in settings.items() if v) or "-"
+    return ", ".join(f"{_SETTING_NAMES.get(k, k)} {v}" for k, v in settings.items() if v) or "-"
 
 
 def print_status(base_url: str, api_key: str | None = None, as_json: bool = False) -> int:

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 import torch
 
+from k3serve.engine.spec.config import SpeculativeConfig
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_CACHE_BYTES = 64 * 2**20  # k3-tiny: 2,077 blocks of 64 tokens, 128 KDA slots
 DEFAULT_MODEL_CACHE_DIR = Path.home() / ".cache" / "k3serve" / "checkpoints"
@@ -74,7 +76,15 @@ class EngineArgs:
     """JSON as vLLM's --kv-events-config (enable_kv_cache_events, publisher, endpoint, topic, hwm): publish the prefix
     cache's block stored / removed events over ZMQ for prefix-aware routers (engine/kv_events.py); None = off."""
 
+    # ---- speculative decoding ----
+    speculative_config: SpeculativeConfig | None = None
+    """vLLM's speculative_config, e.g. '{"method": "ngram", "num_speculative_tokens": 4}' (a JSON object or its
+    dict): method, num_speculative_tokens (1..8), prompt_lookup_min/max, ...; None: no speculation. Serving: the
+    decode pool's and a colocated engine's (a prefill engine samples one token)."""
+
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         for name in ("tensor_parallel_size", "block_size", "max_model_len", "max_num_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -222,12 +222,13 @@ class FollowerRank:
         self.cache_view = view
 
     def serve(self, actions: Mapping[str, Callable[..., Any]]) -> None:
-        """Until rank 0 stops: run its steps, and for each of its `on_all_ranks(action, args, ...)` the result of
+        """Until rank 0 stops: run its steps (and a verify step's commit), and for each of its `on_all_ranks(action, args, ...)` the result of
         `actions[action](*args)` joins rank 0's gather."""
         def gathered(fn: Callable[..., Any]) -> Callable[..., None]:
             return lambda *args: self._group.gather(fn(*args))
 
-        follow_forever(self._group, {"step": self._runner.execute, **{k: gathered(fn) for k, fn in actions.items()}})
+        follow_forever(self._group, {"step": self._runner.execute, "commit": self._runner.commit_verified,
+                                     **{k: gathered(fn) for k, fn in actions.items()}})
 
     def close(self) -> None:
         self._group.close()

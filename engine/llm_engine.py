@@ -8,6 +8,11 @@ before sampling; its token then advances the matcher, which may end it ("stop") 
 `engine/structured_output.py`). Its grammar is compiled off the step loop by whoever submits it (`AsyncEngine`, the
 decode worker), who hands it in; without one, submission compiles it and waits (the offline `LLM`).
 
+With `speculative_config` a decode may be a verify row (`engine/spec/`): the step runs it with the others, rejection
+samples its drafts (`spec/rejection.py`), has the runner commit each accepted prefix to the KDA state
+(`ModelRunner.commit_verified`, every rank) and then appends the emitted tokens, stop conditions applied token by
+token (a stop string truncates the run after the token that completes it).
+
 `LLM` (offline) and `AsyncEngine` (streaming) drive it; prefill and decode workers reuse it.
 """
 
@@ -32,11 +37,15 @@ from k3serve.engine.request import Request, RequestStatus
 from k3serve.engine.runner import load_runner
 from k3serve.engine.tp_group import TPGroup
 from k3serve.engine.warmup import MemoryPlanError, WarmupPeak, warm_up
-from k3serve.engine.sampler import PromptScoring, Sampler
+from k3serve.engine.sampler import PromptScoring, Sampler, token_logprobs
 from k3serve.engine.sampling_params import SamplingParams
 from k3serve.engine.scheduler import Scheduler
+from k3serve.engine.spec.metrics import SpecDecodeStats, spec_decode_metrics
+from k3serve.engine.spec.proposer import Speculator
+from k3serve.engine.spec.rejection import rejection_sample
 from k3serve.engine.state_pool import StatePool
-from k3serve.engine.structured_output import StructuredOutputs
+from k3serve.engine.structured_output import ConstraintViolationError, StructuredOutputs
+from k3serve.engine.structured_output import Verdict as StructuredVerdict
 from k3serve.engine.structured_output_metrics import grammar_compile_metrics
 from k3serve.model.config import ModelConfig
 from k3serve.model.parallel import TensorParallel
@@ -72,6 +81,7 @@ class EngineStats:
     block_usage: float  # fraction of MLA blocks in use (incl. reservations and pins)
     slot_usage: float  # fraction of KDA slots in use
     num_reserved: int = 0  # decode: reservations waiting for their handoff
+    spec_mean_acceptance_length: float | None = None  # tokens a verify row emitted on average; None: none yet
     settings: dict[str, str] = field(default_factory=dict)  # `LLMEngine.settings`: what `k3serve status` shows
 
 
@@ -130,12 +140,16 @@ class LLMEngine:
         self.kv_events = open_kv_events(args) if prefix_cache is not None else None
         if self.kv_events is not None:
             prefix_cache.publish_events(self.kv_events)
+        spec = args.speculative_config
+        self.speculator = Speculator(spec) if spec is not None else None
+        self.spec_stats = SpecDecodeStats(spec_decode_metrics(), self.model_name)
         self.scheduler = Scheduler(
             scheduler_config(args, _device_memory(args.device), self.tokenizer.eos_token_id),
             block_pool,
             state_pool,
             prefix_cache,
             on_finish,
+            self.speculator,
         )
         self.sampler = Sampler(eos_token_id=self.tokenizer.eos_token_id)
         self.structured_outputs = StructuredOutputs(self.tokenizer, self.config.vocab_size,
@@ -231,7 +245,7 @@ class LLMEngine:
                   else self.scheduler.check_stop(request, first_token_id))
         if status is not None:  # the first token already ends it (prefill normally catches this)
             self.scheduler.finish_request(request_id, status.finish_reason)
-        self._pending.append(self._delta(request_id, first_token_id, None, request if status is not None else None))
+        self._pending.append(self._delta(request_id, [first_token_id], [None], request if status is not None else None))
 
     def abort_request(self, request_id: str) -> RequestDelta | None:
         """Finish a request wherever it is and free everything it holds.
@@ -278,6 +292,7 @@ class LLMEngine:
             num_running=s.num_running, num_waiting=s.num_waiting, num_free_blocks=s.block_pool.num_free_blocks,
             num_free_slots=s.state_pool.num_free, block_usage=s.block_pool.usage, slot_usage=s.state_pool.usage,
             num_reserved=num_reserved, settings=self.settings(),
+            spec_mean_acceptance_length=self.spec_stats.mean_acceptance_length,
         )
 
     def settings(self) -> dict[str, str]:
@@ -289,7 +304,9 @@ class LLMEngine:
                 "enable_prefix_caching": str(config.enable_prefix_caching).lower(),
                 "kda_checkpoint_mode": config.kda_checkpoint_mode, "num_gpu_blocks": str(self.plan.num_blocks),
                 "num_kda_slots": str(self.plan.num_slots), "block_size": str(config.block_size),
-                "cuda_graphs": str(self.runner.graphs is not None).lower()}
+                "cuda_graphs": str(self.runner.graphs is not None).lower(),
+                "speculative_config": "none" if self.speculator is None else
+                f"{self.speculator.config.method}:{self.speculator.config.num_speculative_tokens}"}
 
     def close(self) -> None:
         """Release the TP followers (they exit their loop), the process group and the compile threads."""
@@ -334,36 +351,93 @@ class LLMEngine:
             )
             sampled = dict(zip(ids, out.sampled_token_ids))
             logprobs = dict(zip(ids, out.logprobs))
+        verified, verified_logprobs, checked = self._verify(output, result.verify_logits)
+        num_outputs = {rid: self.scheduler.requests[rid].num_output_tokens for rid in verified}
         verdict = self.structured_outputs.accept_sampled(sampled)
-        failed = [self._end(rid, error=why) for rid, why in verdict.failed.items()]  # update_from_output skips them
-        finished = {r.request_id: r for r in self.scheduler.update_from_output(output, sampled, verdict.terminated)}
-        return refused + failed + [self._delta(rid, token, logprobs.get(rid), finished.get(rid))
-                         for rid, token in sampled.items() if rid not in verdict.failed]
+        failures = verdict.failed | checked.failed
+        failed = [self._end(rid, error=why) for rid, why in failures.items()]  # update_from_output skips them
+        verified = {rid: tokens for rid, tokens in verified.items() if rid not in failures}
+        finished = {r.request_id: r for r in self.scheduler.update_from_output(
+            output, sampled, verdict.terminated | checked.terminated, verified)}
+        deltas = refused + failed + [self._delta(rid, [token], [logprobs.get(rid)], finished.get(rid))
+                           for rid, token in sampled.items() if rid not in verdict.failed]
+        for rid, tokens in verified.items():  # the tokens the scheduler appended: up to the first stop
+            done = finished.get(rid)
+            appended = (done or self.scheduler.requests[rid]).output_token_ids[num_outputs[rid]:]
+            entries = verified_logprobs.get(rid) or [None] * len(tokens)
+            deltas.append(self._delta(rid, appended, entries[: len(appended)], done))
+        return deltas
 
-    def _delta(self, request_id: str, token_id: int, logprobs: TokenLogprobs | None, done: Request | None) -> RequestDelta:
+    def _verify(self, output, verify_logits: dict[str, torch.Tensor]
+                ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs | None]], StructuredVerdict]:
+        """Rejection-sample each verify row's drafts (a constrained row's logits masked row by row, as its matcher
+        would mask them one step at a time) and commit the accepted prefixes to the KDA state (every rank): the
+        tokens each row emits, up to the one completing its constraint; their logprobs (raw, each from its own
+        row) where asked; which constraints completed or failed."""
+        checked = StructuredVerdict(set(), {})
+        if not self.runner.has_pending_commit:
+            return {}, {}, checked
+        drafts = {seq.request_id: seq.token_ids[1:] for seq in output.seqs if seq.num_draft_tokens}
+        emitted: dict[str, list[int]] = {}
+        logprobs: dict[str, list[TokenLogprobs | None]] = {}
+        for rid, rows in verify_logits.items():
+            params = self._tracked[rid].params
+            logits = rows.float().clone(memory_format=torch.contiguous_format)
+            mask = self.structured_outputs.verify_mask(rid, drafts[rid])
+            if mask is not None:
+                mask.apply(logits)
+            verdict = rejection_sample(logits, drafts[rid], params, self.scheduler.requests[rid].num_output_tokens)
+            emitted[rid] = verdict.token_ids
+            self.spec_stats.record(len(drafts[rid]), verdict.num_accepted)
+            if mask is not None:
+                try:
+                    taken, complete = self.structured_outputs.accept_run(rid, verdict.token_ids)
+                except ConstraintViolationError as e:
+                    checked.failed[rid] = str(e)
+                    continue
+                emitted[rid] = verdict.token_ids[:taken]
+                if complete:
+                    checked.terminated.add(rid)
+            if params.logprobs is not None:
+                logprobs[rid] = token_logprobs(rows[: len(emitted[rid])].float(), emitted[rid], params.logprobs)
+        self.runner.commit_verified({rid: len(tokens) for rid, tokens in emitted.items() if rid not in checked.failed})
+        return emitted, logprobs, checked
+
+    def _delta(self, request_id: str, token_ids: list[int], logprobs: list[TokenLogprobs | None],
+               done: Request | None) -> RequestDelta:
+        """The delta of a request's new tokens (one, or a verify row's run); a stop string ends the run at the
+        token that completes it, the tokens after it dropped."""
         tracked = self._tracked[request_id]
         detok = tracked.detokenizer
-        text = detok.push(token_id)
+        text, num_dropped = "", 0
+        for i, token_id in enumerate(token_ids):
+            text += detok.push(token_id)
+            if detok.stopped_by is not None:
+                num_dropped = len(token_ids) - i - 1
+                token_ids, logprobs = token_ids[: i + 1], logprobs[: i + 1]
+                break
         request = done or self.scheduler.requests[request_id]
         finish_reason, stop_reason = None, None
         if detok.stopped_by is not None:  # a stop string wins, even on the step that hit max_tokens
+            if num_dropped:  # appended after the stop string: never output
+                del request.output_token_ids[-num_dropped:]
             if done is None:
                 self.scheduler.finish_request(request_id, "stop")
             finish_reason, stop_reason = "stop", detok.stopped_by
         elif done is not None:
             text += detok.finish()
             finish_reason = done.finish_reason
-            if finish_reason == "stop" and token_id != self.tokenizer.eos_token_id:
-                stop_reason = token_id  # a stop_token_id (EOS reports None, as in vLLM)
+            if finish_reason == "stop" and token_ids[-1] != self.tokenizer.eos_token_id:
+                stop_reason = token_ids[-1]  # a stop_token_id (EOS reports None, as in vLLM)
         if finish_reason is not None:
             self._forget(request_id)
         return RequestDelta(
             request_id=request_id,
-            new_token_ids=[token_id],
+            new_token_ids=token_ids,
             new_text=text,
             finished=finish_reason is not None,
             finish_reason=finish_reason,
-            logprobs=None if logprobs is None else [logprobs],
+            logprobs=None if all(entry is None for entry in logprobs) else logprobs,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             stop_reason=stop_reason,

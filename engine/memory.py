@@ -308,6 +308,8 @@ def prefill_activation_bytes(config: ModelConfig, args: EngineArgs, device_bytes
                    (`prompt_logprobs_slice_bytes`: the runner scores prompt rows `PROMPT_LOGPROBS_ROWS` at a time,
                    however long the chunk and however many of the step's requests ask)
         sampling = the sampler's copies of those logits (`engine/sampler.py` `sampling_workspace_bytes`)
+    With `speculative_config` the sampled rows are up to 1 + K a request and the forward also holds the verify
+    records of them (`verify_records_bytes`).
 
     Every token of a mixed step counts at prefill rates, its decodes included. The MLA prefill gathers and
     up-projects the cached context of consecutive groups of prefill sequences one group at a time, each group's
@@ -336,6 +338,10 @@ def prefill_phase_bytes(config: ModelConfig, args: EngineArgs, device_bytes: int
     parts |= {"dense_mlp": _dense_mlp_bytes(config, step)} if not all(moe_layers) else {}
     held = num_tokens * ((residual_rows(config) + 2) * hidden * b + 3 * 8)  # + token ids, positions, slot mapping
     rows, vocab = step.num_seqs, config.vocab_size
+    spec = args.speculative_config
+    if spec is not None:  # verify rows: 1 + K logits rows a request, their records held until the commit
+        rows = min(num_tokens, args.max_num_seqs * (1 + spec.num_speculative_tokens))
+        held += verify_records_bytes(config, tp, rows, b)
     shard = -(-vocab // tp)  # this rank's lm_head rows; rank 0 gathers every rank's, then widens them to fp32
     return {
         **{name: held + part for name, part in parts.items()},
@@ -343,6 +349,14 @@ def prefill_phase_bytes(config: ModelConfig, args: EngineArgs, device_bytes: int
         "prompt_logprobs": num_tokens * hidden * b + rows * tp * shard * 4 + prompt_logprobs_slice_bytes(config, tp, b),
         "sampling": sampling_workspace_bytes(rows, vocab),
     }
+
+
+def verify_records_bytes(config: ModelConfig, tp_size: int, num_rows: int, itemsize: int) -> int:
+    """What a speculative step's verify pass keeps for the commit (`model/batch.py` `VerifyRecords`), every KDA layer's
+    at once: per row and layer the fp32 key, update and log decay of this rank's heads and the pre-conv q, k, v
+    inputs in the model's dtype."""
+    h_local, d = config.kda.num_heads // tp_size, config.kda.head_dim
+    return num_rows * len(config.kda_layers) * h_local * d * (3 * 4 + 3 * itemsize)
 
 
 def prompt_logprobs_slice_bytes(config: ModelConfig, tp_size: int, itemsize: int) -> int:

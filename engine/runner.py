@@ -15,7 +15,7 @@ only place that touches the cache tensors outside the model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,7 +29,7 @@ from k3serve.engine.sampler import PROMPT_LOGPROBS_ROWS, PromptScoring, prompt_l
 from k3serve.engine.scheduler_output import NO_SLOT, ScheduledSeq, SchedulerOutput
 from k3serve.engine.tp_group import TPGroup, rank_device
 from k3serve.kernels._backend import to_device_async
-from k3serve.model.batch import ForwardBatch, ModelCache
+from k3serve.model.batch import ForwardBatch, ModelCache, VerifyRecords
 from k3serve.model.loader import load_model
 from k3serve.model.model import KimiForCausalLM
 from k3serve.model.parallel import TensorParallel
@@ -39,6 +39,17 @@ from k3serve.model.parallel import TensorParallel
 class RunnerOutput:
     sample_logits: dict[str, torch.Tensor]  # request_id -> [vocab] fp32, chunks with needs_sample (rank 0)
     prompt_logprobs: dict[str, list[TokenLogprobs]]  # request_id -> [len(target_token_ids)], if asked (rank 0)
+    verify_logits: dict[str, torch.Tensor] = field(default_factory=dict)  # spec rows: [1 + k, vocab] fp32 (rank 0)
+
+
+@dataclass
+class _PendingCommit:
+    """A step's verify rows between the forward and the commit (same step): their records, slots and spans."""
+
+    request_ids: list[str]
+    slots: list[int]
+    cu_seqlens: list[int]  # [num_spec + 1] from 0
+    records: list[VerifyRecords]  # one a KDA layer
 
 
 def load_runner(
@@ -78,23 +89,32 @@ class ModelRunner:
         self.graphs = graphs  # decode-only steps that fit replay these instead of the eager forward
         self.device = next(model.parameters()).device
         self.prompt_logprobs_rows = prompt_logprobs_rows  # the same on every rank of an engine
+        self._pending_commit: _PendingCommit | None = None  # a verify step's, until `commit_verified`
+        self._kda_layers = [layer.self_attn for layer in model.model.layers if layer.is_kda]  # cache order
 
     def execute(self, output: SchedulerOutput, score_prompts: dict[str, PromptScoring] | None = None) -> RunnerOutput:
         """`score_prompts`: request_id -> the prompt tokens its chunk's first rows score (prompt logprobs)."""
         score_prompts = score_prompts or {}
         if self.group is not None and self.group.is_leader:
             self.group.lead(("step", output, score_prompts))
-        # Single-token chunks first: the decode paths get one contiguous slice of the batch.
-        seqs = sorted(output.seqs, key=lambda s: s.num_scheduled_tokens != 1)
+        if self._pending_commit is not None:
+            raise RuntimeError("a step ran before the previous verify step's commit_verified")
+        # [single-token chunks | verify rows | prefill chunks]: each path gets one contiguous slice of the batch.
+        seqs = sorted(output.seqs, key=lambda s: 0 if s.num_scheduled_tokens == 1 else 1 if s.num_draft_tokens else 2)
         # The one zeroing of fresh slots (the model reads whatever a slot holds), all of them at once.
         self.cache.zero_slots([seq.slot_id for seq in seqs if seq.zero_state])
         for seq in seqs:
             if seq.copy_state_from_slot != NO_SLOT:
                 self.cache.copy_slot(seq.copy_state_from_slot, seq.slot_id)
-        if self.graphs is not None and self.graphs.fits(seqs):
+        if self.graphs is not None and self.graphs.fits(seqs):  # verify steps never fit: they run eagerly
             hidden = self.graphs.run(seqs)
         else:
-            hidden = self.model(self._build_batch(seqs), self.cache)
+            batch = self._build_batch(seqs)
+            hidden = self.model(batch, self.cache)
+            if batch.num_spec:
+                cu, slots = batch.spec_spans()
+                spec_ids = [s.request_id for s in seqs[batch.num_decode : batch.prefill_start]]
+                self._pending_commit = _PendingCommit(spec_ids, slots, cu, batch.verify_records)
         for seq in seqs:
             if seq.copy_state_to_slot != NO_SLOT:
                 self.cache.copy_slot(seq.slot_id, seq.copy_state_to_slot)
@@ -102,13 +122,17 @@ class ModelRunner:
         starts = [0]
         for seq in seqs:
             starts.append(starts[-1] + seq.num_scheduled_tokens)
-        sample_rows = [starts[i + 1] - 1 for i, s in enumerate(seqs) if s.needs_sample]
+        sample_rows, row_spans = [], []  # a verify row's logits are all its rows'
+        for i, s in enumerate(seqs):
+            if s.needs_sample:
+                first = starts[i] if s.num_draft_tokens else starts[i + 1] - 1
+                row_spans.append((s.request_id, len(sample_rows), starts[i + 1] - first, s.num_draft_tokens > 0))
+                sample_rows += range(first, starts[i + 1])
         logits = None
         if sample_rows:
             every_row = sample_rows == list(range(len(seqs)))  # a decode step: a slice, no index at all
             rows = slice(len(seqs)) if every_row else to_device_async(sample_rows, hidden.device)
             logits = self.model.compute_logits(hidden[rows])
-        sample_ids = [s.request_id for s in seqs if s.needs_sample]
         scored = {
             s.request_id: self.score_prompt(hidden[starts[i] : starts[i + 1]], score_prompts[s.request_id])
             for i, s in enumerate(seqs)
@@ -117,9 +141,28 @@ class ModelRunner:
         if self.model.tp.rank > 0:  # the logits were gathered to rank 0, which alone samples
             return RunnerOutput(sample_logits={}, prompt_logprobs={})
         return RunnerOutput(
-            sample_logits={rid: logits[i] for i, rid in enumerate(sample_ids)},
+            sample_logits={rid: logits[at] for rid, at, _, spec in row_spans if not spec},
             prompt_logprobs=scored,
+            verify_logits={rid: logits[at : at + n] for rid, at, n, spec in row_spans if spec},
         )
+
+    def commit_verified(self, commit_lens: dict[str, int]) -> None:
+        """After rejection, every rank: each verify row's KDA slot (state and conv window) advanced by its first
+        commit_lens[request_id] tokens (the accepted drafts + 1; 0 leaves it as it was), in every KDA layer. Its
+        rejected MLA rows lie past the request's computed tokens and are overwritten later. Once a verify step."""
+        if self.group is not None and self.group.is_leader:
+            self.group.lead(("commit", commit_lens))
+        pending, self._pending_commit = self._pending_commit, None
+        if pending is None:
+            raise RuntimeError("commit_verified without a verify step to commit")
+        lens = [commit_lens.get(rid, 0) for rid in pending.request_ids]
+        for layer, records, recurrent, conv in zip(self._kda_layers, pending.records, self.cache.kda_recurrent,
+                                                   self.cache.kda_conv):
+            layer.commit_verified(records, recurrent, conv, pending.slots, pending.cu_seqlens, lens)
+
+    @property
+    def has_pending_commit(self) -> bool:
+        return self._pending_commit is not None
 
     def score_prompt(self, hidden: torch.Tensor, scoring: PromptScoring) -> list[TokenLogprobs]:
         """Row i of `hidden` [chunk, hidden] scores `scoring.target_token_ids[i]`: the lm_head, log-softmax and
@@ -146,4 +189,5 @@ class ModelRunner:
             checkpoint_offsets=in_pass if any(off >= 0 for off in in_pass) else None,
             checkpoint_slot_ids=[s.checkpoint_slot for s in seqs] if any(off >= 0 for off in in_pass) else None,
             device=self.device,
+            num_spec=sum(1 for s in seqs if s.num_draft_tokens),
         )

@@ -250,6 +250,13 @@ def prompt_logprobs(logits: torch.Tensor, target_token_ids: list[int], num_top: 
     return gather_logprobs(torch.log_softmax(logits.float(), dim=-1), target_token_ids, num_top)
 
 
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
+    """Raw logprobs of the tokens emitted from the rows of `logits` [M, V] fp32, row i's token_ids[i], with the top
+    `num_top`: what `Sampler.sample` reports for a row (a verify row's tokens each take their own row's)."""
+    gathered = gather_logprobs(torch.log_softmax(logits, dim=-1), token_ids, num_top)
+    return [_truncate(entry, num_top) for entry in gathered]
+
+
 def _truncate(entry: TokenLogprobs, num_top: int) -> TokenLogprobs:
     keep = 1 + num_top
     return TokenLogprobs(entry.token_ids[:keep], entry.logprobs[:keep], entry.ranks[:keep])

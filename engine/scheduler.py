@@ -4,8 +4,11 @@
 `max_num_seqs`: running decodes, running prefills (chunked), then waiting requests strictly FCFS;
 `update_from_output` applies what the runner computed. Invariant: each step every scheduled request's
 `num_computed_tokens` catches up with its `num_tokens` by its chunk, and the KDA state in its working
-slot advances exactly once per token (a preempted request drops its slot and recomputes). Thread: the
-engine's step loop only. Design (preemption, KDA checkpoints for prefix caching): docs/design/scheduler.md.
+slot advances exactly once per token (a preempted request drops its slot and recomputes). With a
+`Speculator`, a decode is a verify row of 1 + k tokens (the last token and its drafts, costing 1 + k of the
+budget); it advances by the accepted drafts + 1, the tokens it emits (appended one by one, the first stop
+ending the run), so at every step boundary the invariant holds again. Drafts live in the scheduled step only:
+preemption and aborts have none to drop. Thread: the engine's step loop only. Design (preemption, KDA checkpoints for prefix caching): docs/design/scheduler.md.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from itertools import islice
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Literal
+from typing import TYPE_CHECKING, Callable, Collection, Literal, Mapping
 
 from k3serve.engine.block_pool import BlockPool, compute_block_hashes
 from k3serve.engine.budget import scheduled_token_budget
@@ -21,6 +24,9 @@ from k3serve.engine.prefix_cache import MISS, PrefixCache
 from k3serve.engine.request import FINISH_STATUS, Request, RequestStatus
 from k3serve.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from k3serve.engine.state_pool import StatePool
+
+if TYPE_CHECKING:
+    from k3serve.engine.spec.proposer import Speculator
 
 KdaCheckpointMode = Literal["in_pass", "align", "none"]
 
@@ -118,6 +124,7 @@ class Scheduler:
         state_pool: StatePool,
         prefix_cache: PrefixCache | None = None,
         on_finish: Callable[[Request], None] | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         if block_pool.block_size != config.block_size:
             raise ValueError(f"block_pool.block_size={block_pool.block_size} != config.block_size={config.block_size}")
@@ -133,6 +140,7 @@ class Scheduler:
         self.state_pool = state_pool
         self.prefix_cache = prefix_cache if config.enable_prefix_caching else None
         self.on_finish = on_finish  # sees a finished request while it still holds its blocks and slot
+        self.speculator = speculator  # drafts for decodes; None: no speculative decoding
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.waiting: deque[Request] = deque()  # FCFS; preempted requests go back to the front
         self.running: list[Request] = []  # sorted by arrival_order
@@ -190,7 +198,8 @@ class Scheduler:
         step = _Step(token_budget=budget, num_tokens_left=budget)
         for req in list(self.running):  # 1. decodes
             if req.status is RequestStatus.RUNNING and self._is_decode(req) and step.num_tokens_left > 0:
-                self._schedule_running(req, 1, step)
+                drafts = self._drafts(req, step)
+                self._schedule_running(req, 1 + len(drafts), step, drafts)
         for req in list(self.running):  # 2. running prefills
             if step.num_tokens_left <= 0:
                 break
@@ -215,12 +224,14 @@ class Scheduler:
         )
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled_token_ids: dict[str, int], stopped_request_ids: Collection[str] = ()
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int], stopped_request_ids: Collection[str] = (),
+        verified_token_ids: Mapping[str, list[int]] | None = None,
     ) -> list[Request]:
         """Advance the scheduled requests by their chunks; append the tokens sampled for chunks
         that reached the end of the known tokens; return the requests that finished. A request in
         `stopped_request_ids` (its structured output is complete) finishes "stop" with its token,
-        as at EOS."""
+        as at EOS. A verify row's tokens come in `verified_token_ids` (its accepted drafts, then the
+        recovered or bonus token): it advances by their number and appends them until the first stop."""
         finished: list[Request] = []
         for seq in output.seqs:
             req = self.requests.get(seq.request_id)
@@ -231,6 +242,11 @@ class Scheduler:
                     f"stale output for {req.request_id!r}: scheduled at {seq.num_computed_tokens}, "
                     f"request is at {req.num_computed_tokens}"
                 )
+            if seq.num_draft_tokens:
+                if self._append_verified(req, (verified_token_ids or {}).get(req.request_id), seq.num_draft_tokens,
+                                         req.request_id in stopped_request_ids):
+                    finished.append(req)
+                continue
             req.num_computed_tokens += seq.num_scheduled_tokens
             copy_slot = self._pending_copy_slots.pop(req.request_id, None)
             if copy_slot is not None:
@@ -255,6 +271,23 @@ class Scheduler:
                 self._finish(req, status)
                 finished.append(req)
         return finished
+
+    def _append_verified(self, req: Request, token_ids: list[int] | None, num_drafts: int, stopped: bool) -> bool:
+        """A verify row's emitted tokens appended until the first stop (`stopped`: the last one completes its
+        structured output); True if that finished the request."""
+        if not token_ids or len(token_ids) > num_drafts + 1:
+            raise ValueError(f"verify row of {req.request_id!r} with {num_drafts} drafts needs 1..{num_drafts + 1} "
+                             f"emitted tokens, got {token_ids!r}")
+        req.num_computed_tokens += len(token_ids)  # the last token and the accepted drafts
+        for i, token_id in enumerate(token_ids):
+            req.output_token_ids.append(token_id)
+            last_stops = stopped and i == len(token_ids) - 1
+            status = RequestStatus.FINISHED_STOPPED if last_stops else self.check_stop(req, token_id)
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+                return True
+        return False
 
     def finish_request(self, request_id: str, reason: str = "abort") -> Request | None:
         """Finish a request from outside (a stop string, an abort) in any state; frees everything.
@@ -300,7 +333,18 @@ class Scheduler:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
         return num_new
 
-    def _schedule_running(self, req: Request, num_new: int, step: _Step) -> None:
+    def _drafts(self, req: Request, step: _Step) -> list[int]:
+        """A decode's drafts: at most K, and no more than its max_tokens, max_model_len and the step's budget
+        leave room for (all of them accepted plus the bonus token)."""
+        if self.speculator is None:
+            return []
+        limit = min(step.num_tokens_left, self.config.max_model_len - req.num_tokens) - 1
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            limit = min(limit, max_tokens - req.num_output_tokens - 1)
+        return self.speculator.drafts(req, limit)
+
+    def _schedule_running(self, req: Request, num_new: int, step: _Step, drafts: list[int] = ()) -> None:
         num_new = self._plan_checkpoint(req, req.num_computed_tokens, num_new, num_slots_needed=1)
         num_new_blocks = _cdiv(req.num_computed_tokens + num_new, self.config.block_size) - len(req.block_ids)
         while not self.block_pool.can_allocate(num_new_blocks):
@@ -309,7 +353,7 @@ class Scheduler:
             if victim is req:
                 return
         req.block_ids += self.block_pool.allocate(max(0, num_new_blocks))
-        step.add(self._make_seq(req, num_new))
+        step.add(self._make_seq(req, num_new - len(drafts), drafts))
 
     def _admit(self, req: Request, step: _Step) -> bool:
         """Start (or restart) the waiting head; False if it does not fit yet."""
@@ -367,7 +411,8 @@ class Scheduler:
             self._pending_checkpoints[req.request_id] = _PendingCheckpoint(boundary, slot_id, block_hashes)
         return boundary - num_computed if cfg.kda_checkpoint_mode == "align" else num_new
 
-    def _make_seq(self, req: Request, num_new: int) -> ScheduledSeq:
+    def _make_seq(self, req: Request, num_new: int, drafts: list[int] = ()) -> ScheduledSeq:
+        """`num_new` known tokens from num_computed_tokens on, then the drafts (a verify row: one known token)."""
         start = req.num_computed_tokens
         if start >= req.num_prompt_tokens:
             token_ids = req.output_token_ids[start - req.num_prompt_tokens : start - req.num_prompt_tokens + num_new]
@@ -375,12 +420,13 @@ class Scheduler:
             token_ids = req.all_token_ids[start : start + num_new]
         seq = ScheduledSeq(
             request_id=req.request_id,
-            token_ids=token_ids,
+            token_ids=token_ids + list(drafts),
             num_computed_tokens=start,
             block_ids=list(req.block_ids),
             slot_id=req.slot_id,
             is_prefill=not (num_new == 1 and start >= req.num_prompt_tokens),
             needs_sample=start + num_new == req.num_tokens,
+            num_draft_tokens=len(drafts),
         )
         checkpoint = self._pending_checkpoints.get(req.request_id)
         if checkpoint is not None:
@@ -404,6 +450,8 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.set_finished(status)
+        if self.speculator is not None:
+            self.speculator.release(req.request_id)
         if self.on_finish is not None:
             self.on_finish(req)  # e.g. a prefill worker pins the boundary state before release
         self._release(req)

@@ -10,6 +10,10 @@ Per sequence the runner does, in this order:
                          checkpoint_offset tokens of this chunk into checkpoint_slot ("in_pass")
     after the forward    copy_state_to_slot    -> copy slot_id into that slot ("align")
                          needs_sample          -> sample one token from the chunk's last position
+
+A verify row (speculative decoding, num_draft_tokens = k > 0) is the last token and k drafts at positions
+n..n+k: its KDA slot is read, not written, its 1 + k rows all get logits, and after rejection the runner's
+`commit_verified` folds the accepted prefix into the slot; num_computed_tokens then advances by that prefix.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class ScheduledSeq:
     copy_state_from_slot: int = NO_SLOT  # prefix hit: resume from this checkpoint
     copy_state_to_slot: int = NO_SLOT  # align mode: the chunk ends at the boundary
     zero_state: bool = False  # fresh slot, no prefix hit
+    num_draft_tokens: int = 0  # a verify row: token_ids = [last token] + drafts; slot read, committed after rejection
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -325,6 +325,39 @@ class StructuredOutputs:
             self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
         return TokenMask(bitmask, rows)
 
+    def verify_mask(self, request_id: str, draft_ids: list[int]) -> TokenMask | None:
+        """A constrained verify row's mask, [1 + k] rows: row i the tokens allowed after the first i drafts (the
+        matcher walks the drafts, then rolls back: it ends where it began). Rows past a draft the constraint
+        refuses, or past its end, repeat the last row filled: that draft is rejected there (its probability is
+        0), so they are never sampled from. None for an unconstrained request."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            return None
+        xgr = import_xgrammar()
+        bitmask = torch.empty(xgr.get_bitmask_shape(len(draft_ids) + 1, self.compiler.vocab_size),
+                              dtype=xgr.bitmask_dtype, pin_memory=self.pin_memory)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        walked = 0
+        for draft in draft_ids:
+            if matcher.is_terminated() or not matcher.accept_token(draft):
+                break
+            walked += 1
+            if matcher.is_terminated():
+                break
+            matcher.fill_next_token_bitmask(bitmask, walked)
+        bitmask[walked + 1 :] = bitmask[walked]
+        if walked:
+            matcher.rollback(walked)
+        return TokenMask(bitmask, list(range(len(draft_ids) + 1)))
+
+    def accept_run(self, request_id: str, token_ids: list[int]) -> tuple[int, bool]:
+        """`accept` a verify row's emitted tokens in order, up to the one that completes the constraint: (how many
+        were taken, whether the constraint is complete). ConstraintViolationError as `accept`."""
+        for i, token_id in enumerate(token_ids):
+            if self.accept(request_id, token_id):
+                return i + 1, True
+        return len(token_ids), False
+
     def accept(self, request_id: str, token_id: int) -> bool:
         """Advance the request's matcher by its new token; True when that completed the constraint (its stop
         token). ConstraintViolationError when the constraint does not allow the token."""

@@ -7,8 +7,11 @@ from it and never recompute positions or slot mappings. Sequences are packed bac
     cu_seqlens   0                  1                  2                                  T
     positions    n0                 n1                 n2, n2+1, ...      (n = num_computed)
 
-Single-token sequences come first (`num_decode`), so the decode path (absorbed MLA, recurrent
-KDA step) and the prefill path (MHA form, chunked KDA) each get a contiguous view.
+Single-token sequences come first (`num_decode`), then a speculative step's verify rows (`num_spec`
+sequences of 1 + k tokens: the last token and its drafts), then prefill chunks: [decodes | spec rows |
+prefills]. The decode path (absorbed MLA, recurrent KDA step), the verify path (multi-row absorbed MLA,
+KDA read-only with records for the RecoverSSM commit) and the prefill path (MHA form, chunked KDA) each get a
+contiguous slice. Without spec rows a KDA layer runs decodes and prefills together as before.
 
 `StaticDecodeInputs` is the fixed-shape form of a decode-only batch (CUDA graphs): tensors at fixed
 addresses, the batch padded to a bucket size with rows that write nowhere a request owns.
@@ -20,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from k3serve.kernels.kda import ChunkPlan, plan_chunks
+from k3serve.kernels.kda import ChunkPlan, KdaRecords, plan_chunks
 
 
 @dataclass
@@ -80,6 +83,15 @@ class ModelCache:
             torch._foreach_zero_([pool[slot] for pool in self.kda_recurrent + self.kda_conv for slot in slots])
 
 
+@dataclass(frozen=True)
+class VerifyRecords:
+    """One KDA layer's records of a step's verify rows, for the commit after rejection (one step's life). Each
+    tensor owns its storage: a view would keep the layer's whole projection output alive until the commit."""
+
+    kda: KdaRecords
+    conv_inputs: torch.Tensor  # [T_spec, 3P] the pre-conv q, k, v inputs
+
+
 @dataclass
 class ForwardBatch:
     token_ids: torch.Tensor  # [T] int64
@@ -103,7 +115,11 @@ class ForwardBatch:
     checkpoint_offsets_host: torch.Tensor | None = None  # [N] int64
     checkpoint_slot_ids_host: torch.Tensor | None = None  # [N] int64
     checkpoint_rows: torch.Tensor | None = None  # [W] int64 on the device: the sequences with an offset >= 0
+    num_spec: int = 0  # verify sequences right after the decodes (1 + k tokens each; host copies set)
+    num_spec_tokens: int = 0  # their rows
+    verify_records: list[VerifyRecords] = field(default_factory=list)  # one a KDA layer, in order: the verify pass
     _kda_plan: ChunkPlan | None = field(default=None, init=False, repr=False, compare=False)
+    _parts: dict[tuple[int, int], "ForwardBatch"] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         decode_only = self.num_decode == self.num_seqs and self.checkpoint_offsets is None
@@ -124,6 +140,50 @@ class ForwardBatch:
     def num_decode_tokens(self) -> int:
         """Rows of the decode sequences, first in the batch: one token each."""
         return self.num_decode
+
+    @property
+    def prefill_start(self) -> int:
+        """The first prefill sequence (after the decodes and the verify rows)."""
+        return self.num_decode + self.num_spec
+
+    @property
+    def prefill_token_start(self) -> int:
+        return self.num_decode + self.num_spec_tokens
+
+    def spec_spans(self) -> tuple[list[int], list[int]]:
+        """The verify sequences' (cu_seqlens from 0 [num_spec + 1], KDA slots [num_spec]) as host lists."""
+        a, b = self.num_decode, self.prefill_start
+        cu = (self.cu_seqlens_host[a : b + 1] - self.num_decode).tolist()
+        return cu, self.slot_ids_host[a:b].tolist()
+
+    def part(self, lo: int, hi: int) -> "ForwardBatch":
+        """Sequences lo..hi-1 (all decodes, or all prefills) as a batch of their own, of views where it can be
+        (its cu_seqlens rebased), made once a forward: every layer that asks gets the same one (and its plan)."""
+        key = (lo, hi)
+        if key not in self._parts:
+            t0, t1 = int(self.cu_seqlens_host[lo]), int(self.cu_seqlens_host[hi])
+            num_decode = min(self.num_decode, hi) - min(self.num_decode, lo)
+            if num_decode not in (0, hi - lo) or (lo < self.prefill_start and hi > self.num_decode):
+                raise ValueError(f"part({lo}, {hi}) must be decodes alone or prefills alone")
+            ck = self.checkpoint_offsets_host
+            host_offsets = None if ck is None else ck[lo:hi]
+            has_ck = host_offsets is not None and bool((host_offsets >= 0).any())
+            self._parts[key] = ForwardBatch(
+                token_ids=self.token_ids[t0:t1], positions=self.positions[t0:t1],
+                cu_seqlens=self.cu_seqlens[lo : hi + 1] - t0, num_computed=self.num_computed[lo:hi],
+                seq_lens=self.seq_lens[lo:hi], block_tables=self.block_tables[lo:hi],
+                slot_mapping=self.slot_mapping[t0:t1], slot_ids=self.slot_ids[lo:hi],
+                checkpoint_offsets=self.checkpoint_offsets[lo:hi] if has_ck else None,
+                checkpoint_slot_ids=self.checkpoint_slot_ids[lo:hi] if has_ck else None,
+                num_decode=num_decode, pad_slot=self.pad_slot,
+                cu_seqlens_host=self.cu_seqlens_host[lo : hi + 1] - t0, seq_lens_host=self.seq_lens_host[lo:hi],
+                slot_ids_host=self.slot_ids_host[lo:hi],
+                checkpoint_offsets_host=host_offsets if has_ck else None,
+                checkpoint_slot_ids_host=self.checkpoint_slot_ids_host[lo:hi] if has_ck else None,
+                checkpoint_rows=torch.nonzero(host_offsets >= 0).flatten().to(self.cu_seqlens.device)
+                if has_ck else None,
+            )
+        return self._parts[key]
 
     def kda_chunk_plan(self, chunk_size: int) -> ChunkPlan:
         """The chunk plan of this batch's chunked KDA, on the batch's device: it depends on the batch
@@ -147,8 +207,10 @@ class ForwardBatch:
         checkpoint_offsets: list[int] | None = None,
         checkpoint_slot_ids: list[int] | None = None,
         device: torch.device | str = "cpu",
+        num_spec: int = 0,
     ) -> "ForwardBatch":
-        """Pack per-sequence lists into one batch. Single-token sequences must come first.
+        """Pack per-sequence lists into one batch. Single-token sequences must come first, then `num_spec`
+        verify sequences (2 or more tokens each, no checkpoint), then the prefill chunks.
 
         The KDA slot of a sequence starting at num_computed 0 must hold zeros: the caller zeroes it
         (the runner does, for every fresh sequence of a step at once)."""
@@ -163,6 +225,10 @@ class ForwardBatch:
             num_decode += 1
         if any(q == 1 for q in lens[num_decode:]):
             raise ValueError("single-token sequences must be packed before multi-token ones")
+        spec = range(num_decode, num_decode + num_spec)
+        if num_decode + num_spec > n or (checkpoint_offsets is not None and any(checkpoint_offsets[i] >= 0 for i in spec)):
+            raise ValueError(f"{num_spec} verify sequences after {num_decode} decodes of {n}: too many, or one "
+                             "with a checkpoint")
         cu = [0]
         for q in lens:
             cu.append(cu[-1] + q)
@@ -202,6 +268,8 @@ class ForwardBatch:
             checkpoint_offsets=None if checkpoint_offsets is None else tensor(checkpoint_offsets),
             checkpoint_slot_ids=None if checkpoint_slot_ids is None else tensor(checkpoint_slot_ids),
             num_decode=num_decode,
+            num_spec=num_spec,
+            num_spec_tokens=sum(lens[i] for i in spec),
             **host,
         )
 

@@ -33,7 +33,8 @@ _K3_A_LOG_ENTRIES = 128  # the published K3 checkpoint pads per-head A_log to 12
 
 
 def make_checkpoint(preset: str | dict, out_dir: str | Path, seed: int = 0, num_shards: int | None = None,
-                    num_layers: int | None = None, device: str | None = None, chat_format: str | None = None) -> Path:
+                    num_layers: int | None = None, device: str | None = None, chat_format: str | None = None,
+                    echo_weight: float = 0.0) -> Path:
     """Write `preset` (a preset name, or a HF config dict) with random weights drawn from `seed`
     into `out_dir`; returns out_dir.
 
@@ -42,7 +43,9 @@ def make_checkpoint(preset: str | dict, out_dir: str | Path, seed: int = 0, num_
     machine), else CUDA (a GPU's generator: the same bytes on the same GPU model). num_shards: None = 2, or
     one a SHARD_BYTES of weights when there are more; shards are written one at a time (host memory holds one).
     chat_format (CHAT_FORMATS): the tokenizer's special tokens and chat format; default the preset's, "kimi_k2"
-    for a dict."""
+    for a dict. `echo_weight` > 0 adds that multiple of the embedding to the lm_head: a model that tends to repeat
+    its last token for a while, where prompt lookup's drafts are accepted (and rejected where a run changes), for
+    speculative decoding's tests and benchmarks; random weights alone almost never repeat."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf = preset_hf_config(preset) if isinstance(preset, str) else copy.deepcopy(preset)
@@ -60,7 +63,8 @@ def make_checkpoint(preset: str | dict, out_dir: str | Path, seed: int = 0, num_
     shapes = checkpoint_shapes(config)
     dev = _weights_device(shapes, device)
     gen = torch.Generator(dev).manual_seed(seed)
-    _write_shards(_random_tensors(config, shapes, gen), shapes, out, num_shards)
+    tensors = _random_tensors(config, shapes, gen)
+    _write_shards(_with_echo(tensors, echo_weight) if echo_weight else tensors, shapes, out, num_shards)
     (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     gen_config = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
     (out / "generation_config.json").write_text(json.dumps(gen_config, indent=2) + "\n")
@@ -132,6 +136,23 @@ def _random_tensors(config: ModelConfig, shapes: dict[str, tuple[tuple[int, ...]
             yield name[: -len("packed")] + "scale", q.scales.cpu()
             continue
         yield name, _init(name, shape, gen, config).cpu()
+
+
+def _with_echo(tensors: Iterator[tuple[str, torch.Tensor]], weight: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """`tensors` with `weight` x the embedding added to the lm_head (held back until the embedding is drawn)."""
+    head: tuple[str, torch.Tensor] | None = None
+    embedding: torch.Tensor | None = None
+    for name, tensor in tensors:
+        if name.endswith("lm_head.weight"):
+            head = (name, tensor)
+        else:
+            embedding = tensor if name.endswith("embed_tokens.weight") else embedding
+            yield name, tensor
+        if head is not None and embedding is not None:
+            yield head[0], head[1] + weight * embedding
+            head = None
+    if head is not None:
+        raise ValueError("echo_weight needs an untied lm_head and an embedding, which this checkpoint lacks")
 
 
 def _init(name: str, shape: tuple[int, ...], gen: torch.Generator, config: ModelConfig) -> torch.Tensor:

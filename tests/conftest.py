@@ -10,6 +10,9 @@ safetensors, published tensor names), so every model test also runs the real loa
     kimi_linear_tiny_checkpoint   Kimi-Linear-style (flat config, bf16 plain MoE, ...)
     k3_tiny_gpu_checkpoint        K3_TINY_GPU: k3-tiny at K3's head sizes, for the GPU tests (written on
                                   the CPU, so it needs no device itself)
+    echo_checkpoint               k3-tiny with 0.3 x the embedding added to its lm_head (`make_checkpoint`'s
+                                  echo_weight): it repeats itself for a while, so speculative decoding's prompt
+                                  lookup has drafts to accept (and to reject where a run changes)
 """
 
 import importlib.util
@@ -52,6 +55,11 @@ def _fastapi_forgets_the_apps() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint("k3-tiny", tmp_path_factory.mktemp("k3-tiny"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def echo_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint("k3-tiny", tmp_path_factory.mktemp("k3-tiny-echo"), seed=0, echo_weight=0.3)
 
 
 @pytest.fixture(scope="session")

@@ -238,6 +238,25 @@ def overview() -> dashboard.Dashboard:
                            "not cached (its first compile also builds the vocabulary). The request waits for it "
                            "before it enters the engine.", "s",
                            quantile_queries("k3serve:structured_output_compile_seconds")))
+        .with_row(dashboard.Row("Speculative decoding").id(ids.id()))
+        .with_panel(series(ids, "Spec decode tokens / s", "Verify rows (drafts checked in one step), draft tokens "
+                           "proposed and accepted per second, and the accepted ones by draft position (vLLM's "
+                           "vllm:spec_decode_* counters, measured on the decode engines).", "short", [
+                               query(f"sum by (model_name) (rate(vllm:spec_decode_num_drafts_total{{{MODEL}}}[{RATE}]))",
+                                     "verify rows", "A"),
+                               query(f"sum by (model_name) (rate(vllm:spec_decode_num_draft_tokens_total{{{MODEL}}}[{RATE}]))",
+                                     "draft tokens", "B"),
+                               query(f"sum by (model_name) (rate(vllm:spec_decode_num_accepted_tokens_total{{{MODEL}}}[{RATE}]))",
+                                     "accepted", "C"),
+                               query(f"sum by (model_name, position) (rate(vllm:spec_decode_num_accepted_tokens_per_pos_total{{{MODEL}}}[{RATE}]))",
+                                     "accepted at {{position}}", "D"),
+                           ]))
+        .with_panel(series(ids, "Acceptance length", "Tokens a verify row emits (accepted drafts + 1): quantiles "
+                           "over the window, and each decode replica's mean since it started.", "short",
+                           quantile_queries("k3serve:spec_decode_acceptance_length") + [
+                               query(f"max by (pool, replica) (k3serve:spec_decode_mean_acceptance_length{{{MODEL}}})",
+                                     "mean {{replica}}", "Z"),
+                           ]))
     )
     return board
 

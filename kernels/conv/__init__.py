@@ -16,7 +16,7 @@ from .._backend import gpu_kernels, has_module
 from ..kda import CHUNK_SIZE, ChunkPlan, plan_chunks
 from . import naive
 
-__all__ = ["causal_conv1d"]
+__all__ = ["causal_conv1d", "conv_verify", "conv_commit"]
 
 # "causal_conv1d" -> "triton" (decode step) | "triton_prefill" | "torch" (the batched decode form) | "naive"
 last_backend: dict[str, str] = {}
@@ -120,3 +120,26 @@ def _decode_one_token(x: Tensor, weight: Tensor, conv_state: Tensor, state_indic
     if activation == "silu":
         y = torch.nn.functional.silu(y)
     return y.to(x.dtype)
+
+
+def conv_verify(x: Tensor, weight: Tensor, conv_state: Tensor, cu_seqlens: list[int], state_indices: list[int],
+                activation: str | None = "silu") -> Tensor:
+    """`causal_conv1d` over the verify rows of a speculative step (host `cu_seqlens` and slots), the slots only
+    read; `conv_commit` moves each window by the accepted tokens afterwards."""
+    if x.dim() != 2 or weight.dim() != 2 or conv_state.shape[1:] != (x.shape[1], weight.shape[1] - 1):
+        raise ValueError(f"conv_verify: x [T, C], weight [C, W], conv_state [S, C, W-1]; got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}, {tuple(conv_state.shape)}")
+    if len(cu_seqlens) != len(state_indices) + 1 or cu_seqlens[-1] != x.shape[0]:
+        raise ValueError(f"conv_verify: cu_seqlens {cu_seqlens} must pack T={x.shape[0]} tokens of "
+                         f"{len(state_indices)} sequences")
+    last_backend["conv_verify"] = "naive"
+    return naive.conv_verify(x, weight, conv_state, cu_seqlens, state_indices, activation)
+
+
+def conv_commit(conv_state: Tensor, x: Tensor, cu_seqlens: list[int], state_indices: list[int],
+                commit_lens: list[int]) -> None:
+    """Slot n's window after its first commit_lens[n] verified pre-conv inputs x [T, C] (copies: bit-exact)."""
+    if len(commit_lens) != len(state_indices) or len(cu_seqlens) != len(state_indices) + 1:
+        raise ValueError("conv_commit: one commit length and one slot a sequence")
+    last_backend["conv_commit"] = "naive"
+    naive.conv_commit(conv_state, x, cu_seqlens, state_indices, commit_lens)

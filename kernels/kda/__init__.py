@@ -9,6 +9,8 @@ or else `naive.py`; `last_backend[name]` records which."""
 from __future__ import annotations
 
 import torch
+from dataclasses import dataclass
+
 from torch import Tensor
 
 from .._backend import AUTOTUNE_FLUSH_BYTES, gpu_kernels, has_module
@@ -20,7 +22,7 @@ FLA_SUB_CHUNK = 16  # fla's intra-chunk sub-block (`BC` of `chunk_kda_fwd_intra`
 last_backend: dict[str, str] = {}  # "chunk_kda" -> "fla" | "naive", "kda_decode" -> "triton" | "naive"
 
 __all__ = ["CHUNK_SIZE", "ChunkPlan", "kda_gate", "chunk_kda", "chunk_kda_workspace_bytes", "plan_chunks",
-           "recurrent_kda", "kda_decode"]
+           "recurrent_kda", "kda_decode", "KdaRecords", "kda_verify", "kda_commit"]
 
 
 def chunk_kda_workspace_bytes(num_tokens: int, num_seqs: int, num_heads: int, head_dim: int, itemsize: int) -> int:
@@ -278,3 +280,54 @@ def kda_decode(
     last_backend["kda_decode"] = "naive"
     return naive.kda_decode(q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm_in_kernel,
                             use_beta_sigmoid_in_kernel)
+
+
+@dataclass(frozen=True)
+class KdaRecords:
+    """What a verify pass keeps of each token for the RecoverSSM commit (fp32): the l2-normalized key, the
+    delta-rule update u (computed from the true state along the drafted path) and the log decay. Lives for
+    one step."""
+
+    k_hat: Tensor  # [T, H, K]
+    u: Tensor  # [T, H, V]
+    g: Tensor  # [T, H, K]
+
+
+def _check_spans(name: str, state_indices: list[int], cu_seqlens: list[int], T: int, S: int) -> None:
+    N = len(state_indices)
+    if len(cu_seqlens) != N + 1 or cu_seqlens[0] != 0 or cu_seqlens[-1] != T or any(
+            b <= a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])):
+        raise ValueError(f"{name}: cu_seqlens must rise strictly from 0 to T={T} over N={N} sequences, got {cu_seqlens}")
+    if len(set(state_indices)) != N or not all(0 <= s < S for s in state_indices):
+        raise ValueError(f"{name}: state_indices must be distinct slots in [0, {S}), got {state_indices}")
+
+
+def kda_verify(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor, state_indices: list[int],
+    cu_seqlens: list[int], scale: float | None = None, use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+) -> tuple[Tensor, KdaRecords]:
+    """The verify rows of a speculative step: N sequences of 1 + k tokens (host `cu_seqlens` [N+1]), sequence n
+    continuing the state at state_pool[state_indices[n]] one decode step a token, as `kda_decode` would over
+    consecutive steps (the same operations: bit-identical on the reference path). The pool is only read.
+    Returns (o [T, H, V] in q.dtype, the records `kda_commit` folds). Arguments as in `kda_decode`."""
+    _check_token_inputs(q, k, v, g, beta, "T")
+    _check_state("state_pool", state_pool, "S", *q.shape[1:], v.shape[-1])
+    _check_spans("kda_verify", state_indices, cu_seqlens, q.shape[0], state_pool.shape[0])
+    last_backend["kda_verify"] = "naive"
+    o, k_hat, u, g32 = naive.kda_verify(q, k, v, g, beta, state_pool, state_indices, cu_seqlens, scale,
+                                        use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel)
+    return o, KdaRecords(k_hat, u, g32)
+
+
+def kda_commit(state_pool: Tensor, records: KdaRecords, state_indices: list[int], cu_seqlens: list[int],
+               commit_lens: list[int]) -> None:
+    """RecoverSSM: after rejection, fold each sequence's accepted prefix (its first commit_lens[n] verified tokens,
+    0 for none) into its slot, so the slot holds the state after exactly those tokens. In place, those slots only."""
+    T = records.u.shape[0]
+    _check_spans("kda_commit", state_indices, cu_seqlens, T, state_pool.shape[0])
+    if len(commit_lens) != len(state_indices) or any(
+            not 0 <= c <= b - a for c, a, b in zip(commit_lens, cu_seqlens[:-1], cu_seqlens[1:])):
+        raise ValueError(f"commit_lens must lie in [0, tokens of its sequence], got {commit_lens} for {cu_seqlens}")
+    last_backend["kda_commit"] = "naive"
+    naive.kda_commit(state_pool, records.k_hat, records.u, records.g, state_indices, cu_seqlens, commit_lens)

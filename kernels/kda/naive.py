@@ -42,11 +42,21 @@ def _prepare(
     return q * scale, k, v.float(), g.float(), beta.float()
 
 
-def _step(S: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> tuple[Tensor, Tensor]:
-    """One token: S [..., H, K, V]; q (pre-scaled), k, g [..., H, K]; v [..., H, V]; beta [..., H]."""
+def _update(S: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> tuple[Tensor, Tensor]:
+    """One token's state update: (S after it, its delta-rule update u [..., H, V])."""
     S = S * g.exp()[..., None]
     u = beta[..., None] * (v - torch.einsum("...hk,...hkv->...hv", k, S))  # [..., H, V]
-    S = S + k[..., None] * u[..., None, :]
+    return _fold(S, k, u), u
+
+
+def _fold(S_decayed: Tensor, k: Tensor, u: Tensor) -> Tensor:
+    """The rank-1 half of the update, S' + k u^T: shared by the recurrence and the RecoverSSM commit."""
+    return S_decayed + k[..., None] * u[..., None, :]
+
+
+def _step(S: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> tuple[Tensor, Tensor]:
+    """One token: S [..., H, K, V]; q (pre-scaled), k, g [..., H, K]; v [..., H, V]; beta [..., H]."""
+    S, _ = _update(S, k, v, g, beta)
     return S, torch.einsum("...hk,...hkv->...hv", q, S)
 
 
@@ -190,3 +200,55 @@ def kda_decode(
     S, o = _step(state_pool[state_indices], q, k, v, g, beta)  # [N, H, K, V], [N, H, V]
     state_pool[state_indices] = S
     return o.to(out_dtype)
+
+
+def kda_verify(
+    q: Tensor,  # [T, H, K]: the verify rows of N sequences, packed
+    k: Tensor,  # [T, H, K]
+    v: Tensor,  # [T, H, V]
+    g: Tensor,  # [T, H, K]
+    beta: Tensor,  # [T, H]
+    state_pool: Tensor,  # [S, H, K, V], read only
+    state_indices: list[int],  # [N]
+    cu_seqlens: list[int],  # [N+1]
+    scale: float | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Each sequence's tokens one decode step at a time, from its slot's state, which is left as it was; returns
+    (o [T, H, V] in q.dtype, k_hat [T, H, K], u [T, H, V], g [T, H, K], all fp32 and of their own storage, never
+    views of the inputs: they live until the commit, after the layer's activations are gone)."""
+    out_dtype = q.dtype
+    if use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(beta.float())
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+    o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    u = torch.empty_like(o)
+    for n, slot in enumerate(state_indices):
+        S = state_pool[slot : slot + 1]  # [1, H, K, V]: a decode step's shape; updated out of place below
+        for t in range(cu_seqlens[n], cu_seqlens[n + 1]):
+            rows = slice(t, t + 1)
+            S, u[rows] = _update(S, k[rows], v[rows], g[rows], beta[rows])
+            o[rows] = torch.einsum("...hk,...hkv->...hv", q[rows], S)
+    return o.to(out_dtype), k.clone(), u, g.clone()  # records own their memory: not views of the layer's tensors
+
+
+def kda_commit(
+    state_pool: Tensor,  # [S, H, K, V], updated in place
+    k_hat: Tensor,  # [T, H, K] fp32, from kda_verify
+    u: Tensor,  # [T, H, V] fp32
+    g: Tensor,  # [T, H, K] fp32
+    state_indices: list[int],  # [N]
+    cu_seqlens: list[int],  # [N+1]
+    commit_lens: list[int],  # [N], 0 <= commit_lens[n] <= its tokens
+) -> None:
+    """Fold the first commit_lens[n] verified tokens of sequence n into its slot, in forward order: the
+    recurrence's own operations, so the slot ends bit-identical to the verify's running state there."""
+    for n, (slot, length) in enumerate(zip(state_indices, commit_lens)):
+        if length == 0:
+            continue
+        S = state_pool[slot : slot + 1]
+        for t in range(cu_seqlens[n], cu_seqlens[n] + length):
+            rows = slice(t, t + 1)
+            S = _fold(S * g[rows].exp()[..., None], k_hat[rows], u[rows])
+        state_pool[slot : slot + 1] = S

@@ -23,7 +23,7 @@ last_backend: dict[str, str] = {}  # "mla_decode_paged" / "merge_attn_states" / 
 # "mla_prefill_attention" -> "sdpa" | "naive"
 
 __all__ = ["mla_prefill_attention", "write_kv_cache", "gather_kv_cache", "mla_decode_paged", "merge_attn_states",
-           "decode_workspace_bytes"]
+           "decode_workspace_bytes", "mla_verify_paged"]
 
 
 def decode_workspace_bytes(num_heads: int, latent_dim: int, num_sm: int) -> int:
@@ -194,3 +194,20 @@ def merge_attn_states(outputs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
         return triton_decode.merge_attn_states(outputs.contiguous(), lses)
     last_backend["merge_attn_states"] = "naive"
     return naive.merge_attn_states(outputs, lses)
+
+
+def mla_verify_paged(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_lens: list[int],
+                     cu_q: list[int], scale: float, kv_lora_rank: int) -> Tensor:
+    """Absorbed MLA over the verify rows of a speculative step: sequence n's q_len = cu_q[n+1] - cu_q[n] rows
+    are its last q_len tokens, row i attending causally to its first seq_lens[n] - (q_len - 1 - i) cached keys
+    (all of them written this step). Each sequence's latent KV is read once, not once a row. Returns o_latent
+    [T, H, L] in q_latent.dtype (apply W_UV afterwards); each row equals `mla_decode_paged` of its length."""
+    if q_latent.dim() != 3 or q_pe.shape[:2] != q_latent.shape[:2] or cu_q[-1] != q_latent.shape[0]:
+        raise ValueError(f"mla_verify_paged: q_latent [T, H, L], q_pe [T, H, R], cu_q ending at T; got "
+                         f"{tuple(q_latent.shape)}, {tuple(q_pe.shape)}, {cu_q}")
+    if len(seq_lens) != len(cu_q) - 1 or block_tables.shape[0] != len(seq_lens) or any(
+            n < b - a for n, a, b in zip(seq_lens, cu_q[:-1], cu_q[1:])):
+        raise ValueError(f"mla_verify_paged: one table and seq_len >= q_len a sequence; got seq_lens {seq_lens}, "
+                         f"cu_q {cu_q}, {block_tables.shape[0]} tables")
+    last_backend["mla_verify_paged"] = "naive"
+    return naive.mla_verify_paged(q_latent, q_pe, kv_cache, block_tables, seq_lens, cu_q, scale, kv_lora_rank)

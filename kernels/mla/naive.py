@@ -86,3 +86,32 @@ def merge_attn_states(outputs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
     # where() rather than a product, so an empty part's garbage output (even NaN) cannot leak in.
     contrib = torch.where(part_weights[..., None] > 0, coef[..., None] * outputs.float(), 0.0)  # [P, N, H, D]
     return contrib.sum(dim=0).to(outputs.dtype), lse
+
+
+def mla_verify_paged(
+    q_latent: Tensor,  # [T, H, L]: the verify rows of N sequences, packed
+    q_pe: Tensor,  # [T, H, R]
+    kv_cache: Tensor,
+    block_tables: Tensor,  # [N, max_blocks]
+    seq_lens: list[int],  # [N]: cached tokens including every verify row
+    cu_q: list[int],  # [N+1]
+    scale: float,
+    kv_lora_rank: int,
+) -> Tensor:
+    """`mla_decode_paged` for q_len rows a sequence, causal among them: row i of a sequence sees its first
+    seq_len - (q_len - 1 - i) keys. Each sequence's latent KV is gathered once; each row computes exactly the
+    decode of that length (the same products over the same rows)."""
+    T, H, _ = q_latent.shape
+    o_latent = torch.zeros(T, H, kv_lora_rank, dtype=torch.float32, device=q_latent.device)
+    packed, cu_k = gather_kv_cache(kv_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int64))
+    bounds = cu_k.tolist()
+    for n in range(len(seq_lens)):
+        kv_all = packed[bounds[n] : bounds[n + 1]].float()  # [S, L+R]
+        q_len = cu_q[n + 1] - cu_q[n]
+        for i, row in enumerate(range(cu_q[n], cu_q[n + 1])):
+            kv = kv_all[: seq_lens[n] - (q_len - 1 - i)]
+            c, k_pe = kv[:, :kv_lora_rank], kv[:, kv_lora_rank:]
+            scores = (q_latent[row].float() @ c.T + q_pe[row].float() @ k_pe.T) * scale  # [H, S]
+            lse = torch.logsumexp(scores, dim=-1)
+            o_latent[row] = torch.exp(scores - lse[:, None]) @ c
+    return o_latent.to(q_latent.dtype)

@@ -4,16 +4,21 @@ Per rank it owns H/tp heads. The recurrent state ([H_local, K, V] fp32) and the 
 (the last kernel-1 pre-conv inputs of the q, k and v channels, packed as one [3*P_local, W-1]
 block) live in the engine's slot pools; this layer reads the slot of each sequence, advances it
 exactly once per new token, and optionally emits an in-pass checkpoint into a second slot.
+
+A batch with verify rows (speculative decoding) runs three slices into one output: its decodes one step each,
+its verify rows from their slots read-only (`kda_verify`, `conv_verify`; the records go to
+`batch.verify_records` for `commit_verified`, which folds each accepted prefix in after rejection), its
+prefills chunked.
 """
 
 from __future__ import annotations
 
 import torch
 
-from k3serve.kernels.conv import causal_conv1d
-from k3serve.kernels.kda import CHUNK_SIZE, chunk_kda, kda_decode, kda_gate
+from k3serve.kernels.conv import causal_conv1d, conv_commit, conv_verify
+from k3serve.kernels.kda import CHUNK_SIZE, chunk_kda, kda_commit, kda_decode, kda_gate, kda_verify
 from k3serve.kernels.norm import gated_rms_norm
-from k3serve.model.batch import ForwardBatch
+from k3serve.model.batch import ForwardBatch, VerifyRecords
 from k3serve.model.config import ModelConfig
 from k3serve.model.layers.common import Linear, Sharded, keep_address, project, stack_rows
 from k3serve.model.parallel import TensorParallel
@@ -87,23 +92,56 @@ class KimiDeltaAttention(Sharded):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, recurrent: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
         T, H, d = x.shape[0], self.num_heads, self.head_dim
         qkv_in, f_a, b, gate_in = project(x, self.x_proj_weight, self._x_proj_sizes)  # qkv_in [T, 3P]
+        g = kda_gate(self.f_b_proj(f_a).reshape(T, H, d), self.A_log, self.dt_bias, self.lower_bound)
+        if batch.num_spec == 0:
+            o = self._attend(qkv_in, g, b, batch, recurrent, conv)
+        else:  # [decodes | verify rows | prefills], each slice straight into o
+            o = x.new_empty(T, H, d)
+            nd, p0, s0 = batch.num_decode, batch.prefill_start, batch.prefill_token_start
+            if nd:
+                o[:nd] = self._attend(qkv_in[:nd], g[:nd], b[:nd], batch.part(0, nd), recurrent, conv)
+            o[nd:s0] = self._verify(qkv_in[nd:s0], g[nd:s0], b[nd:s0], batch, recurrent, conv)
+            if s0 < T:
+                o[s0:] = self._attend(qkv_in[s0:], g[s0:], b[s0:], batch.part(p0, batch.num_seqs), recurrent, conv)
+
+        gate = gate_in if hasattr(self, "g_proj") else self.g_b_proj(gate_in)
+        y = gated_rms_norm(o, gate.reshape(T, H, d), self.o_norm.weight, self.eps).to(x.dtype)
+        return self.tp.all_reduce(self.o_proj(y.reshape(T, H * d)))
+
+    def _attend(self, qkv_in: torch.Tensor, g: torch.Tensor, b: torch.Tensor, batch: ForwardBatch,
+                recurrent: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
+        """Conv and delta rule of a batch of decodes and prefills, advancing their slots: o [T, H, V]."""
+        T, H, d = qkv_in.shape[0], self.num_heads, self.head_dim
         if batch.checkpoint_offsets is not None:
             self._checkpoint_conv(qkv_in, batch, conv)
         decode_only = batch.num_decode == batch.num_seqs
         qkv = causal_conv1d(qkv_in, self.conv_weight, conv, batch.cu_seqlens, batch.slot_ids, activation="silu",
                             pad_slot=batch.pad_slot, plan=None if decode_only else batch.kda_chunk_plan(CHUNK_SIZE))
         q, k, v = (t.reshape(T, H, d) for t in qkv.split(H * d, dim=-1))
-        g = kda_gate(self.f_b_proj(f_a).reshape(T, H, d), self.A_log, self.dt_bias, self.lower_bound)
-
         if decode_only and batch.checkpoint_offsets is None:  # chunked form emits checkpoints
-            o = kda_decode(q, k, v, g, b, recurrent, batch.slot_ids, use_qk_l2norm_in_kernel=True,
-                           pad_slot=batch.pad_slot, use_beta_sigmoid_in_kernel=True)
-        else:
-            o = self._chunked(q, k, v, g, torch.sigmoid(b.float()), batch, recurrent)  # beta [T, H]
+            return kda_decode(q, k, v, g, b, recurrent, batch.slot_ids, use_qk_l2norm_in_kernel=True,
+                              pad_slot=batch.pad_slot, use_beta_sigmoid_in_kernel=True)
+        return self._chunked(q, k, v, g, torch.sigmoid(b.float()), batch, recurrent)  # beta [T, H]
 
-        gate = gate_in if hasattr(self, "g_proj") else self.g_b_proj(gate_in)
-        y = gated_rms_norm(o, gate.reshape(T, H, d), self.o_norm.weight, self.eps).to(x.dtype)
-        return self.tp.all_reduce(self.o_proj(y.reshape(T, H * d)))
+    def _verify(self, qkv_in: torch.Tensor, g: torch.Tensor, b: torch.Tensor, batch: ForwardBatch,
+                recurrent: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
+        """The verify rows: decode steps from each slot, which stays as it was; the records join the batch's."""
+        T, H, d = qkv_in.shape[0], self.num_heads, self.head_dim
+        cu, slots = batch.spec_spans()
+        qkv = conv_verify(qkv_in, self.conv_weight, conv, cu, slots, activation="silu")
+        q, k, v = (t.reshape(T, H, d) for t in qkv.split(H * d, dim=-1))
+        o, records = kda_verify(q, k, v, g, b, recurrent, slots, cu, use_qk_l2norm_in_kernel=True,
+                                use_beta_sigmoid_in_kernel=True)
+        batch.verify_records.append(VerifyRecords(records, qkv_in.clone()))  # not a view: the projection is freed
+        return o
+
+    @staticmethod
+    def commit_verified(records: VerifyRecords, recurrent: torch.Tensor, conv: torch.Tensor, slots: list[int],
+                        cu_seqlens: list[int], commit_lens: list[int]) -> None:
+        """RecoverSSM: each verify sequence's slot (state and conv window) advanced by its first commit_lens[n]
+        tokens, as if they alone had been decoded."""
+        kda_commit(recurrent, records.kda, slots, cu_seqlens, commit_lens)
+        conv_commit(conv, records.conv_inputs, cu_seqlens, slots, commit_lens)
 
     def _chunked(self, q, k, v, g, beta, batch: ForwardBatch, recurrent: torch.Tensor) -> torch.Tensor:
         """One varlen chunked pass over every sequence; the state at the checkpoint offset comes

@@ -13,7 +13,7 @@ import torch
 
 from k3serve.kernels.gate import sigmoid_gate
 from k3serve.kernels.head_matmul import head_matmul
-from k3serve.kernels.mla import gather_kv_cache, mla_decode_paged, mla_prefill_attention, write_kv_cache
+from k3serve.kernels.mla import gather_kv_cache, mla_decode_paged, mla_prefill_attention, mla_verify_paged, write_kv_cache
 from k3serve.model.batch import ForwardBatch
 from k3serve.model.config import ModelConfig
 from k3serve.model.layers.common import Linear, RMSNorm, Sharded, keep_address, project, stack_rows
@@ -72,12 +72,14 @@ class MLAAttention(Sharded):
         self.kv_a_layernorm(c, out=c)  # in place: kv is now the cache's row [c | k_pe], with no concatenation
         write_kv_cache(kv_cache, batch.slot_mapping, kv)
 
-        split = batch.num_decode_tokens
+        split, spec_end = batch.num_decode_tokens, batch.prefill_token_start
         parts = []
         if batch.num_decode:
             parts.append(self._decode(q[:split], batch, kv_cache))
-        if split < T:
-            parts.append(self._prefill(q[split:], batch, kv_cache))
+        if batch.num_spec:
+            parts.append(self._verify(q[split:spec_end], batch, kv_cache))
+        if spec_end < T:
+            parts.append(self._prefill(q[spec_end:], batch, kv_cache))
         o = (torch.cat(parts) if len(parts) > 1 else parts[0]).reshape(T, H * self.v_dim)  # fp32
         # the gate (a projection of the layer input) and the rounding into x's dtype: one launch
         o = sigmoid_gate(o, gate[0], x.dtype) if gate else o.to(x.dtype)
@@ -94,12 +96,21 @@ class MLAAttention(Sharded):
         )
         return head_matmul(o_latent, self.w_uv.transpose(1, 2))  # o_latent is fp32 (q_latent's dtype)
 
+    def _verify(self, q: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The verify rows: the absorbed decode over 1 + k query rows a sequence, causal among them."""
+        a, b = batch.num_decode, batch.prefill_start
+        cu, _ = batch.spec_spans()
+        q_latent = head_matmul(q[..., : self.nope], self.w_uk)
+        o_latent = mla_verify_paged(q_latent, q[..., self.nope :], kv_cache, batch.block_tables[a:b],
+                                    batch.seq_lens_host[a:b].tolist(), cu, self.scale, self.kv_lora_rank)
+        return head_matmul(o_latent, self.w_uv.transpose(1, 2))
+
     def _prefill(self, q: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """The MHA form over each prefill sequence's whole context, gathered from the cache and up-projected by
         kv_b_proj (~8 KiB a key at K3 TP8), a group of consecutive sequences at a time (`cached_prefix_groups`),
         so that several prefix-cache hits in one step never hold their prefixes' keys at once. The groups come
         from the host copies of the batch's indices: no device read-back."""
-        n0 = batch.num_decode
+        n0 = batch.prefill_start
         cu_q = batch.cu_seqlens_host[n0:] - batch.cu_seqlens_host[n0]  # rows of q
         seq_lens = batch.seq_lens_host[n0:]
         prefix_lens = (seq_lens - cu_q.diff()).tolist()

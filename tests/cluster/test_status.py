@@ -63,7 +63,7 @@ def test_the_table_has_a_line_a_replica_and_the_last_minutes_latency(url, capsys
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == f"{url}: healthy; models: k3-tiny"
     assert lines[1].split() == ["POOL", "REPLICA", "HEALTHY", "RUNNING", "WAITING", "KV", "BLOCKS", "KDA", "SLOTS",
-                                "ENGINE"]
+                                "ACCEPT", "ENGINE"]
     rows = {tuple(line.split()[:2]): line.split() for line in lines[2:5]}
     assert set(rows) == {("prefill", "prefill-0"), ("decode", "decode-0"), ("ingress", "router")}
     for name in (("prefill", "prefill-0"), ("decode", "decode-0")):

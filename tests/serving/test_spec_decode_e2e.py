@@ -1,0 +1,48 @@
+"""End to end: `k3serve serve --speculative-config '<json>'` (a real server, local launcher) over Mooncake and
+NIXL answers greedy completions with exactly the text the same model gives without speculation in process, its
+decode replica accepted drafts (/metrics, vLLM's names, and the per-replica mean acceptance length that `k3serve
+status` prints), and it stops cleanly. The model is tests/conftest.py's echo checkpoint, which repeats itself
+enough for prompt lookup to be accepted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from k3serve.engine.llm import LLM
+from k3serve.engine.sampling_params import SamplingParams
+
+from _server_harness import SERVED_MODEL, ServerSpec, launch
+
+SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
+PROMPTS = [[21, 22, 23, 24], [301, 7, 301, 7, 301], list(range(40, 90))]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def reference(echo_checkpoint: Path) -> list[str]:
+    llm = LLM(str(echo_checkpoint), dtype="float32", cache_memory_bytes=64 << 20, max_model_len=1024, block_size=16)
+    return [o.outputs[0].text for o in llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transfer", ["mooncake", "nixl"])
+def test_a_speculating_decode_pool_serves_the_non_speculative_text(echo_checkpoint: Path, reference: list[str],
+                                                                   transfer: str) -> None:
+    spec = ServerSpec(transfer=transfer, launcher="local", extra_args=("--speculative-config", SPEC))
+    with launch(spec, echo_checkpoint) as server:
+        texts = []
+        for prompt in PROMPTS:
+            response = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+                "model": SERVED_MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
+            assert response.status_code == 200, response.text
+            texts.append(response.json()["choices"][0]["text"])
+        metrics = server.metrics()
+    assert texts == reference
+    accepted = sum(v for (name, _), v in metrics.items() if name == "vllm:spec_decode_num_accepted_tokens_total")
+    assert accepted > 0, "the decode pool accepted no draft"
+    assert any(name == "k3serve:spec_decode_mean_acceptance_length" and dict(labels)["pool"] == "decode" and v > 1
+               for (name, labels), v in metrics.items())
