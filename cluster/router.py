@@ -74,6 +74,8 @@ class DisaggregatedRouter:
         self._healthy: dict[str, bool] = {}  # answered its last stats call
         self._room = RoomWatch(admission_stall_seconds)
         self._feeds: dict[str, DecodeFeed] = {r.name: DecodeFeed(r) for r in self.decode}
+        self._prompt_tokens: dict[str, int] = {r.name: 0 for r in self.prefill}  # of the prefills in flight
+        self._draining: set[str] = set()  # chosen for removal: routed nothing new (`drain`)
         self._refresher: asyncio.Task | None = None
         self.admission: AdmissionQueue[tuple[DecodeReplica, HandoffTarget, RequestDeltas]] = AdmissionQueue(
             max_queued_requests, queue_timeout_seconds, metrics.set_ingress_queue if metrics is not None else None,
@@ -149,7 +151,7 @@ class DisaggregatedRouter:
         if not self._decode_stats:
             await self._refresh()
         order = sorted(
-            (r for r in self.decode if self._healthy.get(r.name, True)),
+            (r for r in self.decode if self._healthy.get(r.name, True) and r.name not in self._draining),
             key=lambda r: (self._decoding[r.name], -getattr(self._decode_stats.get(r.name), "num_free_blocks", 0)),
         )
         full = False  # some healthy replica answered NoCapacity
@@ -205,7 +207,8 @@ class DisaggregatedRouter:
     def _prefill_order(self, prompt_ids: list[int]) -> list[PrefillReplica]:
         """Rendezvous hashing on the prompt's first tokens (prefix affinity), unless that
         replica is loaded well above the least loaded one; the rest by load."""
-        healthy = [r for r in self.prefill if self._healthy.get(r.name, True)] or list(self.prefill)
+        routable = [r for r in self.prefill if r.name not in self._draining]
+        healthy = [r for r in routable if self._healthy.get(r.name, True)] or routable
         key = ",".join(map(str, prompt_ids[:AFFINITY_TOKENS])).encode()
         by_hash = sorted(healthy, key=lambda r: hashlib.sha1(key + r.name.encode()).digest())
         least = min(self._inflight[r.name] for r in healthy)
@@ -220,6 +223,7 @@ class DisaggregatedRouter:
         errors = []
         for replica in self._prefill_order(prompt_ids)[:2]:
             self._inflight[replica.name] += 1
+            self._prompt_tokens[replica.name] += len(prompt_ids)
             try:
                 return await replica.prefill(rid, prompt_ids, params, target)
             except (ValueError, TypeError):
@@ -230,7 +234,80 @@ class DisaggregatedRouter:
                 await _quietly(replica.abort(rid))
             finally:
                 self._inflight[replica.name] -= 1
+                self._prompt_tokens[replica.name] -= len(prompt_ids)
         raise ReplicaUnavailableError(f"prefill failed for request {rid}: {'; '.join(errors)}")
+
+    # ---- replica list (the autoscaler's) -------------------------------------------------------
+    def serving(self, pool: str) -> list:
+        """`pool`'s replicas that take new requests: neither draining nor failing their stats refresh."""
+        return [r for r in self._pool(pool) if r.name not in self._draining and self._healthy.get(r.name, True)]
+
+    def load(self, pool: str, signal: str) -> float:
+        """`pool`'s total `signal` (cluster/autoscaling.py SIGNALS) over its serving replicas: prompt tokens of
+        the prefills in flight from here; a decode replica's running sequences (those admitted here and not
+        ended, at least) or its block / slot usage as of its last stats refresh."""
+        replicas = self.serving(pool)
+        if signal == "queued_prompt_tokens":
+            return float(sum(self._prompt_tokens[r.name] for r in replicas))
+        stats = [self._decode_stats.get(r.name) for r in replicas]
+        if signal == "running_sequences":
+            return float(sum(max(self._decoding[r.name], getattr(s, "num_running", 0)) for r, s in zip(replicas, stats)))
+        usage = {"kv_block_usage": "block_usage", "kda_slot_usage": "slot_usage"}[signal]
+        return float(sum(getattr(s, usage, 0.0) for s in stats))
+
+    def replicas(self, pool: str) -> list:
+        """`pool`'s replicas, draining ones included."""
+        return list(self._pool(pool))
+
+    def is_draining(self, name: str) -> bool:
+        return name in self._draining
+
+    def begin_drain(self, name: str) -> None:
+        """Route nothing new to replica `name` from now on (`drain` waits for what it runs)."""
+        self._draining.add(name)
+
+    def add_replica(self, pool: str, replica) -> None:
+        """Route to `replica` from now on (the caller has seen it answer its stats: it is up)."""
+        if pool == "prefill":
+            self._inflight[replica.name] = self._prompt_tokens[replica.name] = 0
+        else:
+            self._decoding[replica.name] = 0
+            self._feeds[replica.name] = DecodeFeed(replica)
+        self._pool(pool).append(replica)
+        self._healthy[replica.name] = True
+        self.admission.wake()  # room for the queue
+
+    async def drain(self, pool: str, name: str, timeout_s: float, poll_s: float = 0.05):
+        """Take replica `name` out of `pool`: it is routed nothing new at once, then waited for until the requests
+        it runs from here end (a prefill replica: its prefills and handoffs; a decode one: its streams), at most
+        `timeout_s` (those still running then are the caller's stop to end, as a dead replica's). Returns the
+        replica, no longer in the pool (its series dropped), for the caller to stop."""
+        replica = next(r for r in self._pool(pool) if r.name == name)
+        self.begin_drain(name)
+        busy = self._inflight if pool == "prefill" else self._decoding
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while busy[name] and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(poll_s)
+        if busy[name]:
+            log.warning("%s replica %s: %d request(s) still running after the %g s drain", pool, name, busy[name],
+                        timeout_s)
+        self._pool(pool).remove(replica)
+        self._draining.discard(name)
+        if not busy[name]:  # else the requests still running uncount themselves as they end
+            for counts in (self._inflight, self._prompt_tokens, self._decoding):
+                counts.pop(name, None)
+        self._healthy.pop(name, None)
+        self._decode_stats.pop(name, None)
+        self._room.clear(name)
+        if pool == "decode":
+            self._feeds.pop(name).close()
+        if self.metrics is not None:
+            self.metrics.remove_replica(pool, name)
+            self.replica_metrics.remove(name)
+        return replica
+
+    def _pool(self, pool: str) -> list:
+        return {"prefill": self.prefill, "decode": self.decode}[pool]
 
     # ---- stats and health ---------------------------------------------------------------------
     def _start_refresher(self) -> None:
@@ -254,6 +331,8 @@ class DisaggregatedRouter:
                 stats = await asyncio.wait_for(r.stats(), 5.0)
                 text = await asyncio.wait_for(r.metrics_text(), 5.0) if self.metrics is not None else ""
             except Exception as e:
+                if r not in self._pool(pool):  # drained meanwhile: its series are gone and stay gone
+                    return
                 if self._healthy.get(r.name, True):
                     log.warning("%s replica %s failed its stats refresh: %r", pool, r.name, e)
                 self._healthy[r.name] = False
@@ -262,6 +341,8 @@ class DisaggregatedRouter:
                 if self.metrics is not None:
                     self.metrics.mark_stale(pool, r.name)
                     self.replica_metrics.remove(r.name)
+                return
+            if r not in self._pool(pool):
                 return
             self._healthy[r.name] = True
             if pool == "decode":

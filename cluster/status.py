@@ -8,6 +8,7 @@ import urllib.request
 
 _GAUGES = ("k3serve:num_requests_running", "k3serve:num_requests_waiting", "k3serve:kv_block_usage_ratio",
            "k3serve:kda_slot_usage_ratio", "k3serve:replica_stats_stale", "k3serve:replicas_healthy",
+           "k3serve:desired_replicas", "k3serve:current_replicas", "k3serve:autoscaling_signal",
            "k3serve:engine_config_info")  # the last: each engine's settings
 
 
