@@ -81,7 +81,7 @@ def _autoscale_fields() -> dict[str, Any]:
         signal = Literal[SIGNALS[pool]]  # type: ignore[valid-type]
         out |= {
             f"{pool}_min_replicas": (int | None, Field(None, ge=1, description=f"autoscaling: the fewest {pool} "
-                                                       f"replicas (default: {pool}_replicas)")),
+                                                       f"replicas; unset: {pool}_replicas")),
             f"{pool}_max_replicas": (int | None, Field(None, ge=1, description=f"autoscaling: the most {pool} "
                                                        f"replicas; set, the {pool} pool autoscales from "
                                                        f"{pool}_replicas on {pool}_autoscale_signal")),
