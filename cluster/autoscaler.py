@@ -6,7 +6,9 @@ and drained to match.
                                  current < desired: start replicas (`ReplicaLauncher`); each joins routing once
                                                     it answers its stats
                                  current > desired: drain the newest replicas (`DisaggregatedRouter.drain`: routed
-                                                    nothing new, their requests run to their end), then stop them
+                                                    nothing new, their requests run to their end), then stop them;
+                                                    not while one of the pool's replicas is still starting (the
+                                                    load fell during its start: it is the one to go, once up)
 
 `current` counts the replicas serving or starting, not those draining. On a Ray cluster with an autoscaler
 (KubeRay `enableInTreeAutoscaling`) the launcher asks for the desired replicas' resources
@@ -129,7 +131,7 @@ class Autoscaler:
                 for _ in range(decision.desired - current):
                     self._starting[pool] += 1  # counted at once: the next tick sees it
                     self._spawn(self._add(pool))
-            elif decision.desired < current:
+            elif decision.desired < current and not self._starting[pool]:  # a start under way: not before it is up
                 for name in self._routed(pool)[::-1][:current - decision.desired]:  # the newest go first
                     self.router.begin_drain(name)  # at once: the next tick does not choose it again
                     self._spawn(self._remove(pool, name))
