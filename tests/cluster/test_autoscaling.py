@@ -5,17 +5,21 @@ Spec:
 - a change is made only once it has been wanted without a break for the scale-up (scale-down) delay; a
   burst or a lull shorter than its delay changes nothing;
 - scaling down goes to the largest count wanted during the wait;
-- ServeConfig refuses a bad autoscaling set at start, naming the field; the CLI takes the fields as flags.
+- ServeConfig refuses a bad autoscaling set at start, naming the field; the CLI takes the fields as flags;
+- `k3serve status` shows each autoscaled pool's desired and current replicas and its signal.
 """
 
 from __future__ import annotations
 
+import asyncio
+
 import pydantic
 import pytest
 
-from k3serve.cli import build_parser
+from k3serve.cli import build_parser, serve_config
 from k3serve.cluster.autoscaling import PoolAutoscaling, ScalingController
 from k3serve.cluster.config import ServeConfig
+from k3serve.cluster.status import print_status
 
 RULE = PoolAutoscaling("decode", "running_sequences", target=4, min_replicas=1, max_replicas=3,
                        scale_up_delay_seconds=10, scale_down_delay_seconds=60)
@@ -101,11 +105,23 @@ def test_a_bad_autoscaling_config_fails_at_start_naming_the_field(fields: dict, 
 
 
 def test_the_autoscaling_fields_are_flags_and_make_each_pools_rule() -> None:
-    args = build_parser().parse_args(["serve", "--decode-max-replicas", "3", "--decode-autoscale-target", "4",
-                                      "--decode-autoscale-signal", "kda_slot_usage", "--decode-autoscale-target",
-                                      "0.7", "--decode-scale-up-delay-seconds", "5"])
-    from k3serve.cli import serve_config
-
+    args = build_parser().parse_args(["serve", "--decode-max-replicas", "3", "--decode-autoscale-signal",
+                                      "kda_slot_usage", "--decode-autoscale-target", "0.7",
+                                      "--decode-scale-up-delay-seconds", "5"])
     config = serve_config(args)
     assert config.autoscaling("decode") == PoolAutoscaling("decode", "kda_slot_usage", 0.7, 1, 3, 5.0, 300.0)
     assert config.autoscaling("prefill") is None
+
+
+@pytest.mark.anyio
+async def test_status_shows_each_autoscaled_pools_desired_and_current_replicas_and_its_signal(
+    server_url: str, metrics, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As the autoscaler sets them at a tick (cluster/autoscaler.py): decode wants 2, runs 1 (one starting)."""
+    metrics.set_autoscaling("decode", "running_sequences", 9.0, desired=2, current=1)
+    assert await asyncio.to_thread(print_status, server_url) == 0
+    printed = [line.strip() for line in capsys.readouterr().out.splitlines()]
+    model = metrics.model_name
+    assert f'k3serve:desired_replicas{{model_name="{model}",pool="decode"}} 2.0' in printed
+    assert f'k3serve:current_replicas{{model_name="{model}",pool="decode"}} 1.0' in printed
+    assert f'k3serve:autoscaling_signal{{model_name="{model}",pool="decode",signal="running_sequences"}} 9.0' in printed
