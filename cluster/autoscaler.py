@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from typing import Any, Callable
 
 from k3serve.cluster.autoscaling import PoolAutoscaling, ScalingController, ScalingDecision
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 
 Stop = Callable[[], None]
 Build = Callable[[str, str], tuple[Any, Stop]]  # (pool, replica name) -> (replica, its stop); blocks until built
+_UP_TIMEOUT_S = 60.0  # a built replica's first stats answer
 
 
 class ReplicaLauncher:
@@ -51,7 +53,7 @@ class ReplicaLauncher:
         replica, stop = await asyncio.to_thread(self.build, pool, name)
         self._stops[name] = stop
         try:
-            await asyncio.wait_for(replica.stats(), 60.0)
+            await asyncio.wait_for(replica.stats(), _UP_TIMEOUT_S)
         except BaseException:
             await self.stop(name)
             raise
@@ -83,10 +85,9 @@ class Autoscaler:
                  interval_s: float = 1.0, clock: Callable[[], float] | None = None) -> None:
         self.router, self.rules, self.launcher, self.metrics = router, rules, launcher, metrics
         self.drain_timeout_s, self.interval_s = drain_timeout_s, interval_s
-        self.controllers = {pool: ScalingController(rule, *(() if clock is None else (clock,)))
-                            for pool, rule in rules.items()}
+        self.controllers = {pool: ScalingController(rule, clock or time.monotonic) for pool, rule in rules.items()}
         self._indices = {pool: itertools.count(next_index[pool]) for pool in rules}
-        self._starting: dict[str, int] = dict.fromkeys(rules, 0)
+        self._starting: dict[str, int] = dict.fromkeys(rules, 0)  # replicas being built, not yet routed
         self._changes: set[asyncio.Task] = set()
         self._loop_task: asyncio.Task | None = None
         self.decisions: dict[str, ScalingDecision] = {}  # each pool's last

@@ -7,7 +7,9 @@ from them (names, types, defaults, descriptions): one value for the deployment, 
 Cross-checks that would otherwise fail deep inside a worker (a transfer backend without its
 package, 'local' transfer across processes, a pool's contradictory engine arguments) fail here
 with the field's name; a TP size that does not divide the model's KDA heads fails at startup
-(`cluster.serve._check_tp`), once the checkpoint's config is known. Design: docs/design/serve_config.md.
+(`cluster.serve._check_tp`), once the checkpoint's config is known. Each pool's autoscaling fields
+(`{pool}_max_replicas` turns it on; `AutoscaleOptions`) are checked together and against `{pool}_replicas`
+(`autoscaling(pool)` is the pool's rule, docs/design/autoscaling.md). Design: docs/design/serve_config.md.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ another replica if it fails before the decode side adopted the request; (3) its 
 decode replica's feed (`cluster/decode_feed.py`). Client gone or any failure: abort on both sides. Replica stats
 are refreshed in the background for routing and the pool gauges. A replica whose refresh fails has its series
 dropped and is marked stale at once; /health is 503 while a pool has no replica answering, or while every decode
-replica's room is held by reservations that do not move (`cluster/room_watch.py`). The steps in full:
-docs/design/router.md.
+replica's room is held by reservations that do not move (`cluster/room_watch.py`). The replica lists change
+while serving: the autoscaler (`cluster/autoscaler.py`) adds replicas and drains them (routed nothing new,
+waited for, then removed). The steps in full: docs/design/router.md.
 """
 
 from __future__ import annotations
@@ -156,6 +157,8 @@ class DisaggregatedRouter:
         )
         full = False  # some healthy replica answered NoCapacity
         for replica in order:
+            if not self._routable("decode", replica):  # chosen for removal while an earlier one answered
+                continue
             self._decoding[replica.name] += 1  # counted before the await, so concurrent admits spread
             admitted = False
             try:
@@ -222,6 +225,8 @@ class DisaggregatedRouter:
         """Run the prompt on one prefill replica; once more elsewhere if it fails before handing off."""
         errors = []
         for replica in self._prefill_order(prompt_ids)[:2]:
+            if not self._routable("prefill", replica):  # chosen for removal while the first one ran
+                continue
             self._inflight[replica.name] += 1
             self._prompt_tokens[replica.name] += len(prompt_ids)
             try:
@@ -305,6 +310,10 @@ class DisaggregatedRouter:
             self.metrics.remove_replica(pool, name)
             self.replica_metrics.remove(name)
         return replica
+
+    def _routable(self, pool: str, replica) -> bool:
+        """`replica` is still in `pool` and not draining."""
+        return replica.name not in self._draining and replica in self._pool(pool)
 
     def _pool(self, pool: str) -> list:
         return {"prefill": self.prefill, "decode": self.decode}[pool]

@@ -185,7 +185,7 @@ async def test_a_decode_replica_removed_while_requests_stream_finishes_each_iden
                            decode_autoscale_target=64,
                            decode_scale_down_delay_seconds=1.0) as deployment:
         router = deployment.client
-        long = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True)
+        long = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
         requests = [asyncio.create_task(_tokens(deployment, f"stream-{i}", p, long)) for i, p in enumerate(PROMPTS[:8])]
         await _until(lambda: router.is_draining("decode-1"), 10, "decode-1 chosen for removal")
         at_drain = await router.decode[1].stats()
