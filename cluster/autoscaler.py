@@ -12,8 +12,9 @@ and drained to match.
 
 `current` counts the replicas serving or starting, not those draining. On a Ray cluster with an autoscaler
 (KubeRay `enableInTreeAutoscaling`) the launcher asks for the desired replicas' resources
-(`ray.autoscaler.sdk.request_resources`) before placing them, so the pool's worker group grows its pods
-first; resources nobody asks for any more are the Ray autoscaler's to give back. Design:
+(`ray.autoscaler.sdk.request_resources`) at every change, so the pool's worker group grows its pods before a
+start places its ranks, and the request shrinks with a scale-down: the pods it frees are the Ray autoscaler's
+to give back once idle. Design:
 docs/design/autoscaling.md.
 """
 
@@ -25,7 +26,8 @@ import logging
 import time
 from typing import Any, Callable
 
-from k3serve.cluster.autoscaling import PoolAutoscaling, ScalingController, ScalingDecision
+from k3serve.cluster.autoscaling import SLO_QUANTILE, SLO_SIGNALS, PoolAutoscaling, ScalingController, ScalingDecision
+from k3serve.cluster.latency_window import HistogramWindow
 from k3serve.cluster.metrics import IngressMetrics
 
 log = logging.getLogger(__name__)
@@ -38,7 +40,7 @@ _UP_TIMEOUT_S = 60.0  # a built replica's first stats answer
 class ReplicaLauncher:
     """Starts and stops a deployment's replicas and holds the stop of every one still running.
     `build(pool, name)` (called on a worker thread) returns a replica that is up and its stop;
-    `request_resources(counts)` (optional) is told every pool's desired replica count before a scale-up."""
+    `request_resources(counts)` (optional) is told every autoscaled pool's replica count at every change."""
 
     def __init__(self, build: Build, request_resources: Callable[[dict[str, int]], None] | None = None) -> None:
         self.build, self.request_resources = build, request_resources
@@ -77,15 +79,21 @@ class ReplicaLauncher:
 class Autoscaler:
     """Runs in the ingress's event loop (`start`, `close`). `rules`: the autoscaled pools' rules; `router`: the
     DisaggregatedRouter whose replica lists it changes; `next_index`: the index the pool's next replica is
-    named with (`{pool}-{index}`), past those the deployment started. `clock` goes to the controllers;
-    `drain_timeout_s` bounds a removed replica's wait for its requests."""
+    named with (`{pool}-{index}`), past those the deployment started. `clock` goes to the controllers and the
+    SLO signals' windows (`slo_window_s` long, over `metrics`' latency histograms); `drain_timeout_s` bounds a
+    removed replica's wait for its requests."""
 
     def __init__(self, router: Any, rules: dict[str, PoolAutoscaling], launcher: ReplicaLauncher,
-                 metrics: IngressMetrics | None, next_index: dict[str, int], drain_timeout_s: float,
-                 interval_s: float = 1.0, clock: Callable[[], float] | None = None) -> None:
+                 metrics: IngressMetrics, next_index: dict[str, int], drain_timeout_s: float,
+                 interval_s: float = 1.0, clock: Callable[[], float] | None = None,
+                 slo_window_s: float = 60.0) -> None:
         self.router, self.rules, self.launcher, self.metrics = router, rules, launcher, metrics
         self.drain_timeout_s, self.interval_s = drain_timeout_s, interval_s
-        self.controllers = {pool: ScalingController(rule, clock or time.monotonic) for pool, rule in rules.items()}
+        clock = clock or time.monotonic
+        self.controllers = {pool: ScalingController(rule, clock) for pool, rule in rules.items()}
+        labels = dict(zip(("model_name", "engine"), metrics.vllm_labels))
+        self.latency = {pool: HistogramWindow(getattr(metrics, SLO_SIGNALS[rule.signal]), labels, slo_window_s, clock)
+                        for pool, rule in rules.items() if rule.signal in SLO_SIGNALS}
         self._indices = {pool: itertools.count(next_index[pool]) for pool in rules}
         self._starting: dict[str, int] = dict.fromkeys(rules, 0)  # replicas being built, not yet routed
         self._changes: set[asyncio.Task] = set()
@@ -122,20 +130,32 @@ class Autoscaler:
         """One decision a pool, and the starts or drains it asks for (run as tasks)."""
         for pool, rule in self.rules.items():
             current = self.current(pool)
-            decision = self.controllers[pool].decide(self.router.load(pool, rule.signal), current)
+            value, load = self._signal(pool, rule.signal, current)
+            decision = self.controllers[pool].decide(load, current)
             self.decisions[pool] = decision
-            if self.metrics is not None:
-                self.metrics.set_autoscaling(pool, rule.signal, decision.load, decision.desired,
-                                             len(self.router.replicas(pool)) + self._starting[pool])
+            self.metrics.set_autoscaling(pool, rule.signal, value, decision.desired,
+                                         len(self.router.replicas(pool)) + self._starting[pool])
             if decision.desired > current:
                 self._ask_resources(pool, decision.desired)
                 for _ in range(decision.desired - current):
                     self._starting[pool] += 1  # counted at once: the next tick sees it
                     self._spawn(self._add(pool))
             elif decision.desired < current and not self._starting[pool]:  # a start under way: not before it is up
+                self._ask_resources(pool, decision.desired)  # what Ray keeps for the pool shrinks with it
                 for name in self._routed(pool)[::-1][:current - decision.desired]:  # the newest go first
                     self.router.begin_drain(name)  # at once: the next tick does not choose it again
                     self._spawn(self._remove(pool, name))
+
+    def _signal(self, pool: str, signal: str, current: int) -> tuple[float, float]:
+        """The signal's value now and the pool's load it makes: the same for a load signal; for an SLO signal
+        its p90 over the window, and that p90 x the replicas (cluster/autoscaling.py SLO_SIGNALS)."""
+        if pool not in self.latency:
+            load = self.router.load(pool, signal)
+            return load, load
+        window = self.latency[pool]
+        window.sample()
+        p90 = window.quantile(SLO_QUANTILE)
+        return p90, p90 * current
 
     def _ask_resources(self, pool: str, desired: int) -> None:
         if self.launcher.request_resources is None:

@@ -4,8 +4,9 @@
 
 The signal is a per-replica load (`SIGNALS`), summed over the pool's serving replicas: prompt tokens in
 flight on the prefill pool, running sequences on the decode pool, or its KV-block / KDA-slot usage (each
-replica's ratio, so a target of 0.7 keeps the pool's mean usage near 70%). A change is made only after it
-has been wanted without a break for the pool's delay (scale-up, scale-down): a burst shorter than the
+replica's ratio, so a target of 0.7 keeps the pool's mean usage near 70%); or an SLO signal (`SLO_SIGNALS`:
+TTFT p90 for prefill, TPOT p90 for decode, over a recent window, the target its SLO in seconds). A change is
+made only after it has been wanted without a break for the pool's delay (scale-up, scale-down): a burst shorter than the
 scale-up delay adds nothing, a lull shorter than the scale-down delay removes nothing. `ScalingController`
 is pure (its clock injected); `cluster/autoscaler.py` runs one a pool. Design: docs/design/autoscaling.md.
 """
@@ -20,9 +21,15 @@ from typing import Callable, Literal
 PoolName = Literal["prefill", "decode"]
 # Each pool's signals, in the units of its target: per replica.
 SIGNALS: dict[str, tuple[str, ...]] = {
-    "prefill": ("queued_prompt_tokens",),
-    "decode": ("running_sequences", "kv_block_usage", "kda_slot_usage"),
+    "prefill": ("queued_prompt_tokens", "ttft_p90_seconds"),
+    "decode": ("running_sequences", "kv_block_usage", "kda_slot_usage", "tpot_p90_seconds"),
 }
+# The SLO signals: a latency's p90 at the ingress (the IngressMetrics histogram named) against the target, the
+# SLO in seconds. Not a per-replica load: the pool's load reads as p90 x replicas, so that
+# desired = ceil(replicas x p90 / slo), the replicas that would bring the p90 to the SLO if latency fell as
+# the pool grew.
+SLO_SIGNALS = {"ttft_p90_seconds": "ttft", "tpot_p90_seconds": "tpot"}
+SLO_QUANTILE = 0.9
 
 
 @dataclass(frozen=True)

@@ -155,7 +155,8 @@ class ServeConfig(AutoscaleOptions):
     drain_timeout_seconds: float = Field(
         30.0, ge=0, description="on SIGTERM/SIGINT: new requests get 503 and /health 503 at once; those in flight "
         "run on up to this long, then are aborted (a stream ends with an error event); a second signal aborts at "
-        "once. Keep it below the pod's terminationGracePeriodSeconds (0: abort at once)",
+        "once. Keep it below the pod's terminationGracePeriodSeconds (0: abort at once). Autoscaling: how long a "
+        "replica chosen for removal waits for its requests to end",
     )
     legacy_metric_names: bool = Field(
         False, description="/metrics also exports the families under the k3serve: names they had before taking "

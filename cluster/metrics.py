@@ -197,8 +197,9 @@ class IngressMetrics:
                                       ("model_name", "pool"), registry=reg)
         self.current_replicas = Gauge("k3serve:current_replicas", "Replicas of an autoscaled pool: serving, "
                                       "starting or draining.", ("model_name", "pool"), registry=reg)
-        self.autoscaling_signal = Gauge("k3serve:autoscaling_signal", "An autoscaled pool's load, summed over its "
-                                        "serving replicas, in its signal's units.", ("model_name", "pool", "signal"),
+        self.autoscaling_signal = Gauge("k3serve:autoscaling_signal", "An autoscaled pool's signal: its load summed "
+                                        "over its serving replicas, or an SLO signal's p90 in seconds.",
+                                        ("model_name", "pool", "signal"),
                                         registry=reg)
         self.engine_config = Gauge("k3serve:engine_config_info", "1 for each replica's engine; its labels: the "
                                    "settings the engine runs with (blocks and slots as its pools were made).",

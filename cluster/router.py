@@ -256,7 +256,8 @@ class DisaggregatedRouter:
             return float(sum(self._prompt_tokens[r.name] for r in replicas))
         stats = [self._decode_stats.get(r.name) for r in replicas]
         if signal == "running_sequences":
-            return float(sum(max(self._decoding[r.name], getattr(s, "num_running", 0)) for r, s in zip(replicas, stats)))
+            return float(sum(max(self._decoding[r.name], getattr(s, "num_running", 0))
+                             for r, s in zip(replicas, stats)))
         usage = {"kv_block_usage": "block_usage", "kda_slot_usage": "slot_usage"}[signal]
         return float(sum(getattr(s, usage, 0.0) for s in stats))
 

@@ -13,8 +13,8 @@ Two dashboards:
                        request and token rates, tokens per request, prefix-cache hits, errors, structured outputs
     k3serve-pools      what the pools do: the pod's load as a gateway reads it (vllm: gauges), running / waiting
                        requests and KV-block / KDA-slot usage
-                       per pool and replica, each replica's engine settings, healthy replicas, the ingress's queue time, autoscaling, P->D
-                       handoff and transfer
+                       per pool and replica, each replica's engine settings, healthy replicas, the ingress's queue
+                       time, autoscaling, P->D handoff and transfer
 """
 
 from __future__ import annotations
@@ -290,8 +290,9 @@ def pools() -> dashboard.Dashboard:
             query(f"sum by (pool) (k3serve:desired_replicas{{{POOL}}})", "{{pool}} desired", "A"),
             query(f"sum by (pool) (k3serve:current_replicas{{{POOL}}})", "{{pool}} current", "B"),
         ]))
-        .with_panel(series(ids, "Autoscaling signal", "The load each autoscaled pool is sized on, summed over its "
-                           "serving replicas (queued_prompt_tokens, running_sequences, or a usage ratio's sum).",
+        .with_panel(series(ids, "Autoscaling signal", "What each autoscaled pool is sized on: its load summed over "
+                           "its serving replicas (queued_prompt_tokens, running_sequences, a usage ratio's sum), or "
+                           "an SLO signal's p90 in seconds (ttft_p90_seconds, tpot_p90_seconds).",
                            "short", [query(f"sum by (pool, signal) (k3serve:autoscaling_signal{{{POOL}}})",
                                            "{{pool}} {{signal}}", "A")]))
         .with_panel(series(ids, "Pod load (what a gateway reads)", "The ingress's pod totals under vLLM's names: "

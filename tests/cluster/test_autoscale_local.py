@@ -196,3 +196,25 @@ async def test_a_decode_replica_removed_while_requests_stream_finishes_each_iden
         assert late == _reference(llm, PROMPTS[9:10], GREEDY)[0]
         await _until(lambda: _names(router.decode) == ["decode-0"], 10, "decode-1 stopped once its streams ended")
         await _idle(deployment)
+
+
+async def test_a_ttft_over_its_slo_grows_the_prefill_pool_and_back_under_it_shrinks_it(
+    tiny_checkpoint: Path, llm: LLM
+) -> None:
+    """The TTFTs the OpenAI layer records into the ingress's histogram (here recorded directly: 3 s against a
+    1 s SLO) grow the pool; once they are out of the window, it shrinks back. Requests served meanwhile."""
+    async with _deployment(tiny_checkpoint, prefill_max_replicas=2, prefill_autoscale_signal="ttft_p90_seconds",
+                           prefill_autoscale_target=1.0, prefill_scale_up_delay_seconds=0.1,
+                           prefill_scale_down_delay_seconds=0.3) as deployment:
+        router, metrics = deployment.client, deployment.metrics
+        deployment.autoscaler.latency["prefill"].window_s = 1.0
+        ttft = metrics.ttft.labels(*metrics.vllm_labels)
+        await asyncio.sleep(2 * TICK_S)  # the window's first sample: what came before it is not in the window
+        for _ in range(20):
+            ttft.observe(3.0)
+        await _until(lambda: len(router.prefill) == 2, 30, "a TTFT p90 over the SLO added a prefill replica")
+        assert await _tokens(deployment, "served", PROMPTS[0], SHORT) == _reference(llm, PROMPTS[:1], SHORT)[0]
+        await _until(lambda: len(router.prefill) == 1, 30, "the slow TTFTs left the window: back to one replica")
+        text = metrics.render().decode()
+        assert 'pool="prefill",signal="ttft_p90_seconds"} 0.0' in text
+        await _idle(deployment)

@@ -6,6 +6,8 @@ Spec:
   burst or a lull shorter than its delay changes nothing;
 - scaling down goes to the largest count wanted during the wait;
 - ServeConfig refuses a bad autoscaling set at start, naming the field; the CLI takes the fields as flags;
+- an SLO signal reads the p90 of the ingress's latency histogram over a recent window and asks for the
+  replicas that bring it to the SLO;
 - `k3serve status` shows each autoscaled pool's desired and current replicas and its signal.
 """
 
@@ -15,10 +17,13 @@ import asyncio
 
 import pydantic
 import pytest
+from prometheus_client import CollectorRegistry, Histogram
 
 from k3serve.cli import build_parser, serve_config
 from k3serve.cluster.autoscaling import PoolAutoscaling, ScalingController
 from k3serve.cluster.config import ServeConfig
+from k3serve.cluster.latency_window import HistogramWindow
+from k3serve.cluster.metrics import TTFT_BUCKETS
 from k3serve.cluster.status import print_status
 
 RULE = PoolAutoscaling("decode", "running_sequences", target=4, min_replicas=1, max_replicas=3,
@@ -125,3 +130,43 @@ async def test_status_shows_each_autoscaled_pools_desired_and_current_replicas_a
     assert f'k3serve:desired_replicas{{model_name="{model}",pool="decode"}} 2.0' in printed
     assert f'k3serve:current_replicas{{model_name="{model}",pool="decode"}} 1.0' in printed
     assert f'k3serve:autoscaling_signal{{model_name="{model}",pool="decode",signal="running_sequences"}} 9.0' in printed
+
+
+class _Latency:
+    """A real TTFT histogram (cluster/metrics.py's buckets) read through a window on the test's clock."""
+
+    def __init__(self, window_s: float = 60.0) -> None:
+        self.clock = Clock()
+        self.histogram = Histogram("ttft_seconds", "test", ("model_name",), buckets=TTFT_BUCKETS,
+                                   registry=CollectorRegistry())
+        self.window = HistogramWindow(self.histogram, {"model_name": "m"}, window_s, self.clock)
+
+    def observe(self, *seconds: float) -> None:
+        for s in seconds:
+            self.histogram.labels("m").observe(s)
+
+
+def test_the_slo_window_reads_the_p90_of_the_recent_observations_as_histogram_quantile_does() -> None:
+    latency = _Latency()
+    latency.window.sample()
+    assert latency.window.quantile(0.9) == 0.0  # nothing observed
+    latency.clock.now = 1
+    latency.observe(*[0.3] * 9, 4.0)  # 9 in (0.25, 0.5], 1 in (2.5, 5.0]
+    latency.window.sample()
+    assert latency.window.quantile(0.9) == pytest.approx(0.5)  # the 9th of 10: the top of (0.25, 0.5]
+    assert latency.window.quantile(0.95) == pytest.approx(2.5 + 2.5 * 0.5)
+    latency.clock.now = 62
+    latency.observe(*[0.05] * 10)
+    latency.window.sample()  # the window now starts at t=1: the slow ones are out of it
+    assert latency.window.quantile(0.9) == pytest.approx(0.04 + 0.02 * 0.9)
+    latency.clock.now = 130
+    latency.window.sample()
+    assert latency.window.quantile(0.9) == 0.0  # nothing within the last 60 s
+
+
+def test_an_slo_signal_asks_for_the_replicas_that_bring_its_p90_to_the_slo() -> None:
+    rule = PoolAutoscaling("prefill", "ttft_p90_seconds", target=1.0, min_replicas=1, max_replicas=4,
+                           scale_up_delay_seconds=0, scale_down_delay_seconds=0)
+    assert rule.wanted(2.4 * 1) == 3  # p90 2.4 s on 1 replica against a 1 s SLO
+    assert rule.wanted(0.9 * 2) == 2  # under the SLO: stays
+    assert rule.wanted(0.3 * 2) == 1
