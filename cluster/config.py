@@ -7,7 +7,9 @@ from them (names, types, defaults, descriptions): one value for the deployment, 
 Cross-checks that would otherwise fail deep inside a worker (a transfer backend without its
 package, 'local' transfer across processes, a pool's contradictory engine arguments) fail here
 with the field's name; a TP size that does not divide the model's KDA heads fails at startup
-(`cluster.serve._check_tp`), once the checkpoint's config is known. Design: docs/design/serve_config.md.
+(`cluster.serve._check_tp`), once the checkpoint's config is known. Each pool's autoscaling fields
+(`{pool}_max_replicas` turns it on; `AutoscaleOptions`) are checked together and against `{pool}_replicas`
+(`autoscaling(pool)` is the pool's rule, docs/design/autoscaling.md). Design: docs/design/serve_config.md.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import yaml
 from pydantic import ConfigDict, Field, SecretStr, create_model, field_validator, model_validator
 
 from k3serve.engine.config import EngineArgs, engine_arg_docs
+from k3serve.cluster.autoscaling import SIGNALS, PoolAutoscaling
 from k3serve.cluster.ingress_limits import IngressLimits
 from k3serve.cluster.room_watch import STALL_SECONDS
 from k3serve.engine.host_ip import check_host_ip
@@ -79,7 +82,38 @@ EngineOptions = create_model("EngineOptions", __module__=__name__, **_engine_fie
 EngineOptions.__doc__ = "ServeConfig's engine arguments, generated from EngineArgs' fields (`_engine_fields`)."
 
 
-class ServeConfig(EngineOptions):
+def _autoscale_fields() -> dict[str, Any]:
+    """Each pool's autoscaling fields (cluster/autoscaling.py): `{pool}_max_replicas` set turns it on."""
+    out: dict[str, Any] = {}
+    for pool in POOLS:
+        signal = Literal[SIGNALS[pool]]  # type: ignore[valid-type]
+        out |= {
+            f"{pool}_min_replicas": (int | None, Field(None, ge=1, description=f"autoscaling: the fewest {pool} "
+                                                       f"replicas; unset: {pool}_replicas")),
+            f"{pool}_max_replicas": (int | None, Field(None, ge=1, description=f"autoscaling: the most {pool} "
+                                                       f"replicas; set, the {pool} pool autoscales from "
+                                                       f"{pool}_replicas on {pool}_autoscale_signal")),
+            f"{pool}_autoscale_signal": (signal, Field(SIGNALS[pool][0], description=f"autoscaling: the {pool} "
+                                                       "pool's load, per replica: "
+                                                       + ", ".join(SIGNALS[pool]))),
+            f"{pool}_autoscale_target": (float | None, Field(None, gt=0, description=f"autoscaling: the "
+                                                             f"{pool}_autoscale_signal each replica is sized for "
+                                                             "(a *_usage signal: a ratio up to 1); required with "
+                                                             f"{pool}_max_replicas")),
+            f"{pool}_scale_up_delay_seconds": (float, Field(30.0, ge=0, description=f"autoscaling: how long more "
+                                                            f"{pool} replicas must be wanted before one is added")),
+            f"{pool}_scale_down_delay_seconds": (float, Field(300.0, ge=0, description=f"autoscaling: how long "
+                                                              f"fewer {pool} replicas must be wanted before one "
+                                                              "drains and stops")),
+        }
+    return out
+
+
+AutoscaleOptions = create_model("AutoscaleOptions", __base__=EngineOptions, __module__=__name__, **_autoscale_fields())
+AutoscaleOptions.__doc__ = "ServeConfig's autoscaling fields, a set for each pool (`_autoscale_fields`)."
+
+
+class ServeConfig(AutoscaleOptions):
     """What `k3serve serve` runs: the engine arguments (`EngineOptions`), then the deployment's own fields."""
 
     # hide_input_in_errors: pydantic would echo the input (the api_key included) in any field's or
@@ -127,7 +161,8 @@ class ServeConfig(EngineOptions):
     drain_timeout_seconds: float = Field(
         30.0, ge=0, description="on SIGTERM/SIGINT: new requests get 503 and /health 503 at once; those in flight "
         "run on up to this long, then are aborted (a stream ends with an error event); a second signal aborts at "
-        "once. Keep it below the pod's terminationGracePeriodSeconds (0: abort at once)",
+        "once. Keep it below the pod's terminationGracePeriodSeconds (0: abort at once). Autoscaling: how long a "
+        "replica chosen for removal waits for its requests to end",
     )
     legacy_metric_names: bool = Field(
         False, description="/metrics also exports the families under the k3serve: names they had before taking "
@@ -234,12 +269,46 @@ class ServeConfig(EngineOptions):
         if self.ray_dashboard and (self.mode == "colocated" or self.launcher == "local" or self.ray_address):
             raise ValueError("ray_dashboard is the dashboard of the local Ray that --launcher ray starts (a joined "
                              "cluster has its own)")
+        for pool in POOLS:
+            self._check_autoscaling(pool)
         if self.advertise_host is not None:
             check_host_ip(self.advertise_host, "advertise_host")
             if self.mode == "colocated" or self.launcher == "local":
                 raise ValueError("advertise_host is for disaggregated serving with --launcher ray: colocated and "
                                  "local-launcher workers share one machine and talk over 127.0.0.1")
         return self
+
+    def _check_autoscaling(self, pool: str) -> None:
+        """A pool's autoscaling fields agree with each other and its replica count (each error names its field)."""
+        given = sorted(name for name in self.model_fields_set if name.startswith(f"{pool}_")
+                       and name.removeprefix(f"{pool}_") in ("min_replicas", "autoscale_signal", "autoscale_target",
+                                                            "scale_up_delay_seconds", "scale_down_delay_seconds"))
+        maximum, replicas = getattr(self, f"{pool}_max_replicas"), getattr(self, f"{pool}_replicas")
+        if maximum is None:
+            if given:
+                raise ValueError(f"{', '.join(given)}: set {pool}_max_replicas to autoscale the {pool} pool")
+            return
+        if self.mode == "colocated":
+            raise ValueError(f"{pool}_max_replicas: colocated mode runs one engine, which does not autoscale")
+        if getattr(self, f"{pool}_autoscale_target") is None:
+            raise ValueError(f"{pool}_autoscale_target: required with {pool}_max_replicas")
+        rule = self.autoscaling(pool)
+        assert rule is not None
+        if rule.signal.endswith("_usage") and rule.target > 1:
+            raise ValueError(f"{pool}_autoscale_target={rule.target:g}: {rule.signal} is a ratio: give at most 1")
+        if not rule.min_replicas <= replicas <= rule.max_replicas:
+            raise ValueError(f"{pool}_replicas={replicas}: starts between {pool}_min_replicas={rule.min_replicas} "
+                             f"and {pool}_max_replicas={rule.max_replicas}")
+
+    def autoscaling(self, pool: str) -> PoolAutoscaling | None:
+        """`pool`'s autoscaling rule; None when its size is fixed ({pool}_max_replicas unset)."""
+        maximum = getattr(self, f"{pool}_max_replicas", None)
+        if maximum is None:
+            return None
+        field = lambda name: getattr(self, f"{pool}_{name}")  # noqa: E731
+        minimum = field("min_replicas") if field("min_replicas") is not None else min(field("replicas"), maximum)
+        return PoolAutoscaling(pool, field("autoscale_signal"), field("autoscale_target"), minimum, maximum,
+                               field("scale_up_delay_seconds"), field("scale_down_delay_seconds"))
 
     @classmethod
     def load(cls, path: str | Path | None = None, **overrides: Any) -> "ServeConfig":

@@ -203,6 +203,15 @@ class IngressMetrics:
                                       "able to admit work (a decode replica whose room reservations have held, "
                                       "unmoving, for admission_stall_seconds is not counted).",
                                       ("model_name", "pool"), registry=reg)
+        self.desired_replicas = Gauge("k3serve:desired_replicas", "Replicas the autoscaler wants for a pool "
+                                      "(cluster/autoscaling.py: its signal against its target, after the delays).",
+                                      ("model_name", "pool"), registry=reg)
+        self.current_replicas = Gauge("k3serve:current_replicas", "Replicas of an autoscaled pool: serving, "
+                                      "starting or draining.", ("model_name", "pool"), registry=reg)
+        self.autoscaling_signal = Gauge("k3serve:autoscaling_signal", "An autoscaled pool's signal: its load summed "
+                                        "over its serving replicas, or an SLO signal's p90 in seconds.",
+                                        ("model_name", "pool", "signal"),
+                                        registry=reg)
         self.engine_config = Gauge("k3serve:engine_config_info", "1 for each replica's engine; its labels: the "
                                    "settings the engine runs with (blocks and slots as its pools were made).",
                                    POOL_LABELS + ENGINE_SETTINGS, registry=reg)
@@ -307,6 +316,11 @@ class IngressMetrics:
 
     def set_replicas_healthy(self, pool: str, num_healthy: int) -> None:
         self.replicas_healthy.labels(self.model_name, pool).set(num_healthy)
+
+    def set_autoscaling(self, pool: str, signal: str, load: float, desired: int, current: int) -> None:
+        self.autoscaling_signal.labels(self.model_name, pool, signal).set(load)
+        self.desired_replicas.labels(self.model_name, pool).set(desired)
+        self.current_replicas.labels(self.model_name, pool).set(current)
 
     def remove_replica(self, pool: str, replica: str) -> None:
         """Every per-replica series of `replica` goes (its stale mark too)."""

@@ -10,8 +10,9 @@ reservation (a live decode replica first); (3) its deltas streamed from the deco
 replica (`cluster/migration.py`). Client gone or any failure: abort on both sides. Replica stats
 are refreshed in the background for routing and the pool gauges. A replica whose refresh fails has its series
 dropped and is marked stale at once; /health is 503 while a pool has no replica answering, or while every decode
-replica's room is held by reservations that do not move (`cluster/room_watch.py`). The steps in full:
-docs/design/router.md.
+replica's room is held by reservations that do not move (`cluster/room_watch.py`). The replica lists change
+while serving: the autoscaler (`cluster/autoscaler.py`) adds replicas and drains them (routed nothing new,
+waited for, then removed). The steps in full: docs/design/router.md.
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ class DisaggregatedRouter:
         self._healthy: dict[str, bool] = {}  # answered its last stats call
         self._room = RoomWatch(admission_stall_seconds)
         self._feeds: dict[str, DecodeFeed] = {r.name: DecodeFeed(r) for r in self.decode}
+        self._prompt_tokens: dict[str, int] = {r.name: 0 for r in self.prefill}  # of the prefills in flight
+        self._draining: set[str] = set()  # chosen for removal: routed nothing new (`drain`)
         self._refresher: asyncio.Task | None = None
         self.admission: AdmissionQueue[tuple[DecodeReplica, HandoffTarget, RequestDeltas]] = AdmissionQueue(
             max_queued_requests, queue_timeout_seconds, metrics.set_ingress_queue if metrics is not None else None,
@@ -171,6 +174,8 @@ class DisaggregatedRouter:
             errors: list[str] = []
             result = None
             for replica in (self._prefill_order(prompt_ids) * 2)[:2]:  # one retry, elsewhere if there is one
+                if not self._routable("prefill", replica):  # chosen for removal while an attempt ran
+                    continue
                 if errors:  # fence the failed attempt, reserve anew (a live replica first) for this one
                     avoid = lost | {decode.name}
                     failed, decode = decode, None
@@ -244,12 +249,14 @@ class DisaggregatedRouter:
         if not self._decode_stats:
             await self._refresh()
         order = sorted(
-            (r for r in self.decode if self._healthy.get(r.name, True)),
+            (r for r in self.decode if self._healthy.get(r.name, True) and r.name not in self._draining),
             key=lambda r: (r.name in avoid, self._decoding[r.name],
                            -getattr(self._decode_stats.get(r.name), "num_free_blocks", 0)),
         )
         full = False  # some healthy replica answered NoCapacity
         for replica in order:
+            if not self._routable("decode", replica):  # chosen for removal while an earlier one answered
+                continue
             self._decoding[replica.name] += 1  # counted before the await, so concurrent admits spread
             admitted = False
             try:
@@ -301,7 +308,8 @@ class DisaggregatedRouter:
     def _prefill_order(self, prompt_ids: list[int]) -> list[PrefillReplica]:
         """Rendezvous hashing on the prompt's first tokens (prefix affinity), unless that
         replica is loaded well above the least loaded one; the rest by load."""
-        healthy = [r for r in self.prefill if self._healthy.get(r.name, True)] or list(self.prefill)
+        routable = [r for r in self.prefill if r.name not in self._draining]
+        healthy = [r for r in routable if self._healthy.get(r.name, True)] or routable
         key = ",".join(map(str, prompt_ids[:AFFINITY_TOKENS])).encode()
         by_hash = sorted(healthy, key=lambda r: hashlib.sha1(key + r.name.encode()).digest())
         least = min(self._inflight[r.name] for r in healthy)
@@ -315,6 +323,7 @@ class DisaggregatedRouter:
                           target: HandoffTarget) -> PrefillResult:
         """Run the prompt on `replica` into `target`; on failure abort it there (the caller retries)."""
         self._inflight[replica.name] += 1
+        self._prompt_tokens[replica.name] += len(prompt_ids)
         try:
             return await replica.prefill(rid, prompt_ids, params, target)
         except (ValueError, TypeError):
@@ -324,6 +333,84 @@ class DisaggregatedRouter:
             raise
         finally:
             self._inflight[replica.name] -= 1
+            self._prompt_tokens[replica.name] -= len(prompt_ids)
+
+    # ---- replica list (the autoscaler's) -------------------------------------------------------
+    def serving(self, pool: str) -> list:
+        """`pool`'s replicas that take new requests: neither draining nor failing their stats refresh."""
+        return [r for r in self._pool(pool) if r.name not in self._draining and self._healthy.get(r.name, True)]
+
+    def load(self, pool: str, signal: str) -> float:
+        """`pool`'s total `signal` (cluster/autoscaling.py SIGNALS) over its serving replicas: prompt tokens of
+        the prefills in flight from here; a decode replica's running sequences (those admitted here and not
+        ended, at least) or its block / slot usage as of its last stats refresh."""
+        replicas = self.serving(pool)
+        if signal == "queued_prompt_tokens":
+            return float(sum(self._prompt_tokens[r.name] for r in replicas))
+        stats = [self._decode_stats.get(r.name) for r in replicas]
+        if signal == "running_sequences":
+            return float(sum(max(self._decoding[r.name], getattr(s, "num_running", 0))
+                             for r, s in zip(replicas, stats)))
+        usage = {"kv_block_usage": "block_usage", "kda_slot_usage": "slot_usage"}[signal]
+        return float(sum(getattr(s, usage, 0.0) for s in stats))
+
+    def replicas(self, pool: str) -> list:
+        """`pool`'s replicas, draining ones included."""
+        return list(self._pool(pool))
+
+    def is_draining(self, name: str) -> bool:
+        return name in self._draining
+
+    def begin_drain(self, name: str) -> None:
+        """Route nothing new to replica `name` from now on (`drain` waits for what it runs)."""
+        self._draining.add(name)
+
+    def add_replica(self, pool: str, replica) -> None:
+        """Route to `replica` from now on (the caller has seen it answer its stats: it is up)."""
+        if pool == "prefill":
+            self._inflight[replica.name] = self._prompt_tokens[replica.name] = 0
+        else:
+            self._decoding[replica.name] = 0
+            self._feeds[replica.name] = DecodeFeed(replica)
+        self._pool(pool).append(replica)
+        self._healthy[replica.name] = True
+        self.admission.wake()  # room for the queue
+
+    async def drain(self, pool: str, name: str, timeout_s: float, poll_s: float = 0.05):
+        """Take replica `name` out of `pool`: it is routed nothing new at once, then waited for until the requests
+        it runs from here end (a prefill replica: its prefills and handoffs; a decode one: its streams), at most
+        `timeout_s` (those still running then are the caller's stop to end, as a dead replica's). Returns the
+        replica, no longer in the pool (its series dropped), for the caller to stop."""
+        replica = next(r for r in self._pool(pool) if r.name == name)
+        self.begin_drain(name)
+        busy = self._inflight if pool == "prefill" else self._decoding
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while busy[name] and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(poll_s)
+        if busy[name]:
+            log.warning("%s replica %s: %d request(s) still running after the %g s drain", pool, name, busy[name],
+                        timeout_s)
+        self._pool(pool).remove(replica)
+        self._draining.discard(name)
+        if not busy[name]:  # else the requests still running uncount themselves as they end
+            for counts in (self._inflight, self._prompt_tokens, self._decoding):
+                counts.pop(name, None)
+        self._healthy.pop(name, None)
+        self._decode_stats.pop(name, None)
+        self._room.clear(name)
+        if pool == "decode":
+            self._feeds.pop(name).close()
+        if self.metrics is not None:
+            self.metrics.remove_replica(pool, name)
+            self.replica_metrics.remove(name)
+        return replica
+
+    def _routable(self, pool: str, replica) -> bool:
+        """`replica` is still in `pool` and not draining."""
+        return replica.name not in self._draining and replica in self._pool(pool)
+
+    def _pool(self, pool: str) -> list:
+        return {"prefill": self.prefill, "decode": self.decode}[pool]
 
     # ---- stats and health ---------------------------------------------------------------------
     def _start_refresher(self) -> None:
@@ -347,6 +434,8 @@ class DisaggregatedRouter:
                 stats = await asyncio.wait_for(r.stats(), 5.0)
                 text = await asyncio.wait_for(r.metrics_text(), 5.0) if self.metrics is not None else ""
             except Exception as e:
+                if r not in self._pool(pool):  # drained meanwhile: its series are gone and stay gone
+                    return
                 if self._healthy.get(r.name, True):
                     log.warning("%s replica %s failed its stats refresh: %r", pool, r.name, e)
                 self._healthy[r.name] = False
@@ -356,6 +445,8 @@ class DisaggregatedRouter:
                     self.metrics.mark_stale(pool, r.name)
                     self.metrics.set_replica_healthy(pool, r.name, False)
                     self.replica_metrics.remove(r.name)
+                return
+            if r not in self._pool(pool):
                 return
             self._healthy[r.name] = True
             if pool == "decode":

@@ -37,6 +37,7 @@ class Deployment:
     metrics: IngressMetrics
     config: ServeConfig
     _stops: list[Callable[[], None]] = field(default_factory=list)
+    autoscaler: Any = None  # cluster/autoscaler.py Autoscaler, when a pool autoscales; started in the ingress's loop
 
     def shutdown(self) -> None:
         """Stop every worker (and Ray, if this deployment started it). Safe to call twice."""
@@ -144,43 +145,63 @@ def _start_local(config: ServeConfig, prefill_args: EngineArgs, decode_args: Eng
     from k3serve.prefill import rank as prefill_rank
     from k3serve.prefill.worker import PrefillWorker
 
+    from k3serve.cluster.autoscaler import ReplicaLauncher
+
     prefill_kw, decode_kw = _worker_kwargs(config)
-    stops: list[Callable[[], None]] = []
 
     def start(name: str, tp: int, build: Callable, follower: Callable,
-              follower_args: Callable[[int, str], tuple]) -> Any:
-        """Rank 0's worker `build(group)` of one engine (its followers first when TP > 1); its stops added."""
+              follower_args: Callable[[int, str], tuple]) -> tuple[Any, Callable[[], None]]:
+        """Rank 0's worker `build(group)` of one engine (its followers first when TP > 1), and its stop."""
         if tp == 1:
             worker = build(None)
-        else:
-            worker, followers = start_tp_engine(name, tp, LOOPBACK, follower, follower_args, build)
-            stops.append(followers.stop)  # after the worker's shutdown, which releases them
-        stops.append(worker.shutdown)
-        return worker
+            return worker, worker.shutdown
+        worker, followers = start_tp_engine(name, tp, LOOPBACK, follower, follower_args, build)
+        return worker, lambda: _run_stops([followers.stop, worker.shutdown])  # the worker releases them first
+
+    def build(pool: str, name: str) -> tuple[Any, Callable[[], None]]:
+        if pool == "prefill":
+            return start(name, config.prefill_tp,
+                         lambda group: PrefillWorker(prefill_args, name=name, group=group, **prefill_kw),
+                         prefill_rank.follower_main,
+                         lambda rank, init: (rank, prefill_args, init, config.transfer, None, None, LOOPBACK,
+                                             prefill_kw["control_auth"]))
+        return start(name, config.decode_tp,
+                     lambda group: DecodeWorker(decode_args, name=name, group=group, **decode_kw),
+                     decode_rank.follower_main,
+                     lambda rank, init: (rank, decode_args, init, config.transfer, LOOPBACK, config.prefill_tp, None,
+                                         None, decode_kw["control_auth"]))
+
+    launcher = ReplicaLauncher(build)
+    stops: list[Callable[[], None]] = [launcher.stop_all]
+
+    def first(pool: str, count: int) -> list[Any]:
+        workers = []
+        for i in range(count):
+            worker, stop = build(pool, f"{pool}-{i}")
+            launcher.adopt(f"{pool}-{i}", stop)
+            workers.append(worker)
+        return workers
 
     try:
         with stage(f"starting {_replica_names(config)} (weights, pools, warm-up)"):
-            prefill = [
-                start(f"prefill-{i}", config.prefill_tp,
-                      lambda group, name=f"prefill-{i}": PrefillWorker(prefill_args, name=name, group=group, **prefill_kw),
-                      prefill_rank.follower_main,
-                      lambda rank, init: (rank, prefill_args, init, config.transfer, None, None, LOOPBACK,
-                                          prefill_kw["control_auth"]))
-                for i in range(config.prefill_replicas)
-            ]
-            decode = [
-                start(f"decode-{i}", config.decode_tp,
-                      lambda group, name=f"decode-{i}": DecodeWorker(decode_args, name=name, group=group, **decode_kw),
-                      decode_rank.follower_main,
-                      lambda rank, init: (rank, decode_args, init, config.transfer, LOOPBACK, config.prefill_tp, None,
-                                          None, decode_kw["control_auth"]))
-                for i in range(config.decode_replicas)
-            ]
+            prefill, decode = first("prefill", config.prefill_replicas), first("decode", config.decode_replicas)
             router, metrics = _router(config, prefill, decode, decode_args.model, decode_args.served_model_name)
     except BaseException:
         _run_stops(stops)
         raise
-    return Deployment(router, metrics, config, stops)
+    return Deployment(router, metrics, config, stops, _autoscaler(config, router, metrics, launcher))
+
+
+def _autoscaler(config: ServeConfig, router: Any, metrics: IngressMetrics, launcher: Any) -> Any:
+    """The deployment's Autoscaler over its autoscaled pools (cluster/autoscaler.py); None when no pool autoscales."""
+    from k3serve.cluster.autoscaler import Autoscaler
+
+    rules = {pool: rule for pool in config.pools if (rule := config.autoscaling(pool)) is not None}
+    if not rules:
+        return None
+    return Autoscaler(router, rules, launcher, metrics,
+                      {"prefill": config.prefill_replicas, "decode": config.decode_replicas},
+                      drain_timeout_s=config.drain_timeout_seconds)
 
 
 def _start_ray(config: ServeConfig, prefill_args: EngineArgs, decode_args: EngineArgs) -> Deployment:
@@ -190,6 +211,7 @@ def _start_ray(config: ServeConfig, prefill_args: EngineArgs, decode_args: Engin
     import ray
 
     from k3serve.cluster.actors import DecodeActor, DecodeRankActor, PrefillActor, PrefillRankActor
+    from k3serve.cluster.autoscaler import ReplicaLauncher
     from k3serve.cluster.replicas import RayDecodeReplica, RayPrefillReplica
 
     stops: list[Callable[[], None]] = []
@@ -204,7 +226,8 @@ def _start_ray(config: ServeConfig, prefill_args: EngineArgs, decode_args: Engin
         else:
             from k3serve.cluster.local_ray import DASHBOARD_PORT, start_local_ray
 
-            num_cpus = max(4, config.prefill_replicas * config.prefill_tp + config.decode_replicas * config.decode_tp + 1)
+            num_cpus = max(4, (config.prefill_max_replicas or config.prefill_replicas) * config.prefill_tp
+                           + (config.decode_max_replicas or config.decode_replicas) * config.decode_tp + 1)
             dashboard = f"dashboard on http://127.0.0.1:{DASHBOARD_PORT}" if config.ray_dashboard else "no dashboard"
             with stage(f"starting a local Ray ({num_cpus} CPUs, {dashboard})"):
                 stops.append(start_local_ray(num_cpus, dashboard=config.ray_dashboard).stop)
@@ -221,21 +244,54 @@ def _start_ray(config: ServeConfig, prefill_args: EngineArgs, decode_args: Engin
         **{f"decode-{i}": (decode_pool, decode_kw) for i in range(config.decode_replicas)},
     }
     actors: list[Any] = []  # every actor started, killed if the deployment fails to start
+    handles = {"prefill": RayPrefillReplica, "decode": RayDecodeReplica}
+
+    def build(pool: str, name: str) -> tuple[Any, Callable[[], None]]:
+        """One more replica of `pool` (the autoscaler's), up; its stop kills its actors, then its placement group."""
+        own_stops: list[Callable[[], None]] = []
+        own_actors: list[Any] = []
+        try:
+            (leader,) = _start_ray_replicas(config, {name: replicas_of[pool]}, own_stops, own_actors,
+                                            advertise_host).values()
+        except BaseException:
+            _kill(own_actors)
+            _run_stops(own_stops)
+            raise
+        return handles[pool](name, leader), lambda: _run_stops([*own_stops, lambda: _stop_actor(leader)])
+
+    replicas_of = {"prefill": (prefill_pool, prefill_kw), "decode": (decode_pool, decode_kw)}
+    launcher = ReplicaLauncher(build, lambda counts: _request_resources(config, counts))
     try:
         with stage(f"starting {_replica_names(config)} as Ray actors (weights, pools, warm-up)"):
             leaders = _start_ray_replicas(config, replicas, stops, actors, advertise_host)
-        for leader in leaders.values():
-            stops.append(lambda a=leader: _stop_actor(a))
+        stops.append(launcher.stop_all)
+        for name, leader in leaders.items():
+            launcher.adopt(name, lambda a=leader: _stop_actor(a))
         prefill = [RayPrefillReplica(name, a) for name, a in leaders.items() if name.startswith("prefill-")]
         decode = [RayDecodeReplica(name, a) for name, a in leaders.items() if name.startswith("decode-")]
         router, metrics = _router(config, prefill, decode, decode_args.model, decode_args.served_model_name)
     except BaseException:
-        for actor in reversed(actors):
-            with contextlib.suppress(Exception):  # already dead
-                ray.kill(actor, no_restart=True)
+        _kill(actors)
         _run_stops(stops)
         raise
-    return Deployment(router, metrics, config, stops)
+    return Deployment(router, metrics, config, stops, _autoscaler(config, router, metrics, launcher))
+
+
+def _kill(actors: list[Any]) -> None:
+    import ray
+
+    for actor in reversed(actors):
+        with contextlib.suppress(Exception):  # already dead
+            ray.kill(actor, no_restart=True)
+
+
+def _request_resources(config: ServeConfig, counts: dict[str, int]) -> None:
+    """Ask the Ray autoscaler for every autoscaled pool's desired replicas (their ranks' bundles), so a KubeRay
+    worker group adds the pods a scale-up needs before its placement waits for them."""
+    from ray.autoscaler.sdk import request_resources
+
+    tp = {"prefill": config.prefill_tp, "decode": config.decode_tp}
+    request_resources(bundles=[_bundle(config)] * sum(tp[pool] * n for pool, n in counts.items()))
 
 
 def _replica_names(config: ServeConfig) -> str:
@@ -467,6 +523,8 @@ def run(config: ServeConfig) -> int:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.on_signal, sig.name)
             serving = asyncio.create_task(server.serve())
+            if deployment.autoscaler is not None:
+                deployment.autoscaler.start()
             while not server.started and not serving.done():
                 await asyncio.sleep(0.05)
             for s in server.servers:
@@ -482,6 +540,8 @@ def run(config: ServeConfig) -> int:
                     "reply may end at its first token (a stop token)")
             say("Ctrl-C or SIGTERM stops it (requests in flight finish first)")
             await serving
+            if deployment.autoscaler is not None:
+                await deployment.autoscaler.close()
 
         asyncio.run(main())
         reason = stop.reason or reason

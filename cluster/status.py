@@ -50,6 +50,15 @@ class LatencyStatus:
 
 
 @dataclass
+class PoolScaling:
+    pool: str  # an autoscaled pool (cluster/autoscaling.py)
+    desired: int  # replicas the autoscaler wants
+    current: int  # serving, starting or draining
+    signal: str | None  # what it scales on, e.g. running_sequences
+    value: float | None  # the signal's value now
+
+
+@dataclass
 class ServerStatus:
     url: str
     healthy: bool
@@ -59,6 +68,7 @@ class ServerStatus:
     replicas: list[ReplicaStatus]
     latency: list[LatencyStatus]
     latency_window_seconds: float = 60.0
+    autoscaling: list[PoolScaling] = field(default_factory=list)
 
 
 class Unreachable(OSError):
@@ -84,8 +94,10 @@ def fetch_status(base_url: str, api_key: str | None = None) -> ServerStatus:
     models_status, models = _get(f"{base}/v1/models", api_key)
     _, metrics = _get(f"{base}/metrics")
     names = ["?"] if models_status == 401 else [m["id"] for m in json.loads(models or b"{}").get("data", [])]
-    replicas, latency = _parse_metrics(metrics.decode())
-    return ServerStatus(base, health == 200, health, _refusal_reason(health, health_body), names, replicas, latency)
+    text = metrics.decode()
+    replicas, latency = _parse_metrics(text)
+    return ServerStatus(base, health == 200, health, _refusal_reason(health, health_body), names, replicas, latency,
+                        autoscaling=_parse_autoscaling(text))
 
 
 def _refusal_reason(status: int, body: bytes) -> str | None:
@@ -136,6 +148,20 @@ def _parse_metrics(text: str) -> tuple[list[ReplicaStatus], list[LatencyStatus]]
     return replicas, latency
 
 
+def _parse_autoscaling(text: str) -> list[PoolScaling]:
+    """Each autoscaled pool's desired and current replicas and its signal (the autoscaler's gauges)."""
+    pools: dict[str, dict] = {}
+    names = {"k3serve:desired_replicas": "desired", "k3serve:current_replicas": "current"}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in names:
+                pools.setdefault(sample.labels["pool"], {})[names[sample.name]] = int(sample.value)
+            elif sample.name == "k3serve:autoscaling_signal":
+                pools.setdefault(sample.labels["pool"], {}).update(signal=sample.labels["signal"], value=sample.value)
+    return [PoolScaling(pool, row.get("desired", 0), row.get("current", 0), row.get("signal"), row.get("value"))
+            for pool, row in sorted(pools.items())]
+
+
 def _int(value: float | None) -> int | None:
     return None if value is None else int(value)
 
@@ -165,6 +191,9 @@ def render_table(status: ServerStatus) -> str:
         for lat in status.latency:
             lines.append(f"  {_LATENCY_NAMES[lat.metric]:<8} p50 {_ms(lat.p50_seconds):>9}  p90 {_ms(lat.p90_seconds):>9}"
                          f"  ({lat.count} observed)")
+    for scale in status.autoscaling:
+        signal = "" if scale.signal is None else f" ({scale.signal} {scale.value:g})"
+        lines.append(f"autoscaling {scale.pool}: wants {scale.desired}, runs {scale.current}{signal}")
     return "\n".join(line.rstrip() for line in lines)
 
 

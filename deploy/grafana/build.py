@@ -13,8 +13,8 @@ Two dashboards:
                        request and token rates, tokens per request, prefix-cache hits, errors, structured outputs
     k3serve-pools      what the pools do: the pod's load as a gateway reads it (vllm: gauges), running / waiting
                        requests and KV-block / KDA-slot usage
-                       per pool and replica, each replica's engine settings, healthy replicas, the ingress's queue time, P->D
-                       handoff and transfer
+                       per pool and replica, each replica's engine settings, healthy replicas, the ingress's queue
+                       time, autoscaling, P->D handoff and transfer
 """
 
 from __future__ import annotations
@@ -303,6 +303,17 @@ def pools() -> dashboard.Dashboard:
                            "decode replica is full (before the prefill). Alert: p95 over 10 s for 10 min; past "
                            "queue_timeout_seconds a request gets 503.", "s",
                            quantile_queries("vllm:request_queue_time_seconds"), width=24))
+        .with_panel(series(ids, "Autoscaled replicas", "Per autoscaled pool: the replicas k3serve's controller wants "
+                           "(its signal against the pool's target, after the scale-up / scale-down delays) and those "
+                           "it runs (serving, starting or draining).", "short", [
+            query(f"sum by (pool) (k3serve:desired_replicas{{{POOL}}})", "{{pool}} desired", "A"),
+            query(f"sum by (pool) (k3serve:current_replicas{{{POOL}}})", "{{pool}} current", "B"),
+        ]))
+        .with_panel(series(ids, "Autoscaling signal", "What each autoscaled pool is sized on: its load summed over "
+                           "its serving replicas (queued_prompt_tokens, running_sequences, a usage ratio's sum), or "
+                           "an SLO signal's p90 in seconds (ttft_p90_seconds, tpot_p90_seconds).",
+                           "short", [query(f"sum by (pool, signal) (k3serve:autoscaling_signal{{{POOL}}})",
+                                           "{{pool}} {{signal}}", "A")]))
         .with_panel(series(ids, "Pod load (what a gateway reads)", "The ingress's pod totals under vLLM's names: "
                            "requests running on any replica, waiting on any replica or in the admission queue, and "
                            "the KV usage of the fullest pool (the Gateway API Inference Extension's queue and "

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from _deploy import CONFIG_KEYS, DEPLOY, config_problems, need_module, need_tool
+from _deploy import CONFIG_KEYS, DEPLOY, config_problems, need_module, need_tool, serve_config_class
 
 CHART = DEPLOY / "helm" / "k3serve"
 EXAMPLES = sorted((DEPLOY / "helm" / "examples").glob("*.yaml"))
@@ -117,7 +117,7 @@ def validate(doc: dict, tmp_path: Path) -> None:
         validate_crd(doc)
         if kind == "PrometheusRule":
             check_rule_groups(doc, tmp_path)
-    elif kind in ("ConfigMap", "Service", "Ingress", "NetworkPolicy"):
+    elif kind in ("ConfigMap", "Service", "Ingress", "NetworkPolicy", "HorizontalPodAutoscaler"):
         validate_core(doc)
     else:
         raise AssertionError(f"no schema to check kind {kind}: add one to tests/deploy/test_helm.py")
@@ -338,6 +338,70 @@ def test_autoscaling_bounds_become_pod_bounds():
     assert init["command"][:2] == ["hf", "download"]
 
 
+AUTOSCALED = {"autoscaling": {"enabled": True},
+              "prefill": {"autoscaling": {"maxReplicas": 3}},
+              "decode": {"autoscaling": {"signal": "kv_block_usage", "target": 0.8, "scaleDownDelaySeconds": 120}}}
+
+
+def values_file(tmp_path: Path, values: dict) -> Path:
+    """`values` as a -f file (`--set` would turn 0.8 into a string)."""
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def test_autoscaling_settings_reach_k3serves_controller_and_the_ray_autoscaler(tmp_path):
+    docs = render(values_file(tmp_path, AUTOSCALED))
+    config = config_of(docs)
+    assert {k: v for k, v in config.items() if k.startswith("decode_") and k != "decode_tp"} == {
+        "decode_replicas": 2, "decode_min_replicas": 1, "decode_max_replicas": 4,
+        "decode_autoscale_signal": "kv_block_usage", "decode_autoscale_target": 0.8,
+        "decode_scale_up_delay_seconds": 30, "decode_scale_down_delay_seconds": 120}
+    assert config["prefill_max_replicas"] == 3 and config["prefill_autoscale_signal"] == "queued_prompt_tokens"
+    assert not config_problems(config), config_problems(config)
+    rule = serve_config_class()(**config).autoscaling("decode")
+    assert (rule.signal, rule.target, rule.min_replicas, rule.max_replicas) == ("kv_block_usage", 0.8, 1, 4)
+    (cluster,) = of_kind(docs, "RayCluster")
+    assert cluster["spec"]["enableInTreeAutoscaling"] is True
+    groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
+    assert (groups["decode"]["minReplicas"], groups["decode"]["maxReplicas"]) == (2, 8)  # TP8 over pods of 4 GPUs
+    assert not any(k.startswith(("prefill_m", "decode_m", "prefill_auto", "decode_auto")) for k in config_of(render()))
+
+
+def test_a_bad_autoscaling_value_is_one_k3serve_refuses_naming_the_field(tmp_path):
+    bad = copy.deepcopy(AUTOSCALED)
+    bad["decode"]["autoscaling"]["target"] = 1.5
+    config = config_of(render(values_file(tmp_path, bad)))
+    assert config_problems(config) == ["config: Value error, decode_autoscale_target=1.5: kv_block_usage is a ratio: "
+                                       "give at most 1"]
+
+
+HPA = ("autoscaling.hpa.enabled=true",
+       "autoscaling.hpa.scaleTargetRef.prefill.apiVersion=apps/v1", "autoscaling.hpa.scaleTargetRef.prefill.kind=StatefulSet",
+       "autoscaling.hpa.scaleTargetRef.prefill.name=k3-prefill",
+       "autoscaling.hpa.scaleTargetRef.decode.apiVersion=apps/v1", "autoscaling.hpa.scaleTargetRef.decode.kind=StatefulSet",
+       "autoscaling.hpa.scaleTargetRef.decode.name=k3-decode", "decode.autoscaling.scaleDownDelaySeconds=120")
+
+
+def test_the_hpa_alternative_sizes_each_pool_on_its_prometheus_signal(tmp_path):
+    docs = render(sets=HPA)
+    hpas = {d["metadata"]["labels"]["app.kubernetes.io/component"]: d for d in of_kind(docs, "HorizontalPodAutoscaler")}
+    assert set(hpas) == {"prefill", "decode"}
+    for doc in hpas.values():
+        validate(doc, tmp_path)
+    decode = hpas["decode"]["spec"]
+    assert decode["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "k3-decode"}
+    assert (decode["minReplicas"], decode["maxReplicas"]) == (1, 4)
+    (metric,) = decode["metrics"]
+    assert metric["external"]["metric"] == {"name": "k3serve_autoscaling_signal",
+                                            "selector": {"matchLabels": {"pool": "decode", "signal": "running_sequences"}}}
+    assert metric["external"]["target"] == {"type": "AverageValue", "averageValue": "96"}
+    assert decode["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 120
+    assert not of_kind(render(), "HorizontalPodAutoscaler")
+    (cluster,) = of_kind(docs, "RayCluster")
+    assert cluster["spec"]["enableInTreeAutoscaling"] is False
+
+
 def test_cpu_pools_ask_for_no_accelerator():
     for group in worker_groups(DEPLOY / "helm" / "examples" / "tiny-cpu.yaml").values():
         container = group["template"]["spec"]["containers"][0]
@@ -367,9 +431,17 @@ def test_dashboards_configmap_carries_deploy_grafana():
     (("decode.engine.blockSize=32",), "decode.engine: Additional property blockSize is not allowed"),
     (("engine.kdaCheckpointMode=sometimes",), "engine.kdaCheckpointMode must be one of"),
     (("serving.mode=colocated", "decode.engine.maxNumSeqs=8"), "serving.mode colocated runs one engine"),
+    (("autoscaling.enabled=true", "serving.mode=colocated"), "serving.mode colocated runs one engine"),
+    (("prefill.autoscaling.signal=running_sequences",), "prefill.autoscaling.signal must be one of"),
+    (("decode.autoscaling.minReplicas=0",), "decode.autoscaling.minReplicas: Must be greater than or equal to 1"),
+    (("decode.autoscaling.target=0",), "decode.autoscaling.target: Must be greater than 0"),
+    (("autoscaling.hpa.enabled=true",), "autoscaling.hpa.scaleTargetRef.prefill is required"),
+    (("autoscaling.hpa.enabled=true", "autoscaling.enabled=true"), "choose one controller"),
 ], ids=["bad-transfer", "uneven-tp", "tp-not-dividing", "hf-without-id", "unknown-key", "negative-queue",
         "zero-queue-timeout", "negative-drain", "colocated-queue", "probe-behind-the-key", "unknown-engine-key",
-        "shared-only-engine-key-per-pool", "bad-engine-choice", "colocated-pool-engine"])
+        "shared-only-engine-key-per-pool", "bad-engine-choice", "colocated-pool-engine",
+        "colocated-autoscaling", "prefill-decode-signal", "zero-min-replicas", "zero-target", "hpa-without-target",
+        "two-controllers"])
 def test_bad_values_are_rejected(sets, error):
     args = ["template", "k3", str(CHART)]
     for s in sets:
