@@ -44,6 +44,7 @@ from k3serve.engine.sampling_params import SamplingParams
 from k3serve.model.config import ModelConfig
 from k3serve.model.tokenizer import Tokenizer
 from k3serve.prefill.worker import PrefillWorker
+from k3serve.transfer.auth import process_auth
 from k3serve.transfer.control import ControlPlaneError, DecodeControlClient
 
 from _faulty_replicas import KillableDecode, KillablePrefill, wait_decode_idle
@@ -196,15 +197,17 @@ class Soak:
         backend.write = late_write
         return True
 
-    def _control_client(self) -> DecodeControlClient | None:
+    def _control_client(self, secret: str) -> DecodeControlClient | None:
+        """A control-plane client of a live decode replica, sending `secret` (the deployment's: the in-process
+        workers' `process_auth`; another: a peer that does not have it)."""
         live = [r.worker for r in self.decode if not r.killed.is_set()]
         if not live:
             return None
         worker = self.rng.choice(live)
-        return DecodeControlClient(worker.control_address, worker.compat_hash)
+        return DecodeControlClient(worker.control_address, worker.compat_hash, secret=secret)
 
     async def expire_lease(self) -> bool:
-        client = self._control_client()
+        client = self._control_client(process_auth().secret)  # a peer with the secret that abandons its reservation
         if client is None:
             return False
         with client:
@@ -215,7 +218,8 @@ class Soak:
         return True
 
     async def bogus_peer(self) -> bool:
-        client = self._control_client()
+        secret = self.rng.choice([process_auth().secret, "not-the-deployments-secret"])  # junk, with or without it
+        client = self._control_client(secret)
         if client is None:
             return False
         n = self.rng.randrange(1 << 30)
