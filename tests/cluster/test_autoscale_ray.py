@@ -8,7 +8,6 @@ CPU free again); shut down, the deployment leaves every CPU free.
 from __future__ import annotations
 
 import asyncio
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -39,15 +38,12 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    environ = dict(os.environ)  # ray.init sets RAY_AUTH_MODE=token here, which a later `k3serve serve` would inherit
     ray.init(num_cpus=CPUS, include_dashboard=False, log_to_driver=False,
              _temp_dir=tempfile.mkdtemp(prefix="k3as-", dir="/tmp"))
     try:
         yield
     finally:
         ray.shutdown()
-        os.environ.clear()
-        os.environ.update(environ)
 
 
 async def _until(condition, timeout_s: float, what: str) -> None:
