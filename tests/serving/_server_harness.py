@@ -77,6 +77,9 @@ class ServerSpec:
 
 def server_env(workdir: Path) -> dict[str, str]:
     env = dict(os.environ)
+    # An earlier test's in-process ray.init leaves RAY_AUTH_MODE=token in this process; a server inheriting it
+    # before it imports Ray never gets its GCS up. The server's Ray chooses its own mode, as from a shell.
+    env.pop("RAY_AUTH_MODE", None)
     env.update(
         TMPDIR=str(workdir), HOME=str(workdir / "home"), RAY_USAGE_STATS_ENABLED="0",
         PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
