@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from k3serve.cluster.errors import ReplicaDiedError
 from k3serve.decode.worker import DecodeWorker
@@ -24,8 +24,13 @@ class AmbiguousFailure(RuntimeError):
     """The call's reply was lost: whatever it did may have happened."""
 
 
-class KillableDecode:
-    def __init__(self, worker: DecodeWorker) -> None:
+class _Killable:
+    """An in-process worker that can be killed (its calls then raise ReplicaDiedError, as a dead actor's) and
+    restarted from a new worker."""
+
+    pool = ""
+
+    def __init__(self, worker) -> None:
         self.worker, self.name = worker, worker.name
         self.killed = asyncio.Event()
 
@@ -33,13 +38,17 @@ class KillableDecode:
         self.killed.set()
         await asyncio.to_thread(self.worker.shutdown)
 
-    async def restart(self, make: Callable[[], DecodeWorker]) -> None:
+    async def restart(self, make: Callable[[], Any]) -> None:
         self.worker = await asyncio.to_thread(make)
         self.killed.clear()
 
     def _alive(self) -> None:
         if self.killed.is_set():
-            raise ReplicaDiedError(f"decode replica {self.name} died")
+            raise ReplicaDiedError(f"{self.pool} replica {self.name} died")
+
+
+class KillableDecode(_Killable):
+    pool = "decode"
 
     async def feed(self, feed_id: str):
         self._alive()
@@ -79,22 +88,8 @@ class KillableDecode:
         return await self.worker.metrics_text()
 
 
-class KillablePrefill:
-    def __init__(self, worker: PrefillWorker) -> None:
-        self.worker, self.name = worker, worker.name
-        self.killed = asyncio.Event()
-
-    async def kill(self) -> None:
-        self.killed.set()
-        await asyncio.to_thread(self.worker.shutdown)
-
-    async def restart(self, make: Callable[[], PrefillWorker]) -> None:
-        self.worker = await asyncio.to_thread(make)
-        self.killed.clear()
-
-    def _alive(self) -> None:
-        if self.killed.is_set():
-            raise ReplicaDiedError(f"prefill replica {self.name} died")
+class KillablePrefill(_Killable):
+    pool = "prefill"
 
     async def prefill(self, request_id, prompt_token_ids, params, target: HandoffTarget):
         self._alive()
