@@ -8,6 +8,7 @@ CPU free again); shut down, the deployment leaves every CPU free.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -38,12 +39,14 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(num_cpus=CPUS, include_dashboard=False, log_to_driver=False,
-             _temp_dir=tempfile.mkdtemp(prefix="k3as-", dir="/tmp"))
+    # Ray's socket paths must stay short, so its session folder sits in /tmp rather than in pytest's tmp_path.
+    temp_dir = tempfile.mkdtemp(prefix="k3as-", dir="/tmp")
+    ray.init(num_cpus=CPUS, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir)
     try:
         yield
     finally:
         ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 async def _until(condition, timeout_s: float, what: str) -> None:
