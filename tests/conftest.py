@@ -100,7 +100,8 @@ _TEMP_ROOT = Path(tempfile.gettempdir())
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    session.config.stash[_temp_entries] = set(os.listdir(_TEMP_ROOT))
+    if not hasattr(session.config, "workerinput"):  # the controller of an xdist run (or a plain one) checks
+        session.config.stash[_temp_entries] = set(os.listdir(_TEMP_ROOT))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
