@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterator
 
 from k3serve.cluster.config import ServeConfig
-from k3serve.cluster.serve import _ingress_server
+from k3serve.cluster.api import build_app
+from k3serve.cluster.serve import Deployment, _ingress_server, start_deployment
 from k3serve.engine.async_engine import AsyncEngine, GenerateRequest
 from k3serve.engine.outputs import RequestDelta
 
@@ -93,3 +95,24 @@ async def serve_ingress(app, config: ServeConfig | None = None) -> AsyncIterator
     finally:
         server.should_exit = True
         await asyncio.wait_for(serving, 10)
+
+
+@contextlib.contextmanager
+def served_deployment(config: ServeConfig) -> Iterator[tuple[Deployment, str]]:
+    """`config`'s deployment and its ingress, served on a thread as `k3serve serve` serves them; yields the
+    deployment and the ingress's base URL, and shuts both down on exit."""
+    deployment = start_deployment(config)
+    server, _ = _ingress_server(build_app(deployment.client, deployment.metrics), config)
+    thread = threading.Thread(target=server.run, name="ingress", daemon=True)
+    thread.start()
+    try:
+        for _ in range(500):
+            if server.started:
+                break
+            time.sleep(0.01)
+        assert server.started, "uvicorn did not start"
+        yield deployment, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        deployment.shutdown()

@@ -37,6 +37,8 @@ from k3serve.model.config import ModelConfig
 from k3serve.model.tokenizer import Tokenizer
 from k3serve.prefill.worker import PrefillWorker
 
+from _faulty_replicas import wait_decode_idle
+
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
 ENGINE_ARGS = dict(block_size=16, max_model_len=512, cache_memory_bytes=64 << 20)
@@ -107,19 +109,7 @@ async def router(workers, tiny_checkpoint: Path):
                                  ModelConfig.from_dir(tiny_checkpoint).vocab_size)
     yield router
     await router.close()
-    await _wait_decode_idle(decode)
-
-
-async def _wait_decode_idle(decode: DecodeWorker, deadline_s: float = 10.0) -> None:
-    """Until the decode engine holds no request, reservation, block or slot."""
-    idle = None
-    for _ in range(int(deadline_s / 0.05)):
-        s = await decode.stats()
-        idle = (s.num_running, s.num_waiting, s.num_reserved, s.block_usage, s.slot_usage)
-        if idle == (0, 0, 0, 0.0, 0.0):
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"decode pool not idle: (running, waiting, reserved, blocks, slots) = {idle}")
+    await wait_decode_idle(decode)
 
 
 async def _tokens(router: DisaggregatedRouter, rid: str, prompt: list[int], params=GREEDY) -> list[int]:
@@ -170,7 +160,7 @@ async def test_a_cut_feed_ends_every_request_on_it_and_the_next_request_opens_a_
     decode.cut.set()
     errors = await asyncio.wait_for(asyncio.gather(*requests), 5)
     assert all(isinstance(e, ReplicaDiedError) for e in errors), errors
-    await _wait_decode_idle(decode.worker)  # the router aborted them on the (live) worker
+    await wait_decode_idle(decode.worker)  # the router aborted them on the (live) worker
     decode.cut.clear()
     assert await _tokens(router, "after-cut", PROMPTS[5]) == reference[5]
 
@@ -180,7 +170,7 @@ async def test_a_client_that_leaves_mid_stream_frees_the_decode_pool(router) -> 
     for _ in range(3):
         await stream.__anext__()
     await stream.aclose()
-    await _wait_decode_idle(router.decode[0].worker)
+    await wait_decode_idle(router.decode[0].worker)
 
 
 async def test_a_client_that_leaves_while_admitted_frees_the_reservation_at_once(router) -> None:
@@ -197,14 +187,14 @@ async def test_a_client_that_leaves_while_admitted_frees_the_reservation_at_once
             await request
     finally:
         decode.admit_reply_s = 0.0
-    await _wait_decode_idle(decode.worker, deadline_s=2.0)  # its lease is 30 s
+    await wait_decode_idle(decode.worker, deadline_s=2.0)  # its lease is 30 s
 
 
 async def test_a_request_that_ends_at_its_first_token_frees_its_decode_reservation_at_once(router) -> None:
     """max_tokens=1 ends on the prefill replica: nothing is handed off, so the router releases the
     reservation it made on decode (it used to wait for the lease to expire)."""
     assert len(await _tokens(router, "one-token", PROMPTS[1], SamplingParams(max_tokens=1))) == 1
-    await _wait_decode_idle(router.decode[0].worker, deadline_s=2.0)
+    await wait_decode_idle(router.decode[0].worker, deadline_s=2.0)
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +219,7 @@ async def test_a_restarted_decode_replica_gets_a_new_feed_and_serves(router, ref
             async for _ in old_feed:
                 pass
         assert router._healthy.get(decode.name, True)
-        await _wait_decode_idle(before)  # the old feed closed: its request was aborted there
+        await wait_decode_idle(before)  # the old feed closed: its request was aborted there
     finally:
         decode.worker = before
 
@@ -252,5 +242,5 @@ async def test_a_restart_its_feed_saw_hands_the_next_request_to_the_new_addresse
     finally:
         await router.close()
         decode.worker = before
-    await _wait_decode_idle(before)
-    await _wait_decode_idle(restarted_decode)
+    await wait_decode_idle(before)
+    await wait_decode_idle(restarted_decode)

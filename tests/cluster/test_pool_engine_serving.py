@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,9 +28,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from k3serve.cli import build_parser, main, serve_config
-from k3serve.cluster.api import build_app
 from k3serve.cluster.metrics import ENGINE_SETTINGS, IngressMetrics
-from k3serve.cluster.serve import Deployment, _ingress_server, start_deployment
+from k3serve.cluster.serve import Deployment
+
+from _api_harness import served_deployment
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,22 +44,9 @@ LONG = {"max_tokens": 24, "ignore_eos": True, "temperature": 0.0}
 @pytest.fixture(scope="module")
 def served(tiny_checkpoint: Path) -> Iterator[tuple[Deployment, str]]:
     """The deployment and its ingress's URL, served in a thread as `run` serves it."""
-    config = serve_config(build_parser().parse_args(["serve", "--model", str(tiny_checkpoint), *FLAGS]))
-    deployment = start_deployment(config)
-    server, _ = _ingress_server(build_app(deployment.client, deployment.metrics), config)
-    thread = threading.Thread(target=server.run, name="ingress", daemon=True)
-    thread.start()
-    try:
-        for _ in range(500):
-            if server.started:
-                break
-            time.sleep(0.01)
-        assert server.started, "uvicorn did not start"
-        yield deployment, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        deployment.shutdown()
+    with served_deployment(serve_config(build_parser().parse_args(["serve", "--model", str(tiny_checkpoint),
+                                                                    *FLAGS]))) as served:
+        yield served
 
 
 def _engine_settings(printed: str) -> dict[str, dict[str, str]]:

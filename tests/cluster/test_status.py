@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -22,9 +21,9 @@ import httpx
 import pytest
 
 from k3serve.cli import build_parser, main, serve_config
-from k3serve.cluster.api import build_app
-from k3serve.cluster.serve import _ingress_server, start_deployment
 from k3serve.cluster.status_metrics import StatusCollector, quantile
+
+from _api_harness import served_deployment
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,26 +35,13 @@ FLAGS = ("--launcher", "local", "--transfer", "local", "--port", "0", "--block-s
 def url(tiny_checkpoint: Path) -> Iterator[str]:
     """A served deployment that has answered 3 requests."""
     config = serve_config(build_parser().parse_args(["serve", "--model", str(tiny_checkpoint), *FLAGS]))
-    deployment = start_deployment(config)
-    server, _ = _ingress_server(build_app(deployment.client, deployment.metrics), config)
-    thread = threading.Thread(target=server.run, name="ingress", daemon=True)
-    thread.start()
-    try:
-        for _ in range(500):
-            if server.started:
-                break
-            time.sleep(0.01)
-        base = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    with served_deployment(config) as (_, base):
         for i in range(3):
             response = httpx.post(f"{base}/v1/completions", timeout=60,
                                   json={"prompt": f"status {i}", "max_tokens": 4, "ignore_eos": True})
             assert response.status_code == 200, response.text
         time.sleep(0.6)  # the router's next stats refresh (every 0.25 s) has seen both replicas
         yield base
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        deployment.shutdown()
 
 
 def test_the_table_has_a_line_a_replica_and_the_last_minutes_latency(url, capsys) -> None:
