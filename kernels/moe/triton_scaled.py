@@ -62,7 +62,7 @@ def _mxfp8(x):
     normal = ((b + 0x7FFFF + ((b >> 20) & 1)) >> 20) - 960  # exponent and 3 mantissa bits, e4m3's bias 7
     subnormal = ((q * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)  # below 2^-6: m · 2^-9, m = 0..8
     code = tl.where(q < 0.015625, subnormal, normal)
-    code = tl.where(q * 0.0 == 0.0, code, 0x7F) | ((v.to(tl.int32, bitcast=True) >> 24) & 0x80)
+    code = tl.where((b >> 23) < 255, code, 0x7F) | ((v.to(tl.int32, bitcast=True) >> 24) & 0x80)  # inf, NaN: NaN
     return code.reshape(T, K).to(tl.uint8), s.to(tl.uint8)
 
 
