@@ -4,7 +4,7 @@ Expert parallelism: a rank holds E local experts with global ids [expert_start, 
 `fused_experts` adds only their contributions, so the full result is the sum over ranks.
 On CUDA, routing and the standalone GLUs run one Triton launch each (`triton_router.py`, `triton_glu.py`),
 and bf16 activations with MXFP4 banks and a SiTU/SwiGLU activation run the Triton w4a16 kernels
-(`triton_moe.py`; on sm_100 / sm_103 the block-scaled MMAs of `triton_scaled.py`, whose activations are MXFP8);
+(`triton_moe.py`; on sm_100 / sm_103 the block-scaled MMAs of `triton_scaled.py`, activations as two MXFP8 terms);
 everything else runs `naive.py`. `last_backend[name]` records which.
 
 The finalize (each token's weighted sum over its top-k experts) is fused into the experts' down kernel;

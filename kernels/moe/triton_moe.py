@@ -217,8 +217,8 @@ def fused_experts(x: Tensor, weights, topk_weights: Tensor, topk_ids: Tensor, ac
                   path: str | None = None) -> Tensor:
     """x [T, D] bf16, MXFP4 w1/w3 [E, I, D], w2 [E, D, I] -> fp32 [T, D] (this rank's partial sum).
 
-    path None picks by `kernel_pair`: on sm_100 / sm_103 "scaled" (triton_scaled.py, block-scaled MMAs, MXFP8
-    activations); before Blackwell by the host-known T "gemv" (triton_gemv.py, CUDA cores) while T <=
+    path None picks by `kernel_pair`: on sm_100 / sm_103 "scaled" (triton_scaled.py, block-scaled MMAs on two MXFP8
+    terms of the activations); before Blackwell by the host-known T "gemv" (triton_gemv.py, CUDA cores) while T <=
     GEMV_MAX_TOKENS, then "mma" (gluon_mma.py, tensor cores, weights read once per 8 rows) while T <=
     MMA_MAX_TOKENS, else "dot" (the tensor-core kernels above, for prefill). The thresholds' measurements:
     docs/BENCHMARKS.md. "scaled" on shapes it does not tile runs `upcast_pair` instead."""

@@ -1,14 +1,15 @@
 """MXFP4 routed experts on Blackwell's block-scaled tensor cores (sm_100, sm_103): `tl.dot_scaled` of the
-checkpoint's e2m1 weights and E8M0 scales, as stored, with MXFP8 activations (e4m3, an E8M0 scale per 32,
-quantized in registers), which Triton lowers to `tcgen05.mma ... kind::mxf8f6f4.block_scale`.
+checkpoint's e2m1 weights and E8M0 scales, as stored, with activations split in registers into two MXFP8 terms
+(e4m3, an E8M0 scale per 32: the value and its residual), which Triton lowers to `tcgen05.mma ...
+kind::mxf8f6f4.block_scale`. The two terms carry a bf16 activation to about 2^-8, as bf16 does itself.
 
     up kernel:   h[pair] = act(x[tok] W1[e]^T, x[tok] W3[e]^T)     bf16, GLU fused in the epilogue
     down kernel: out[tok] += topk_weight[pair] · h[pair] W2[e]^T    fp32 atomics (weighting and top-k sum fused)
 
-Operands are swapped: the MMA's M is 128 rows of the expert's weights, its N a tile of BLOCK_T token rows, so a
-decode batch fills a tile of 16. A bf16 operand would make Triton upcast the e2m1 weights (kind::f16), hence the
-MXFP8 activations. Triton's interpreter has no dot_scaled: there `_mx_dot` runs the same product in plain Triton.
-Routing and the grid are `triton_moe`'s (no host sync). Design: docs/design/moe_blackwell_fp4.md.
+Operands are swapped: the MMA's M is 128 rows of the expert's weights, its N the two terms of a tile of BLOCK_T
+token rows, so a decode batch fills a tile of 16. A bf16 operand would make Triton upcast the e2m1 weights
+(kind::f16), hence the MXFP8 terms. Triton's interpreter has no dot_scaled: there `_mx_dot` runs the same product
+in plain Triton. Routing and the grid are `triton_moe`'s (no host sync). Design: docs/design/moe_blackwell_fp4.md.
 """
 
 from __future__ import annotations
@@ -25,16 +26,13 @@ ROWS = 128  # weight rows a program: the M of the block-scaled MMA (64 would mak
 NATIVE = not triton.knobs.runtime.interpret  # dot_scaled on the GPU; its plain-Triton product in the interpreter
 
 
-def _configs() -> list[triton.Config]:
-    """Token tiles tried once per (rows bucket, I, D); BLOCK_K = 128 is 4 MX groups a step."""
-    shapes = [(16, 128, 4, 3), (32, 128, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3), (64, 256, 8, 3)]
-    return [triton.Config({"BLOCK_T": t, "BLOCK_K": k}, num_warps=w, num_stages=s) for t, k, w, s in shapes]
-
-
-def _prune(configs, named_args, **_):
-    """Keep the tiles whose BLOCK_K divides both reduction dims (the kernels have no K tail)."""
-    dims = (named_args["I"], named_args["D"])
-    return [c for c in configs if all(d % c.kwargs["BLOCK_K"] == 0 for d in dims)]
+def _configs(max_block_t: int) -> list[triton.Config]:
+    """Token tiles tried once per (rows bucket, I, D), BLOCK_K = 128 (4 MX groups a step). The accumulator
+    [rows, 2 * BLOCK_T] lives in tensor memory (512 fp32 columns of 128 lanes): the up kernel's 256 rows allow
+    BLOCK_T 64 (with 128, Triton 3.6 emits no MMA at all), the down kernel's 128 rows BLOCK_T 128."""
+    shapes = [(16, 4), (32, 4), (64, 4), (64, 8), (128, 8)]
+    return [triton.Config({"BLOCK_T": t, "BLOCK_K": 128}, num_warps=w, num_stages=3)
+            for t, w in shapes if t <= max_block_t]
 
 
 @triton.jit
@@ -84,6 +82,28 @@ def _minifloat(code, EXPONENT: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.co
 
 
 @triton.jit
+def _mxfp8_value(codes, scales):
+    """e4m3 codes uint8 [T, K] and E8M0 scales uint8 [T, K/32] -> their fp32 values [T, K], exactly."""
+    T: tl.constexpr = codes.shape[0]
+    K: tl.constexpr = codes.shape[1]
+    c = codes.to(tl.int32)
+    v = tl.where((c & 0x7F) == 0x7F, float("nan"), _minifloat(c, 4, 3, 7))
+    return (v.reshape(T, K // 32, 32) * _e8m0(scales)[:, :, None]).reshape(T, K)
+
+
+@triton.jit
+def _mxfp8_pair(x):
+    """x [T, K] float -> (e4m3 codes uint8 [2T, K], E8M0 uint8 [2T, K/32]): rows 0..T-1 are `_mxfp8(x)`, rows
+    T..2T-1 `_mxfp8` of its residual (exact in fp32), so the two rows of a token add up to x to about 2^-8."""
+    T: tl.constexpr = x.shape[0]
+    K: tl.constexpr = x.shape[1]
+    hi, hi_scale = _mxfp8(x)
+    lo, lo_scale = _mxfp8(x.to(tl.float32) - _mxfp8_value(hi, hi_scale))
+    codes = tl.join(hi, lo).permute(2, 0, 1).reshape(2 * T, K)
+    return codes, tl.join(hi_scale, lo_scale).permute(2, 0, 1).reshape(2 * T, K // 32)
+
+
+@triton.jit
 def _mx_dot(w, w_scale, xq, x_scale, acc, NATIVE: tl.constexpr):
     """acc + W X^T: w uint8 [N, K/2] e2m1 pairs (element 2i in the low nibble), w_scale uint8 [N, K/32], xq e4m3
     codes uint8 [T, K], x_scale uint8 [T, K/32] -> fp32 [N, T]. The interpreter's product decodes both exactly to
@@ -92,17 +112,13 @@ def _mx_dot(w, w_scale, xq, x_scale, acc, NATIVE: tl.constexpr):
         return tl.dot_scaled(w, w_scale, "e2m1", tl.trans(xq), x_scale, "e4m3", acc)
     N: tl.constexpr = w.shape[0]
     K: tl.constexpr = w.shape[1] * 2
-    T: tl.constexpr = xq.shape[0]
     pairs = w.to(tl.int32)
     wf = _minifloat(tl.join(pairs & 0xF, pairs >> 4).reshape(N, K), 2, 1, 1)
     wf = (wf.reshape(N, K // 32, 32) * _e8m0(w_scale)[:, :, None]).reshape(N, K)
-    c = xq.to(tl.int32)
-    xf = tl.where((c & 0x7F) == 0x7F, float("nan"), _minifloat(c, 4, 3, 7))
-    xf = (xf.reshape(T, K // 32, 32) * _e8m0(x_scale)[:, :, None]).reshape(T, K)
-    return tl.dot(wf, tl.trans(xf), acc, input_precision="ieee")
+    return tl.dot(wf, tl.trans(_mxfp8_value(xq, x_scale)), acc, input_precision="ieee")
 
 
-@triton.autotune(configs=_configs(), key=["rows_bucket", "I", "D"], prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(configs=_configs(64), key=["rows_bucket", "I", "D"])
 @triton.jit
 def scaled_up_kernel(
     x, w1p, w1s, w3p, w3s, h, sorted_pairs, expert_starts, expert_counts, active_experts, num_active,
@@ -132,11 +148,12 @@ def scaled_up_kernel(
         rows = m0 + tl.arange(0, BLOCK_T)
         r_ok = rows < count
         tok = (tl.load(sorted_pairs + start + rows, mask=r_ok, other=0) // top_k).to(tl.int64)
-        acc = tl.zeros([256, BLOCK_T], tl.float32)
+        acc = tl.zeros([256, 2 * BLOCK_T], tl.float32)
         for k0 in range(0, D, BLOCK_K):
-            xq, xs = _mxfp8(tl.load(x + tok[:, None] * stride_x + k0 + offs_k[None, :], mask=r_ok[:, None], other=0.0))
+            xq, xs = _mxfp8_pair(tl.load(x + tok[:, None] * stride_x + k0 + offs_k[None, :], mask=r_ok[:, None],
+                                         other=0.0))
             acc = _mx_dot(tl.load(w_ptrs + k0 // 2), tl.load(s_ptrs + k0 // 32), xq, xs, acc, NATIVE)
-        gate, up = acc.reshape(2, 128, BLOCK_T).permute(1, 2, 0).split()
+        gate, up = tl.sum(acc.reshape(2, 128, 2, BLOCK_T), axis=2).permute(1, 2, 0).split()
         if ACT == 1:  # SiTU-GLU
             act = beta * tanh(gate / beta) * tl.sigmoid(gate) * (linear_beta * tanh(up / linear_beta))
         else:  # SwiGLU
@@ -145,8 +162,7 @@ def scaled_up_kernel(
         tl.store(dst, act.to(h.dtype.element_ty), mask=r_ok[None, :])
 
 
-@triton.autotune(configs=_configs(), key=["rows_bucket", "I", "D"], prune_configs_by={"early_config_prune": _prune},
-                 reset_to_zero=["out"])
+@triton.autotune(configs=_configs(128), key=["rows_bucket", "I", "D"], reset_to_zero=["out"])
 @triton.jit
 def scaled_down_kernel(
     h, w2p, w2s, out, topk_weights, sorted_pairs, expert_starts, expert_counts, active_experts, num_active,
@@ -170,17 +186,17 @@ def scaled_down_kernel(
         r_ok = rows < count
         pair = tl.load(sorted_pairs + start + rows, mask=r_ok, other=0)
         src = h + (start + rows)[:, None].to(tl.int64) * stride_h
-        acc = tl.zeros([128, BLOCK_T], tl.float32)
+        acc = tl.zeros([128, 2 * BLOCK_T], tl.float32)
         for k0 in range(0, I, BLOCK_K):
-            hq, hs = _mxfp8(tl.load(src + k0 + offs_k[None, :], mask=r_ok[:, None], other=0.0))
+            hq, hs = _mxfp8_pair(tl.load(src + k0 + offs_k[None, :], mask=r_ok[:, None], other=0.0))
             acc = _mx_dot(tl.load(w2p + w_at + k0 // 2), tl.load(w2s + s_at + k0 // 32), hq, hs, acc, NATIVE)
-        acc = acc * tl.load(topk_weights + pair, mask=r_ok, other=0.0)[None, :]
+        acc = tl.sum(acc.reshape(128, 2, BLOCK_T), axis=1) * tl.load(topk_weights + pair, mask=r_ok, other=0.0)[None, :]
         tok = (pair // top_k).to(tl.int64)
         tl.atomic_add(out + tok[None, :] * stride_out + offs_n[:, None], acc, mask=r_ok[None, :])
 
 
 def supports(w1: MXFP4Tensor, w2: MXFP4Tensor) -> bool:
-    """Whole 128-row tiles of I and D (the kernels have no row masks) and a K step of 128 dividing both."""
+    """Whole 128-row tiles of I and D (the kernels have no row masks), so the K step of 128 divides both too."""
     I, D = w1.shape[1], w1.shape[2]
     return I % ROWS == 0 and D % ROWS == 0 and w2.shape[1] == D
 

@@ -1,17 +1,17 @@
 """The Blackwell MXFP4 experts (`kernels/moe/triton_scaled.py`) run by the Triton interpreter on CPU tensors. The
 interpreter of triton 3.6 has no `tl.dot_scaled`, so there the kernels' one product is `_mx_dot`'s plain Triton
 (both operands decoded exactly to fp32 as dot_scaled's documentation defines them); everything else is the code the
-GPU runs: the MXFP8 quantization of x and h, the addressing of the packed bank and its scales as the checkpoint
-stores them, routing, the GLU, the weighting and the atomics. test_moe_scaled_compile.py checks that the GPU build's
-product is the block-scaled MMA.
+GPU runs: the split of x and h into two MXFP8 terms, the addressing of the packed bank and its scales as the
+checkpoint stores them, routing, the GLU, the weighting and the atomics. test_moe_scaled_compile.py checks that the
+GPU build's product is the block-scaled MMA.
 
 - `_mxfp8` gives exactly the bits of torch's float8_e4m3fn cast of naive.round_to_mxfp8's scaled values;
-- the experts match the exact model of their math (naive.fused_experts on MXFP8-rounded x and h) to 1e-6 relative
-  RMS at every autotune config (the gap: fp32 summation order and the GLU's tanh, which may move h's rounding);
-- and the unquantized reference within 6e-2 relative RMS: the cost of the MXFP8 activations (measured 4.7e-2: random
-  weights over all 16 codes, normal x).
-The activations are fp16 and fp32, not bf16: the interpreter casts fp32 to bf16 by truncation, and one ulp more in
-h moves its MXFP8 rounding (a 2^-4 step) about once in 16 elements. test_moe_scaled_gpu.py runs bf16."""
+- the experts match the exact model of their math (naive.fused_experts on `round_to_mxfp8_pair` of x and of h) at
+  every autotune config of each kernel: 1e-4 relative RMS (fp32 summation order and the GLU's tanh may move h's
+  fp16 rounding, which the pair's 8 significant bits do not hold);
+- and the unquantized reference to 1e-2, the Hopper pairs' GPU tolerance.
+The activations are fp16 and fp32, not bf16: the interpreter casts fp32 to bf16 by truncation (_triton_interpret).
+test_moe_scaled_gpu.py runs bf16."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from _triton_interpret import needs_triton, run_in_interpreter
 
 pytestmark = needs_triton
 
-EXACT_TOL = 1e-6  # vs the exact model of the kernels' math (measured 1e-8)
-MXFP8_TOL = 6e-2  # vs the unquantized reference (measured 4.7-4.8e-2)
+EXACT_TOL = 1e-4  # vs the exact model of the kernels' math (measured 7e-7 on fp32, 3e-5 on fp16)
+PAIR_TOL = 1e-2  # vs the unquantized reference, as the Hopper pairs on the GPU (measured 1.2e-3)
 
 
 def _mxfp8_is_bit_exact() -> None:
@@ -76,22 +76,24 @@ def _experts_match_the_model() -> None:
     topk_weights = torch.rand(T, TOP_K)
     x = torch.randn(T, D)
     cases = ((SITU, torch.float16), (silu_glu, torch.float32))
-    for i, config in enumerate(triton_scaled._prune(triton_scaled._configs(), {"I": I, "D": D})):
-        activation, dtype = cases[i % 2]  # every config once, each activation and dtype on half of them
+    up_configs = triton_scaled.scaled_up_kernel.configs
+    for i, down_config in enumerate(triton_scaled.scaled_down_kernel.configs):  # each config of each kernel once
+        up_config = up_configs[i % len(up_configs)]
+        activation, dtype = cases[i % 2]
 
-        def model_act(gate, up):  # the kernels store h in x's dtype, then the down kernel quantizes it
-            return naive.round_to_mxfp8(activation(gate, up).to(dtype))
+        def model_act(gate, up):  # the kernels store h in x's dtype, then the down kernel splits it
+            return naive.round_to_mxfp8_pair(activation(gate, up).to(dtype))
 
         xd = x.to(dtype)
-        model = naive.fused_experts(naive.round_to_mxfp8(xd), weights, topk_weights, topk_ids, model_act, E)
+        model = naive.fused_experts(naive.round_to_mxfp8_pair(xd), weights, topk_weights, topk_ids, model_act, E)
         ref = naive.fused_experts(xd, weights, topk_weights, topk_ids, activation, E)
-        triton_scaled.scaled_up_kernel.configs = triton_scaled.scaled_down_kernel.configs = [config]
-        case = f"{config}, {dtype}, {getattr(activation, 'func', activation).__name__}"
+        triton_scaled.scaled_up_kernel.configs, triton_scaled.scaled_down_kernel.configs = [up_config], [down_config]
+        case = f"up {up_config}, down {down_config}, {dtype}, {getattr(activation, 'func', activation).__name__}"
         out = triton_moe.fused_experts(xd, weights, topk_weights, topk_ids, activation, E, path="scaled")
         assert triton_moe.last_path == "scaled" and out.dtype == torch.float32, case
         assert (out[T - 1] == 0).all(), case
         assert_rel_rms(f"out vs the exact model, {case}", model, out, EXACT_TOL)
-        assert_rel_rms(f"out vs the reference, {case}", ref, out, MXFP8_TOL)
+        assert_rel_rms(f"out vs the reference, {case}", ref, out, PAIR_TOL)
 
 
 def test_mxfp8_quantization_is_bit_exact_under_interpreter() -> None:
