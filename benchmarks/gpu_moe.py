@@ -18,7 +18,9 @@ expert ids relabeled by a bijection of 0..E-1 (`relabeled`): the same number of 
 per pair, on other weights; there are enough copies for >= 128 MB of expert weights, and neighbours in the cycle
 share no expert while hits x copies <= E (T1-T16); past that (T64: 70-80 hits of 112) a call alone reads 25
 times L2. x_floor columns: a timing / floor; gemv_TBps = the floor's bytes / the gemv in-graph time. T192 gives the
-hit experts ~3.5 rows each, as the decode step's router does at batch 64; mma = the Gluon tensor-core pair (gluon_mma.py).
+hit experts ~3.5 rows each, as the decode step's router does at batch 64; mma = the Gluon tensor-core pair
+(gluon_mma.py); scaled = the block-scaled pair (triton_scaled.py, activations as two MXFP8 terms), timed only on
+sm_100 / sm_103, where it is what every batch dispatches to.
 fused_in_graph / unfused_in_graph: the pair the dispatch picks for T (`backend`), with the weighted top-k sum fused
 into its down kernel (what runs) and, as the finalize anchor, left out of it (`unfused_us`: an fp32 [pairs, D]
 intermediate and a separate weighted sum by token)."""
@@ -102,7 +104,7 @@ def path_us(path: str, x, weights, topk_weights, routings: list[torch.Tensor], r
     """Eager, one-call graph and in-graph us of one kernel pair of ours (eager and one-call on the first routing,
     in graph over all), after checking it on the first and the last routing against their references (`refs`);
     None off CUDA (the Triton kernels need the device; --smoke on CPU checks the script only)."""
-    if dev.type != "cuda":
+    if dev.type != "cuda" or (path == "scaled" and triton_moe.kernel_pair(1, dev) != "scaled"):
         return {path: None, f"{path}_graph_1call": None, f"{path}_in_graph": None}
 
     def run(ids: torch.Tensor = routings[0]) -> torch.Tensor:
@@ -157,6 +159,7 @@ def row(T: int, weights: ExpertWeights, top_k: int, num_total: int, dev, ceil) -
     gemv = path_us("gemv", x, weights, topk_weights, routings, refs, dev)
     mma = path_us("mma", x, weights, topk_weights, routings, refs, dev)
     dot = path_us("dot", x, weights, topk_weights, routings, refs, dev)
+    scaled = path_us("scaled", x, weights, topk_weights, routings, refs, dev)
     unfused = None if dispatched is None else unfused_us(x, weights, topk_weights, routings, ref, dispatched, dev)
     anchor = TorchExperts(x, weights, topk_weights, topk_ids, 0)
     check("torch anchor", rel_err(ref, anchor.run(*anchor.bf16)), TOL)
@@ -165,15 +168,17 @@ def row(T: int, weights: ExpertWeights, top_k: int, num_total: int, dev, ceil) -
     flops = pairs * 6 * I * D
     floor = floor_us(bytes_moved, flops, ceil)
     gemv_in_graph = gemv["gemv_in_graph"]
-    return dict(op="moe mxfp4", shape=f"T{T} (experts {num_active}, rows {pairs})", **gemv, **mma, **dot,
+    return dict(op="moe mxfp4", shape=f"T{T} (experts {num_active}, rows {pairs})", **gemv, **mma, **dot, **scaled,
                 anchor=time_ms(anchor.dequant_and_run, dev) * 1e3, anchor_is="dequant to bf16 + bmm",
                 bf16_bank=time_ms(lambda: anchor.run(*anchor.bf16), dev) * 1e3, floor=floor,
                 gemv_graph_1call_x_floor=x_floor(gemv["gemv_graph_1call"], floor),
                 gemv_in_graph_x_floor=x_floor(gemv_in_graph, floor),
                 mma_in_graph_x_floor=x_floor(mma["mma_in_graph"], floor),
                 dot_in_graph_x_floor=x_floor(dot["dot_in_graph"], floor),
+                scaled_in_graph_x_floor=x_floor(scaled["scaled_in_graph"], floor),
                 gemv_TBps="-" if gemv_in_graph is None else f"{bytes_moved / gemv_in_graph / 1e6:.2f}",
-                fused_in_graph=None if dispatched is None else {"gemv": gemv, "mma": mma, "dot": dot}[dispatched][f"{dispatched}_in_graph"],
+                fused_in_graph=None if dispatched is None else
+                {"gemv": gemv, "mma": mma, "dot": dot, "scaled": scaled}[dispatched][f"{dispatched}_in_graph"],
                 unfused_in_graph=unfused, routings=len(routings), err=f"{err:.1e}", backend=backend)
 
 
@@ -191,8 +196,9 @@ def main() -> None:
         rows.append(row(T, weights, top_k, total, dev, ceil))
         print(rows[-1], file=sys.stderr, flush=True)
     columns = ["op", "shape", "gemv", "gemv_graph_1call", "gemv_in_graph", "mma", "mma_in_graph", "dot", "dot_in_graph",
-               "anchor", "anchor_is", "bf16_bank", "floor", "gemv_in_graph_x_floor", "mma_in_graph_x_floor",
-               "dot_in_graph_x_floor", "gemv_TBps", "fused_in_graph", "unfused_in_graph", "err", "backend"]
+               "scaled", "scaled_in_graph", "anchor", "anchor_is", "bf16_bank", "floor", "gemv_in_graph_x_floor",
+               "mma_in_graph_x_floor", "dot_in_graph_x_floor", "scaled_in_graph_x_floor", "gemv_TBps", "fused_in_graph",
+               "unfused_in_graph", "err", "backend"]
     launch = graph_launch_us(dev)
     report(f"MXFP4 MoE, one EP rank (us; D {D}, I {I}, {E} local of {total} experts, top-{top_k})", columns, rows,
            ceil, args.out, dev, graph_launch_note(launch), {"graph_launch_us": launch})

@@ -110,6 +110,13 @@ def cuda_properties(device: torch.device):
     return _properties(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability (major, minor), e.g. (9, 0) for an H200, (10, 3) for a GB300: the MoE
+    experts pick their kernels by it."""
+    props = cuda_properties(device)
+    return props.major, props.minor
+
+
 def device_of(t: Tensor) -> contextlib.AbstractContextManager:
     """The CUDA device context of t (launches go to its device); a no-op for CPU tensors (Triton interpreter)."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()

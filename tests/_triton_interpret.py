@@ -12,7 +12,10 @@ What the interpreter of triton 3.6.0 cannot do, and how the checks live with it:
 - loops bounded by values read from memory (`range(start, end)` over scalar tensors) under numpy >= 2.4:
   the interpreter's `__index__` calls int() on a shape-(1,) array, which numpy 2.4 refuses;
   `_fix_scalar_index` applies the upstream fix (triton-lang/triton#9172, not in 3.6.0).
-- autotuning: benchmarking a config needs a GPU driver, so an autotuned kernel is given one config."""
+- autotuning: benchmarking a config needs a GPU driver, so an autotuned kernel is given one config.
+- casts from fp32 to bf16 truncate, and to fp8 they round ties up and skip the mantissa carry (the GPU rounds to
+  nearest even): a kernel whose result depends on them is checked on fp16/fp32 stores and integer rounding.
+- no `tl.dot_scaled` (the Blackwell experts, kernels/moe/triton_scaled.py, run a plain-Triton product there)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ Expert parallelism: a rank holds E local experts with global ids [expert_start, 
 `fused_experts` adds only their contributions, so the full result is the sum over ranks.
 On CUDA, routing and the standalone GLUs run one Triton launch each (`triton_router.py`, `triton_glu.py`),
 and bf16 activations with MXFP4 banks and a SiTU/SwiGLU activation run the Triton w4a16 kernels
-(`triton_moe.py`); everything else runs `naive.py`. `last_backend[name]` records which.
+(`triton_moe.py`; on sm_100 / sm_103 the block-scaled MMAs of `triton_scaled.py`, activations as two MXFP8 terms);
+everything else runs `naive.py`. `last_backend[name]` records which.
 
 The finalize (each token's weighted sum over its top-k experts) is fused into the experts' down kernel;
 `finalize="unfused"` is its baseline: every (token, expert) pair its own row of weight 1 through the same
@@ -159,7 +160,7 @@ def _experts(x: Tensor, weights: ExpertWeights, topk_weights: Tensor, topk_ids: 
         if triton_moe.supports(x, weights, activation):
             last_backend["fused_experts"] = "triton"
             return triton_moe.fused_experts(x, weights, topk_weights, topk_ids, activation, expert_start,
-                                           path=triton_moe.kernel_pair(path_tokens or x.shape[0]))
+                                           path=triton_moe.kernel_pair(path_tokens or x.shape[0], x.device))
     last_backend["fused_experts"] = "naive"
     return naive.fused_experts(x, weights, topk_weights, topk_ids, activation, expert_start)
 

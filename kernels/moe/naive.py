@@ -49,6 +49,26 @@ def _expert_weight(w: Tensor | MXFP4Tensor, e: int) -> Tensor:
     return w[e].float()
 
 
+def round_to_mxfp8(x: Tensor) -> Tensor:
+    """x [..., K] (K % 32 == 0) -> fp32 [..., K], the values its MXFP8 encoding holds, as the Blackwell experts
+    (`triton_scaled._mxfp8`) quantize activations: per 32 contiguous elements the E8M0 scale 2^(s-127) with s the least
+    in [0, 254] for which amax <= 448 · 2^(s-127) (no element saturates), elements rounded to E4M3 nearest-even."""
+    groups = x.float().unflatten(-1, (-1, 32))  # [..., K/32, 32]
+    amax = groups.abs().amax(dim=-1, keepdim=True)
+    mantissa, exponent = torch.frexp(amax)  # amax = m · 2^e, m in [0.5, 1): 448 = 0.875 · 2^9
+    s = (exponent.to(torch.int32) + 118 + (mantissa > 0.875).to(torch.int32)).clamp(0, 254)
+    s = torch.where(amax > 0, s, torch.zeros_like(s))
+    scale = torch.ldexp(torch.ones_like(amax), s - 127)
+    return ((groups / scale).to(torch.float8_e4m3fn).float() * scale).flatten(-2)
+
+
+def round_to_mxfp8_pair(x: Tensor) -> Tensor:
+    """x [..., K] -> fp32 [..., K], the sum of the two MXFP8 terms the Blackwell experts multiply: x rounded
+    (`round_to_mxfp8`), plus its residual rounded."""
+    hi = round_to_mxfp8(x)
+    return hi + round_to_mxfp8(x.float() - hi)
+
+
 def fused_experts(
     x: Tensor,
     weights: ExpertWeights,

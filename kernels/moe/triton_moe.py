@@ -5,7 +5,8 @@
 
 Weights stay packed and are upcast in registers; routing (`route`, `route_small`) takes no host sync.
 `fused_experts` picks this pair, the GEMV pair (`triton_gemv.py`) or the Gluon MMA pair (`gluon_mma.py`) by the
-host-known T; `last_path` says which. Design: docs/design/moe_kernels.md.
+host-known T, and on sm_100 / sm_103 the block-scaled pair (`triton_scaled.py`); `last_path` says which. Design:
+docs/design/moe_kernels.md, docs/design/moe_blackwell_fp4.md.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .._backend import device_of
+from .._backend import cuda_capability, device_of
 from .triton_common import tanh
 
 ACT_SILU, ACT_SITU = 0, 1
@@ -193,12 +194,22 @@ def route_small(topk_ids: Tensor, expert_start: int, num_local: int) -> tuple[Te
 GEMV_MAX_TOKENS = 8  # tokens up to here: the GEMV kernels (measured: docs/BENCHMARKS.md)
 MMA_MAX_TOKENS = 192  # then up to here the Gluon MMA kernels (gluon_mma.py); past it (prefill) the tensor-core pair
 ROUTE_SMALL_MAX_PAIRS = 1024  # T * top_k up to here: routing in one program (decode, either kernel pair)
+SCALED_MAJOR = 10  # sm_100 / sm_103 (B200, GB300): tcgen05 block-scaled MMAs, the "scaled" pair (sm_12x has none)
 
-last_path: str | None = None  # "gemv" | "mma" | "dot": which pair of kernels the last fused_experts call ran
+PATHS = ("gemv", "mma", "dot", "scaled")
+last_path: str | None = None  # one of PATHS: which pair of kernels the last fused_experts call ran
 
 
-def kernel_pair(num_tokens: int) -> str:
-    """The pair `fused_experts` runs for `num_tokens` tokens when not told: "gemv", "mma" or "dot"."""
+def kernel_pair(num_tokens: int, device: torch.device) -> str:
+    """The pair `fused_experts` runs for `num_tokens` tokens on `device` when not told: "scaled" on a CUDA device
+    of compute capability SCALED_MAJOR.x, else `upcast_pair` (CPU tensors, the interpreter, too)."""
+    if device.type == "cuda" and cuda_capability(device)[0] == SCALED_MAJOR:
+        return "scaled"
+    return upcast_pair(num_tokens)
+
+
+def upcast_pair(num_tokens: int) -> str:
+    """The pair that upcasts the weights for `num_tokens` tokens (Hopper; a shape "scaled" does not tile)."""
     return "gemv" if num_tokens <= GEMV_MAX_TOKENS else "mma" if num_tokens <= MMA_MAX_TOKENS else "dot"
 
 
@@ -206,19 +217,26 @@ def fused_experts(x: Tensor, weights, topk_weights: Tensor, topk_ids: Tensor, ac
                   path: str | None = None) -> Tensor:
     """x [T, D] bf16, MXFP4 w1/w3 [E, I, D], w2 [E, D, I] -> fp32 [T, D] (this rank's partial sum).
 
-    path None picks from the host-known T: "gemv" (triton_gemv.py, CUDA cores) while T <= GEMV_MAX_TOKENS, then
-    "mma" (gluon_mma.py, tensor cores, weights read once per 8 rows) while T <= MMA_MAX_TOKENS, else "dot" (the
-    tensor-core kernels above, for prefill). The thresholds' measurements: docs/BENCHMARKS.md."""
+    path None picks by `kernel_pair`: on sm_100 / sm_103 "scaled" (triton_scaled.py, block-scaled MMAs on two MXFP8
+    terms of the activations); before Blackwell by the host-known T "gemv" (triton_gemv.py, CUDA cores) while T <=
+    GEMV_MAX_TOKENS, then "mma" (gluon_mma.py, tensor cores, weights read once per 8 rows) while T <=
+    MMA_MAX_TOKENS, else "dot" (the tensor-core kernels above, for prefill). The thresholds' measurements:
+    docs/BENCHMARKS.md. "scaled" on shapes it does not tile runs `upcast_pair` instead."""
     global last_path
-    if path not in (None, "gemv", "mma", "dot"):
-        raise ValueError(f"path must be None, 'gemv', 'mma' or 'dot', got {path!r}")
+    if path is not None and path not in PATHS:
+        raise ValueError(f"path must be None or one of {PATHS}, got {path!r}")
     act, beta, linear_beta = activation_kind(activation)
     T, D = x.shape
     top_k = topk_ids.shape[1]
     w1, w3, w2 = weights.w1, weights.w3, weights.w2
     E, I = w1.shape[0], w1.shape[1]
     if path is None:
-        path = kernel_pair(T)
+        path = kernel_pair(T, x.device)
+    if path == "scaled":
+        from . import triton_scaled
+
+        if not triton_scaled.supports(w1, w2):
+            path = upcast_pair(T)
     if path == "mma":
         try:
             from . import gluon_mma
@@ -247,6 +265,10 @@ def fused_experts(x: Tensor, weights, topk_weights: Tensor, topk_ids: Tensor, ac
     if path == "mma":
         with device_of(x):
             gluon_mma.experts(x, w1, w3, w2, h, out, tw, routing, top_k, (act, beta, linear_beta))
+        return out
+    if path == "scaled":
+        with device_of(x):
+            triton_scaled.experts(x, w1, w3, w2, h, out, tw, routing, top_k, (act, beta, linear_beta), rows_bucket)
         return out
     max_active = min(E, T * top_k)
     p1, s1, p3, s3, p2, s2 = w1.packed, w1.scales, w3.packed, w3.scales, w2.packed, w2.scales

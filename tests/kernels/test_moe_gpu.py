@@ -1,8 +1,8 @@
 """MXFP4 routed experts on the GPU (Triton w4a16, SiTU-GLU and finalize fused) against the torch
 reference, at K3 per-rank shapes: latent 3584, intermediate 3072, 112 local experts, top-16 of 896.
 Decode batches up to GEMV_MAX_TOKENS must run the GEMV kernels (triton_gemv.py), then up to MMA_MAX_TOKENS the
-Gluon MMA ones (gluon_mma.py), larger ones the tensor-core ones; `triton_moe.last_path` says which ran, so a silent
-switch fails."""
+Gluon MMA ones (gluon_mma.py), larger ones the tensor-core ones (on sm_100 / sm_103 every batch the block-scaled
+ones, triton_scaled.py); `triton_moe.last_path` says which ran, so a silent switch fails."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 
 D, I, E, E_TOTAL, TOP_K = 3584, 3072, 112, 896, 16
 SITU = functools.partial(situ_glu, beta=4.0, linear_beta=25.0)
-TOL = 1e-2  # bf16 activations and a bf16 intermediate h
+TOL = 1e-2  # bf16 activations and a bf16 intermediate h (sm_100: their two MXFP8 terms)
 
 
 def random_mxfp4(*shape: int, device: str = "cuda") -> MXFP4Tensor:
@@ -53,8 +53,7 @@ def test_k3_rank_shapes(T: int, expert_start: int) -> None:
     topk_weights, topk_ids = _routing(T, expert_start)
     out = fused_experts(x, weights, topk_weights, topk_ids, SITU, expert_start)
     assert moe.last_backend["fused_experts"] == "triton"
-    assert triton_moe.last_path == ("gemv" if T <= triton_moe.GEMV_MAX_TOKENS else
-                                    "mma" if T <= triton_moe.MMA_MAX_TOKENS else "dot")
+    assert triton_moe.last_path == triton_moe.kernel_pair(T, x.device)  # thresholds: test_moe_scaled_dispatch.py
     ref = naive.fused_experts(x, weights, topk_weights, topk_ids, SITU, expert_start)
     assert out.dtype == torch.float32 and out.shape == (T, D)
     if ref.abs().max() == 0:  # no token routed to this rank
@@ -78,13 +77,13 @@ def test_skewed_routing_many_rows_per_expert_silu(path: str) -> None:
 
 
 def test_gemv_path_replays_in_a_cuda_graph() -> None:
-    """Decode runs under CUDA graphs: routing and both GEMV kernels capture (no host sync) and a replay on
-    new inputs matches the reference."""
+    """Decode runs under CUDA graphs: routing and both GEMV kernels (sm_100: the block-scaled pair) capture (no host
+    sync) and a replay on new inputs matches the reference."""
     weights = k3_bank()
     x = torch.randn(4, D, device="cuda", dtype=torch.bfloat16)
     topk_weights, topk_ids = _routing(4, 0)
     fused_experts(x, weights, topk_weights, topk_ids, SITU, 0)  # autotune outside the capture
-    assert triton_moe.last_path == "gemv"
+    assert triton_moe.last_path == triton_moe.kernel_pair(4, x.device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fused_experts(x, weights, topk_weights, topk_ids, SITU, 0)
