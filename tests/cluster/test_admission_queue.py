@@ -56,7 +56,8 @@ from k3serve.model.config import ModelConfig
 from k3serve.model.tokenizer import Tokenizer
 from k3serve.prefill.worker import PrefillWorker
 
-from test_decode_feed import ENGINE_ARGS, GREEDY, PROMPTS, _tokens, _wait_decode_idle, reference  # noqa: F401
+from _faulty_replicas import wait_decode_idle
+from test_decode_feed import ENGINE_ARGS, GREEDY, PROMPTS, _tokens, reference  # noqa: F401
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -142,7 +143,7 @@ async def serving(workers, tiny_checkpoint: Path, **router_kwargs):
         yield router
     finally:
         await router.close()
-    await _wait_decode_idle(decode)
+    await wait_decode_idle(decode)
 
 
 def queued(router: DisaggregatedRouter) -> float:

@@ -33,7 +33,8 @@ from k3serve.prefill.worker import PrefillWorker
 
 from _api_harness import serve_ingress
 from test_api import assert_error
-from test_decode_feed import ENGINE_ARGS, PROMPTS, _wait_decode_idle
+from _faulty_replicas import wait_decode_idle
+from test_decode_feed import ENGINE_ARGS, PROMPTS
 
 pytestmark = pytest.mark.anyio
 
@@ -142,7 +143,7 @@ async def test_a_pool_held_by_unmoving_reservations_is_degraded_until_they_go(pr
             for rid in squatters:
                 with contextlib.suppress(Exception):  # freed already
                     await asyncio.to_thread(decode.abort, rid, "the test frees its reservations")
-    await _wait_decode_idle(decode)
+    await wait_decode_idle(decode)
 
 
 async def _check_degraded_until_freed(router: DisaggregatedRouter, http: httpx.AsyncClient, decode: DecodeWorker,
@@ -180,4 +181,4 @@ async def test_a_pool_full_of_running_requests_is_busy_not_degraded(prefill, dec
         finally:
             for stream in streams:
                 await stream.aclose()
-    await _wait_decode_idle(decode)
+    await wait_decode_idle(decode)
