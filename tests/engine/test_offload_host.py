@@ -99,3 +99,31 @@ def test_device_pressure_evicts_to_the_host_and_a_later_turn_hits_it(make_llm, t
     (want,) = make_llm(enable_prefix_caching=False).generate(second_turns(firsts)[:1], [greedy(8)])
     assert out.outputs[0].token_ids == want.outputs[0].token_ids
     assert_host_empty(llm)
+
+
+@pytest.mark.parametrize("args, message", [
+    (dict(kv_offload="disk"), "kv_offload must be"),
+    (dict(kv_offload="host", enable_prefix_caching=False), "needs enable_prefix_caching"),
+    (dict(kv_offload="host", kv_offload_host_bytes=0), "kv_offload_host_bytes"),
+    (dict(kv_offload="mooncake"), "needs kv_offload_mooncake_config"),
+    (dict(kv_offload="mooncake", kv_offload_mooncake_config='{"master_server_addr": "m:1"}'), "metadata_server"),
+    (dict(kv_offload="mooncake", kv_offload_mooncake_config="[1]"), "JSON object"),
+])
+def test_bad_offload_arguments_are_refused_naming_the_field(args, message):
+    from k3serve.engine.config import EngineArgs
+
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**args)
+
+
+def test_a_tier_that_does_not_restore_the_kda_state_is_refused():
+    from k3serve.engine.block_pool import BlockPool
+    from k3serve.engine.offload.host_tier import HostIndex
+    from k3serve.engine.offload.manager import Offload
+    from k3serve.engine.prefix_cache import PrefixCache
+    from k3serve.engine.state_pool import StatePool
+
+    kv_only = HostIndex(4, 1, BLOCK_SIZE)
+    kv_only.restores_kda_state = False
+    with pytest.raises(ValueError, match="does not restore the KDA state"):
+        Offload([kv_only], PrefixCache(BlockPool(4, BLOCK_SIZE), StatePool(2)))
