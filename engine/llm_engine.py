@@ -142,7 +142,8 @@ class LLMEngine:
         self.kv_events = open_kv_events(args) if prefix_cache is not None else None
         if self.kv_events is not None:
             prefix_cache.publish_events(self.kv_events)
-        tiers = tier_indexes(args, self.runner.cache, self.plan) if prefix_cache is not None else []
+        tiers = (tier_indexes(args, self.runner.cache, self.plan, self.runner.offload, self.config)
+                 if prefix_cache is not None else [])
         self.offload = Offload(tiers, prefix_cache, self.model_name) if tiers else None
         spec = args.speculative_config
         self.speculator = Speculator(spec) if spec is not None else None
@@ -316,6 +317,7 @@ class LLMEngine:
     def close(self) -> None:
         """Release the TP followers (they exit their loop), the process group and the compile threads."""
         self.structured_outputs.close()
+        self.runner.close_offload()
         if self.kv_events is not None:
             self.kv_events.close()
         group = self.runner.group

@@ -77,7 +77,7 @@ def load_runner(
         reserve_pad_slot=use_graphs,
     )
     graphs = capture_decode_graphs(model, cache, args, all_ranks_ok) if use_graphs else None
-    return ModelRunner(model, cache, group, graphs, offload=tier_data(args, cache, plan, tp))
+    return ModelRunner(model, cache, group, graphs, offload=tier_data(args, cache, plan, tp, model.config))
 
 
 class ModelRunner:
@@ -155,6 +155,11 @@ class ModelRunner:
             verify_logits={rid: logits[at : at + n] for rid, at, n, spec in row_spans if spec},
             offload_results=offload_results,
         )
+
+    def close_offload(self) -> None:
+        """Release this rank's offload tiers (a store client leaves the store)."""
+        for tier in self.offload.values():
+            tier.close()
 
     def _run_offload(self, output: SchedulerOutput) -> list[int | None]:
         """The step's offload stores, then its loads, on this rank; at TP > 1 the bytes of all ranks (a collective:

@@ -132,6 +132,9 @@ class HostData:
         self.slot_sums[op.tier_slot] = slot_checksum(self.cache, op.tier_slot)
         return len(op.moves) * self.bytes_per_block + self.bytes_per_slot
 
+    def close(self) -> None:
+        """Nothing outside this process's memory."""
+
     def load(self, op: UnitCopy, device: ModelCache) -> int | None:
         copy_blocks(self.cache, device, [(h, d) for d, h in op.moves])
         copy_slot(self.cache, device, op.tier_slot, op.device_slot)

@@ -46,8 +46,11 @@ class TierIndex(Protocol):
 class TierData(Protocol):
     name: str
 
-    def store(self, op: UnitCopy, device: ModelCache) -> int:
-        """Copy the unit out of `device` (this rank's cache); the bytes moved."""
+    def store(self, op: UnitCopy, device: ModelCache) -> int | None:
+        """Copy the unit out of `device` (this rank's cache); the bytes moved, None if the tier did not take it."""
 
     def load(self, op: UnitCopy, device: ModelCache) -> int | None:
         """Copy the unit into `device` and verify what landed; the bytes moved, None if it did not verify."""
+
+    def close(self) -> None:
+        """Release what the tier holds outside the process's memory (a store client)."""
