@@ -131,7 +131,9 @@ def _router(config: ServeConfig, prefill: list, decode: list, model_dir: str, na
                                  max_queued_requests=config.queue_capacity,
                                  queue_timeout_seconds=config.queue_timeout_seconds,
                                  admission_stall_seconds=config.admission_stall_seconds,
-                                 migrate_on_decode_failure=config.migrate_on_decode_failure)
+                                 migrate_on_decode_failure=config.migrate_on_decode_failure,
+                                 block_size=config.block_size,
+                                 shared_prefix_store=config.engine_args("prefill").kv_offload == "mooncake")
     return router, metrics
 
 
