@@ -3,7 +3,7 @@
 One request: (1) checked as the engines check it (`engine/prompt_check.py`, its structured output constraint
 parsed), then admitted on the decode replica with the fewest requests in flight from here (then the most free
 blocks), the next one on NoCapacity, or queued (`cluster/admission.py`) while all are full; (2) a prefill
-replica picked by load with prefix affinity pushes the prompt state into the reservation; if it fails, the
+replica picked by the prefix unit it holds against its load (`cluster/prefix_routing.py`) pushes the prompt state into the reservation; if it fails, the
 attempt is dropped on decode and retried once, on another prefill replica if there is one, into a new
 reservation (a live decode replica first); (3) its deltas streamed from the decode replica's feed
 (`cluster/decode_feed.py`); a feed that dies mid-stream is migrated: the request continues on another decode
