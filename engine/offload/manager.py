@@ -52,6 +52,7 @@ class Offload:
         self._loading: dict[str, _Load] = {}  # request id -> its load's device side, until the step ends
         self._loaded: dict[str, PrefixHit] = {}  # request id -> a verified load, refs held until admitted
         self.no_offload: set[str] = set()  # requests whose load missed: admitted without asking the tiers again
+        self._queried: set[str] = set()  # requests counted in the tiers' queries (once each, as the device's hits)
 
     @property
     def has_pending(self) -> bool:
@@ -75,8 +76,11 @@ class Offload:
         max_blocks = (len(token_ids) - 1) // self.block_size
         hashes = compute_block_hashes(token_ids[: max_blocks * self.block_size], self.block_size)
         best: tuple[TierIndex, int] | None = None
+        first_ask = request_id not in self._queried
+        self._queried.add(request_id)
         for tier in self.tiers.values():
-            self.counts[tier.name].query(len(token_ids))
+            if first_ask:
+                self.counts[tier.name].query(len(token_ids))
             num_blocks = tier.lookup(hashes)
             if num_blocks * self.block_size > max(device_hit_tokens, best[1] * self.block_size if best else 0):
                 best = (tier, num_blocks)
@@ -114,6 +118,7 @@ class Offload:
     def release(self, request_id: str) -> None:
         """The request ended: free a loaded hit it still holds."""
         self.no_offload.discard(request_id)
+        self._queried.discard(request_id)
         hit = self._loaded.pop(request_id, None)
         if hit is not None:
             self._free(hit.block_ids, hit.checkpoint_slot)

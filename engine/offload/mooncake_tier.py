@@ -48,7 +48,10 @@ class _Calls:
         with self._lock:
             if self._stuck is not None and not self._stuck.done():
                 return None  # the store has not answered the last call yet: a miss now, not another wait
-            future = self._pool.submit(fn)
+            try:
+                future = self._pool.submit(fn)
+            except RuntimeError:  # closed
+                return None
         try:
             return future.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
@@ -68,6 +71,7 @@ class MooncakeClient:
         from mooncake.store import MooncakeDistributedStore
 
         self.config = config
+        self.closed = False
         self.calls = _Calls(config.timeout_s)
         self.store = MooncakeDistributedStore()
         host = config.local_hostname or os.environ.get("K3SERVE_HOST_IP") or "127.0.0.1"
@@ -79,8 +83,11 @@ class MooncakeClient:
                                f"and metadata server {config.metadata_server}")
 
     def close(self) -> None:
-        self.calls.run(self.store.close)
-        self.calls.close()
+        """Leave the store (once; later calls fail as a store that is down does)."""
+        if not self.closed:
+            self.closed = True
+            self.calls.run(self.store.close)
+            self.calls.close()
 
 
 class MooncakeIndex:
