@@ -73,3 +73,37 @@ def test_an_evicted_prefix_is_routed_to_its_replica_and_served_from_host_memory(
     for worker in (*prefill, decode):
         held = on_engine(worker, lambda e: (e.scheduler.block_pool.num_used, e.scheduler.state_pool.num_used))
         assert held == (0, 0), (worker.name, held)
+
+
+@pytest.mark.slow  # a real store server
+def test_a_unit_one_prefill_replica_put_in_mooncake_store_is_served_by_another(tiny_checkpoint, tmp_path):
+    pytest.importorskip("mooncake.store")
+    from _mooncake_master import Master
+
+    master = Master(tmp_path)
+    args = EngineArgs(model=str(tiny_checkpoint), kv_offload="mooncake", kv_offload_mooncake_config=master.config,
+                      **ENGINE_ARGS)
+    writer, reader = (PrefillWorker(args, transfer="local", name=f"prefill-{i}") for i in range(2))
+    decode = DecodeWorker(EngineArgs(model=str(tiny_checkpoint), **ENGINE_ARGS), transfer="local", name="decode-0")
+    vocab = ModelConfig.from_dir(tiny_checkpoint).vocab_size
+    want = LLM(str(tiny_checkpoint), enable_prefix_caching=False, **ENGINE_ARGS).generate(SECONDS, [GREEDY] * 4)
+
+    async def run(prefill, prompts, prefix):
+        router = DisaggregatedRouter([prefill], [decode], Tokenizer.from_dir(tiny_checkpoint), "k3-tiny",
+                                     ENGINE_ARGS["max_model_len"], vocab, block_size=16, shared_prefix_store=True)
+        try:
+            return [[d async for d in router.generate(GenerateRequest(f"{prefix}-{i}", p, GREEDY))]
+                    for i, p in enumerate(prompts)]
+        finally:
+            await router.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(run(writer, FIRSTS, "first"), 60))
+        runs = asyncio.run(asyncio.wait_for(run(reader, SECONDS, "second"), 60))
+        assert [[t for d in deltas for t in d.new_token_ids] for deltas in runs] == [o.outputs[0].token_ids for o in want]
+        assert [deltas[-1].num_cached_tokens for deltas in runs] == [unit_tokens(p) for p in FIRSTS]
+        assert on_engine(reader, lambda e: e.offload.counts["mooncake"].hits) == sum(map(unit_tokens, FIRSTS))
+    finally:
+        for worker in (writer, reader, decode):
+            worker.shutdown()
+        master.stop()
