@@ -152,7 +152,7 @@ def slot_checksum(cache: ModelCache, slot_id: int) -> str:
         nbytes = pool[0].numel() * pool.element_size()
         pieces.append(_piece("slot", pool, int(slot_id) * nbytes, nbytes, offset))
         offset += nbytes
-    return _checksum_pieces(pieces).get("slot", _format(0, 0)) if pieces else _format(0, 0)
+    return _checksum_pieces(pieces)["slot"] if pieces else _format(0, 0)
 
 
 def combine_request_checksums(shares: Iterable[dict[str, str]]) -> dict[str, str]:

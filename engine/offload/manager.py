@@ -16,7 +16,7 @@ Only tiers with `restores_kda_state` are accepted: a KV-only hit on a hybrid mod
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from k3serve.engine.block_pool import BlockPool, compute_block_hashes
