@@ -196,7 +196,9 @@ def _parse(value: Any, num_blocks: int, per_block: int, per_slot: int) -> tuple[
         header = json.loads(value[_HEADER.size : start])
     except (UnicodeDecodeError, json.JSONDecodeError):
         return None
-    if not isinstance(header, dict) or header.get("num_blocks") != num_blocks or len(header.get("blocks", ())) != num_blocks:
+    if (not isinstance(header, dict) or header.get("num_blocks") != num_blocks or not isinstance(header.get("slot"), str)
+            or not isinstance(header.get("blocks"), list) or len(header["blocks"]) != num_blocks
+            or not all(isinstance(v, str) for v in header["blocks"])):
         return None
     return header, torch.frombuffer(bytearray(value[start:]), dtype=torch.uint8)
 

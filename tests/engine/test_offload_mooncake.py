@@ -4,6 +4,7 @@ one removed between lookup and get (its lease gone mid-read), a store that is do
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -118,3 +119,17 @@ def test_a_store_that_is_down_or_frozen_is_a_miss_within_its_timeout(replicas, f
     assert_exact_misses(b, plain, seconds, num_misses=0)  # the lookups fail: no load begins, nothing to miss
     assert time.monotonic() - started < 10
     assert b.engine.offload.counts["mooncake"].queries > 0
+
+
+def test_a_malformed_object_is_refused_before_anything_lands():
+    from k3serve.engine.offload.mooncake_tier import _HEADER, _parse
+
+    def obj(header, payload: bytes = b"\0" * 12) -> bytes:
+        text = json.dumps(header).encode()
+        return _HEADER.pack(len(text)) + text + payload
+
+    good = {"blocks": ["a", "b"], "slot": "c", "num_blocks": 2}
+    assert _parse(obj(good), 2, 4, 4) is not None
+    for bad in (obj(good, b"\0" * 11), obj({**good, "slot": 1}), obj({**good, "blocks": ["a"]}),
+                obj({k: v for k, v in good.items() if k != "slot"}), obj([1, 2]), b"", b"\x05\0\0\0\0\0\0\0{", None):
+        assert _parse(bad, 2, 4, 4) is None, bad
