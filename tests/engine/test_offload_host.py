@@ -127,3 +127,14 @@ def test_a_tier_that_does_not_restore_the_kda_state_is_refused():
     kv_only.restores_kda_state = False
     with pytest.raises(ValueError, match="does not restore the KDA state"):
         Offload([kv_only], PrefixCache(BlockPool(4, BLOCK_SIZE), StatePool(2)))
+
+
+def test_a_checkpoint_taken_by_an_aligned_chunk_is_stored_and_served_alike(make_llm):
+    llm = make_llm(kv_offload="host", kda_checkpoint_mode="align")
+    firsts = first_turns()[2:3]
+    llm.generate(firsts, [greedy(2)])
+    llm.engine.scheduler.prefix_cache.clear()
+    (out,) = llm.generate(second_turns(first_turns())[2:3], [greedy(4)])
+    (want,) = make_llm(enable_prefix_caching=False).generate(second_turns(first_turns())[2:3], [greedy(4)])
+    assert out.num_cached_tokens == unit_tokens(firsts[0]) and out.outputs[0].token_ids == want.outputs[0].token_ids
+    assert_host_empty(llm)
