@@ -55,7 +55,8 @@ DEPLOYMENT_ENGINE_ARGS = ("model", "served_model_name", "model_cache_dir", "seed
 POOL_ENGINE_ARGS = ("max_num_seqs", "max_num_batched_tokens", "max_adaptive_batched_tokens",
                     "long_prefill_token_threshold", "enable_prefix_caching", "kda_checkpoint_mode",
                     "adaptive_token_budget", "kernels", "moe_finalize", "cache_memory_bytes", "gpu_memory_utilization",
-                    "num_kda_slots", "num_gpu_blocks_override", "kv_events_config")
+                    "num_kda_slots", "num_gpu_blocks_override", "kv_events_config", "kv_offload",
+                    "kv_offload_host_bytes", "kv_offload_mooncake_config")
 # Decode steps' CUDA graphs: the decode pool's and a colocated engine's; a prefill engine runs no decode step, so it
 # is always eager (capturing would cost time and memory for nothing).
 DECODE_ENGINE_ARGS = ("enforce_eager", "cuda_graph_batch_sizes", "speculative_config")

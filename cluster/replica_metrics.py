@@ -12,11 +12,12 @@ from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-PREFIX = ("k3serve:", "vllm:spec_decode_")  # ours, and speculative decoding's by vLLM's names
+PREFIX = ("k3serve:", "vllm:spec_decode_", "vllm:external_prefix_cache_")  # ours, and vLLM's names of
+# speculative decoding's and the offload tiers' (engine/offload/metrics.py)
 
 
 def render_worker_metrics(registry: CollectorRegistry = REGISTRY) -> str:
-    """This process's `k3serve:` (and `vllm:spec_decode_`) families as exposition text (what a worker sends)."""
+    """This process's `PREFIX` families as exposition text (what a worker sends)."""
     text = generate_latest(registry).decode()
     keep, current = [], False
     for line in text.splitlines():

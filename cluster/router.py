@@ -3,7 +3,7 @@
 One request: (1) checked as the engines check it (`engine/prompt_check.py`, its structured output constraint
 parsed), then admitted on the decode replica with the fewest requests in flight from here (then the most free
 blocks), the next one on NoCapacity, or queued (`cluster/admission.py`) while all are full; (2) a prefill
-replica picked by load with prefix affinity pushes the prompt state into the reservation; if it fails, the
+replica picked by the prefix unit it holds against its load (`cluster/prefix_routing.py`) pushes the prompt state into the reservation; if it fails, the
 attempt is dropped on decode and retried once, on another prefill replica if there is one, into a new
 reservation (a live decode replica first); (3) its deltas streamed from the decode replica's feed
 (`cluster/decode_feed.py`); a feed that dies mid-stream is migrated: the request continues on another decode
@@ -30,6 +30,7 @@ from k3serve.cluster.decode_feed import DecodeFeed, RequestDeltas
 from k3serve.cluster.errors import PoolDegradedError, ReplicaDiedError, ReplicaUnavailableError
 from k3serve.cluster.metrics import IngressMetrics
 from k3serve.cluster.migration import MAX_MIGRATIONS, Continuation, refusal
+from k3serve.cluster.prefix_routing import PrefixRouting
 from k3serve.cluster.replica_metrics import ReplicaMetricsCollector
 from k3serve.cluster.replicas import DecodeReplica, PrefillReplica
 from k3serve.cluster.room_watch import STALL_SECONDS, RoomWatch
@@ -64,13 +65,17 @@ class DisaggregatedRouter:
         queue_timeout_seconds: float | None = None,
         admission_stall_seconds: float = STALL_SECONDS,
         migrate_on_decode_failure: bool = True,
+        block_size: int = 64,
+        shared_prefix_store: bool = False,
     ) -> None:
         """vocab_size: the model's (config.json), which the engines check ids against.
         max_queued_requests / queue_timeout_seconds bound the admission queue (None: no bound,
         as the colocated engine's scheduler queues); admission_stall_seconds: how long a decode
         replica's room may stay held by unmoving reservations before it counts as unable to admit
         (`cluster/room_watch.py`); migrate_on_decode_failure: continue a stream whose decode replica died
-        on another one; `k3serve serve` passes ServeConfig's."""
+        on another one; block_size / shared_prefix_store: the engines' block size and whether the prefill pool
+        offloads prefix units to a store every replica reads (`cluster/prefix_routing.py`); `k3serve serve`
+        passes ServeConfig's."""
         self.prefill, self.decode = list(prefill), list(decode)
         self.tokenizer, self.model_name, self.max_model_len = tokenizer, model_name, max_model_len
         self.vocab_size = vocab_size
@@ -85,6 +90,7 @@ class DisaggregatedRouter:
         self._room = RoomWatch(admission_stall_seconds)
         self._feeds: dict[str, DecodeFeed] = {r.name: DecodeFeed(r) for r in self.decode}
         self._prompt_tokens: dict[str, int] = {r.name: 0 for r in self.prefill}  # of the prefills in flight
+        self._prefixes = PrefixRouting(block_size, shared_prefix_store)  # which prefill replica holds which units
         self._draining: set[str] = set()  # chosen for removal: routed nothing new (`drain`)
         self._refresher: asyncio.Task | None = None
         self.admission: AdmissionQueue[tuple[DecodeReplica, HandoffTarget, RequestDeltas]] = AdmissionQueue(
@@ -306,18 +312,21 @@ class DisaggregatedRouter:
             raise
 
     def _prefill_order(self, prompt_ids: list[int]) -> list[PrefillReplica]:
-        """Rendezvous hashing on the prompt's first tokens (prefix affinity), unless that
-        replica is loaded well above the least loaded one; the rest by load."""
+        """The replica with the longest prefix unit of the prompt, weighed against the prompt tokens it has in
+        flight (`PrefixRouting.order`); among equals, rendezvous hashing on the prompt's first tokens (prefix
+        affinity for a new prefix), unless that replica is loaded well above the least loaded one."""
         routable = [r for r in self.prefill if r.name not in self._draining]
         healthy = [r for r in routable if self._healthy.get(r.name, True)] or routable
         key = ",".join(map(str, prompt_ids[:AFFINITY_TOKENS])).encode()
         by_hash = sorted(healthy, key=lambda r: hashlib.sha1(key + r.name.encode()).digest())
         least = min(self._inflight[r.name] for r in healthy)
-        preferred = by_hash[0]
         by_load = sorted(healthy, key=lambda r: self._inflight[r.name])
-        if self._inflight[preferred.name] <= least + AFFINITY_SLACK:
-            return [preferred] + [r for r in by_load if r is not preferred]
-        return by_load
+        if self._inflight[by_hash[0].name] <= least + AFFINITY_SLACK:
+            tie_break = [by_hash[0]] + [r for r in by_load if r is not by_hash[0]]
+        else:
+            tie_break = by_load
+        by_name = {r.name: r for r in healthy}
+        return [by_name[n] for n in self._prefixes.order([r.name for r in tie_break], prompt_ids, self._prompt_tokens)]
 
     async def _prefill_on(self, replica: PrefillReplica, rid: str, prompt_ids: list[int], params,
                           target: HandoffTarget) -> PrefillResult:
@@ -325,7 +334,9 @@ class DisaggregatedRouter:
         self._inflight[replica.name] += 1
         self._prompt_tokens[replica.name] += len(prompt_ids)
         try:
-            return await replica.prefill(rid, prompt_ids, params, target)
+            result = await replica.prefill(rid, prompt_ids, params, target)
+            self._prefixes.record(replica.name, prompt_ids)
+            return result
         except (ValueError, TypeError):
             raise
         except Exception:
@@ -395,6 +406,7 @@ class DisaggregatedRouter:
         if not busy[name]:  # else the requests still running uncount themselves as they end
             for counts in (self._inflight, self._prompt_tokens, self._decoding):
                 counts.pop(name, None)
+        self._prefixes.forget(name)
         self._healthy.pop(name, None)
         self._decode_stats.pop(name, None)
         self._room.clear(name)

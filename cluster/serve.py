@@ -63,6 +63,7 @@ def start_deployment(config: ServeConfig) -> Deployment:
     args = {pool: replace(config.engine_args(pool), model=model_dir, served_model_name=name) for pool in config.pools}
     if config.mode == "colocated":
         from k3serve.engine.async_engine import AsyncEngine
+        from k3serve.engine.offload.metrics import offload_metrics
         from k3serve.engine.spec.metrics import spec_decode_metrics
         from k3serve.engine.structured_output_metrics import grammar_compile_metrics
 
@@ -73,6 +74,7 @@ def start_deployment(config: ServeConfig) -> Deployment:
         metrics.include(grammar_compile_metrics().collectors)  # the engine compiles in this process
         metrics.watch_engine("colocated", "0", lambda: engine.call(lambda e: e.stats()))
         metrics.include(spec_decode_metrics().collectors)  # and speculates in it
+        metrics.include(offload_metrics().collectors)  # and offloads prefix units from it
         return Deployment(engine, metrics, config, [engine.shutdown])
     _check_tp(config, model_dir)
     if config.launcher == "ray":
@@ -131,7 +133,9 @@ def _router(config: ServeConfig, prefill: list, decode: list, model_dir: str, na
                                  max_queued_requests=config.queue_capacity,
                                  queue_timeout_seconds=config.queue_timeout_seconds,
                                  admission_stall_seconds=config.admission_stall_seconds,
-                                 migrate_on_decode_failure=config.migrate_on_decode_failure)
+                                 migrate_on_decode_failure=config.migrate_on_decode_failure,
+                                 block_size=config.block_size,
+                                 shared_prefix_store=config.engine_args("prefill").kv_offload == "mooncake")
     return router, metrics
 
 

@@ -76,6 +76,18 @@ class EngineArgs:
     """JSON as vLLM's --kv-events-config (enable_kv_cache_events, publisher, endpoint, topic, hwm): publish the prefix
     cache's block stored / removed events over ZMQ for prefix-aware routers (engine/kv_events.py); None = off."""
 
+    kv_offload: Literal["none", "host", "mooncake"] = "none"
+    """Where prefix units (MLA blocks + the KDA checkpoint at their end) go beside the device prefix cache: 'host'
+    memory of this engine (pinned on CUDA, LRU), 'mooncake' (Mooncake Store, shared by every replica that names the
+    same master), or 'none'. Needs enable_prefix_caching (docs/design/offload.md)."""
+    kv_offload_host_bytes: int | None = None
+    """Bytes of the host tier (kv_offload='host'), on every TP rank; None = twice the device's MLA blocks + KDA
+    slots."""
+    kv_offload_mooncake_config: str | None = None
+    """kv_offload='mooncake': JSON with the store's master_server_addr and metadata_server (needed),
+    global_segment_size and local_buffer_size (bytes this client gives the store / stages in), protocol (tcp),
+    device_name, local_hostname and timeout_s (a slower store call is a miss); read only with kv_offload='mooncake'."""
+
     # ---- speculative decoding ----
     speculative_config: SpeculativeConfig | None = None
     """vLLM's speculative_config, e.g. '{"method": "ngram", "num_speculative_tokens": 4}' (a JSON object or its
@@ -129,6 +141,21 @@ class EngineArgs:
                                  "captures no graphs (give one or the other)")
             object.__setattr__(self, "cuda_graph_batch_sizes", tuple(sizes))
 
+        if self.kv_offload not in ("none", "host", "mooncake"):
+            raise ValueError(f"kv_offload must be 'none', 'host' or 'mooncake', got {self.kv_offload!r}")
+        if self.kv_offload == "mooncake" and self.kv_offload_mooncake_config is None:
+            raise ValueError("kv_offload='mooncake' needs kv_offload_mooncake_config (the store's master and metadata "
+                             "server)")
+        if self.kv_offload_mooncake_config is not None:
+            from k3serve.engine.offload.mooncake_config import MooncakeStoreConfig
+
+            MooncakeStoreConfig.from_json(self.kv_offload_mooncake_config)  # refused here, before any engine starts
+        if self.kv_offload != "none" and not self.enable_prefix_caching:
+            raise ValueError(f"kv_offload={self.kv_offload!r} needs enable_prefix_caching=True: the tiers hold the "
+                             "prefix cache's units")
+        if self.kv_offload_host_bytes is not None and (
+                not isinstance(self.kv_offload_host_bytes, int) or self.kv_offload_host_bytes < 1):
+            raise ValueError(f"kv_offload_host_bytes must be an integer >= 1 or None, got {self.kv_offload_host_bytes!r}")
         if self.kv_events_config is not None:
             from k3serve.engine.kv_events import KVEventsConfig
 

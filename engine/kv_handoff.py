@@ -231,6 +231,7 @@ class FollowerRank:
                                      **{k: gathered(fn) for k, fn in actions.items()}})
 
     def close(self) -> None:
+        self._runner.close_offload()
         self._group.close()
 
 

@@ -30,6 +30,8 @@ from k3serve.engine.config import EngineArgs
 from k3serve.engine.detokenizer import IncrementalDetokenizer
 from k3serve.engine.kv_events import open_kv_events
 from k3serve.engine.memory import PoolPlan, plan_engine_pools, scheduler_config
+from k3serve.engine.offload.factory import tier_indexes
+from k3serve.engine.offload.manager import Offload
 from k3serve.engine.outputs import RequestDelta, TokenLogprobs
 from k3serve.engine.prefix_cache import PrefixCache
 from k3serve.engine.prompt_check import check_prompt
@@ -140,6 +142,9 @@ class LLMEngine:
         self.kv_events = open_kv_events(args) if prefix_cache is not None else None
         if self.kv_events is not None:
             prefix_cache.publish_events(self.kv_events)
+        tiers = (tier_indexes(args, self.runner.cache, self.plan, self.runner.offload, self.config)
+                 if prefix_cache is not None else [])
+        self.offload = Offload(tiers, prefix_cache, self.model_name) if tiers else None
         spec = args.speculative_config
         self.speculator = Speculator(spec) if spec is not None else None
         self.spec_stats = SpecDecodeStats(spec_decode_metrics(), self.model_name)
@@ -150,6 +155,7 @@ class LLMEngine:
             prefix_cache,
             on_finish,
             self.speculator,
+            self.offload,
         )
         self.sampler = Sampler(eos_token_id=self.tokenizer.eos_token_id)
         self.structured_outputs = StructuredOutputs(self.tokenizer, self.config.vocab_size,
@@ -311,6 +317,7 @@ class LLMEngine:
     def close(self) -> None:
         """Release the TP followers (they exit their loop), the process group and the compile threads."""
         self.structured_outputs.close()
+        self.runner.close_offload()
         if self.kv_events is not None:
             self.kv_events.close()
         group = self.runner.group
@@ -358,7 +365,7 @@ class LLMEngine:
         failed = [self._end(rid, error=why) for rid, why in failures.items()]  # update_from_output skips them
         verified = {rid: tokens for rid, tokens in verified.items() if rid not in failures}
         finished = {r.request_id: r for r in self.scheduler.update_from_output(
-            output, sampled, verdict.terminated | checked.terminated, verified)}
+            output, sampled, verdict.terminated | checked.terminated, verified, result.offload_results)}
         deltas = refused + failed + [self._delta(rid, [token], [logprobs.get(rid)], finished.get(rid))
                            for rid, token in sampled.items() if rid not in verdict.failed]
         for rid, tokens in verified.items():  # the tokens the scheduler appended: up to the first stop

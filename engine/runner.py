@@ -15,6 +15,7 @@ only place that touches the cache tensors outside the model.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,8 @@ import torch
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.cuda_graphs import DecodeGraphs, capture_decode_graphs, graphs_enabled
 from k3serve.engine.memory import PoolPlan
+from k3serve.engine.offload.factory import tier_data
+from k3serve.engine.offload.tier import TierData
 from k3serve.engine.outputs import TokenLogprobs
 from k3serve.engine.sampler import PROMPT_LOGPROBS_ROWS, PromptScoring, prompt_logprobs
 
@@ -40,6 +43,7 @@ class RunnerOutput:
     sample_logits: dict[str, torch.Tensor]  # request_id -> [vocab] fp32, chunks with needs_sample (rank 0)
     prompt_logprobs: dict[str, list[TokenLogprobs]]  # request_id -> [len(target_token_ids)], if asked (rank 0)
     verify_logits: dict[str, torch.Tensor] = field(default_factory=dict)  # spec rows: [1 + k, vocab] fp32 (rank 0)
+    offload_results: list[int | None] = field(default_factory=list)  # [stores + loads] bytes, all ranks; None: failed
 
 
 @dataclass
@@ -73,13 +77,14 @@ def load_runner(
         reserve_pad_slot=use_graphs,
     )
     graphs = capture_decode_graphs(model, cache, args, all_ranks_ok) if use_graphs else None
-    return ModelRunner(model, cache, group, graphs)
+    return ModelRunner(model, cache, group, graphs, offload=tier_data(args, cache, plan, tp, model.config))
 
 
 class ModelRunner:
     def __init__(
         self, model: KimiForCausalLM, cache: ModelCache, group: TPGroup | None = None,
         graphs: DecodeGraphs | None = None, prompt_logprobs_rows: int = PROMPT_LOGPROBS_ROWS,
+        offload: Sequence[TierData] = (),
     ) -> None:
         if prompt_logprobs_rows < 1:
             raise ValueError(f"prompt_logprobs_rows must be >= 1, got {prompt_logprobs_rows}")
@@ -91,6 +96,7 @@ class ModelRunner:
         self.prompt_logprobs_rows = prompt_logprobs_rows  # the same on every rank of an engine
         self._pending_commit: _PendingCommit | None = None  # a verify step's, until `commit_verified`
         self._kda_layers = [layer.self_attn for layer in model.model.layers if layer.is_kda]  # cache order
+        self.offload = {tier.name: tier for tier in offload}  # this rank's half of each offload tier
 
     def execute(self, output: SchedulerOutput, score_prompts: dict[str, PromptScoring] | None = None) -> RunnerOutput:
         """`score_prompts`: request_id -> the prompt tokens its chunk's first rows score (prompt logprobs)."""
@@ -99,6 +105,9 @@ class ModelRunner:
             self.group.lead(("step", output, score_prompts))
         if self._pending_commit is not None:
             raise RuntimeError("a step ran before the previous verify step's commit_verified")
+        offload_results = self._run_offload(output)  # before anything this step writes a block or a slot
+        if not output.seqs:
+            return RunnerOutput(sample_logits={}, prompt_logprobs={}, offload_results=offload_results)
         # [single-token chunks | verify rows | prefill chunks]: each path gets one contiguous slice of the batch.
         seqs = sorted(output.seqs, key=lambda s: 0 if s.num_scheduled_tokens == 1 else 1 if s.num_draft_tokens else 2)
         # The one zeroing of fresh slots (the model reads whatever a slot holds), all of them at once.
@@ -144,7 +153,26 @@ class ModelRunner:
             sample_logits={rid: logits[at] for rid, at, _, spec in row_spans if not spec},
             prompt_logprobs=scored,
             verify_logits={rid: logits[at : at + n] for rid, at, n, spec in row_spans if spec},
+            offload_results=offload_results,
         )
+
+    def close_offload(self) -> None:
+        """Release this rank's offload tiers (a store client leaves the store)."""
+        for tier in self.offload.values():
+            tier.close()
+
+    def _run_offload(self, output: SchedulerOutput) -> list[int | None]:
+        """The step's offload stores, then its loads, on this rank; at TP > 1 the bytes of all ranks (a collective:
+        every rank runs the same copies), None for a copy that failed on any rank."""
+        stores, loads = output.offload_stores, output.offload_loads
+        if not (stores or loads):
+            return []
+        done = [self.offload[op.tier].store(op, self.cache) for op in stores]
+        done += [self.offload[op.tier].load(op, self.cache) for op in loads]
+        if self.group is None:
+            return done
+        ranks = self.group.all_gather(done)
+        return [None if any(r[i] is None for r in ranks) else sum(r[i] for r in ranks) for i in range(len(done))]
 
     def commit_verified(self, commit_lens: dict[str, int]) -> None:
         """After rejection, every rank: each verify row's KDA slot (state and conv window) advanced by its first

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from itertools import islice
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Collection, Literal, Mapping
+from typing import TYPE_CHECKING, Callable, Collection, Literal, Mapping, Sequence
 
 from k3serve.engine.block_pool import BlockPool, compute_block_hashes
 from k3serve.engine.budget import scheduled_token_budget
@@ -26,6 +26,7 @@ from k3serve.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from k3serve.engine.state_pool import StatePool
 
 if TYPE_CHECKING:
+    from k3serve.engine.offload.manager import Offload
     from k3serve.engine.spec.proposer import Speculator
 
 KdaCheckpointMode = Literal["in_pass", "align", "none"]
@@ -125,6 +126,7 @@ class Scheduler:
         prefix_cache: PrefixCache | None = None,
         on_finish: Callable[[Request], None] | None = None,
         speculator: Speculator | None = None,
+        offload: Offload | None = None,
     ) -> None:
         if block_pool.block_size != config.block_size:
             raise ValueError(f"block_pool.block_size={block_pool.block_size} != config.block_size={config.block_size}")
@@ -141,6 +143,7 @@ class Scheduler:
         self.prefix_cache = prefix_cache if config.enable_prefix_caching else None
         self.on_finish = on_finish  # sees a finished request while it still holds its blocks and slot
         self.speculator = speculator  # drafts for decodes; None: no speculative decoding
+        self.offload = offload if self.prefix_cache is not None else None  # host / store tiers of the prefix cache
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.waiting: deque[Request] = deque()  # FCFS; preempted requests go back to the front
         self.running: list[Request] = []  # sorted by arrival_order
@@ -191,7 +194,8 @@ class Scheduler:
         return len(self.waiting)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Requests to run, or offload copies begun that a step must still run (their pins go with it)."""
+        return bool(self.requests) or (self.offload is not None and self.offload.has_pending)
 
     def schedule(self) -> SchedulerOutput:
         budget = self._token_budget()
@@ -215,23 +219,30 @@ class Scheduler:
             self.waiting.popleft()
         seqs = step.decodes + step.prefills
         finished, self._finished_request_ids = self._finished_request_ids, []
+        stores, loads = self.offload.take_ops() if self.offload is not None else ([], [])
         return SchedulerOutput(
             seqs=seqs,
             num_batched_tokens=sum(seq.num_scheduled_tokens for seq in seqs),
             token_budget=budget,
             preempted_request_ids=step.preempted_request_ids,
             finished_request_ids=finished,
+            offload_stores=stores,
+            offload_loads=loads,
         )
 
     def update_from_output(
         self, output: SchedulerOutput, sampled_token_ids: dict[str, int], stopped_request_ids: Collection[str] = (),
-        verified_token_ids: Mapping[str, list[int]] | None = None,
+        verified_token_ids: Mapping[str, list[int]] | None = None, offload_results: Sequence[int | None] = (),
     ) -> list[Request]:
         """Advance the scheduled requests by their chunks; append the tokens sampled for chunks
         that reached the end of the known tokens; return the requests that finished. A request in
         `stopped_request_ids` (its structured output is complete) finishes "stop" with its token,
         as at EOS. A verify row's tokens come in `verified_token_ids` (its accepted drafts, then the
-        recovered or bonus token): it advances by their number and appends them until the first stop."""
+        recovered or bonus token): it advances by their number and appends them until the first stop.
+        `offload_results`: the runner's, one per offload copy of the step (`Offload.step_done`)."""
+        if self.offload is not None:
+            self.offload.step_done(output.offload_stores, output.offload_loads, offload_results,
+                                   lambda rid: rid in self.requests and self.requests[rid].status is not RequestStatus.RUNNING)
         finished: list[Request] = []
         for seq in output.seqs:
             req = self.requests.get(seq.request_id)
@@ -253,10 +264,12 @@ class Scheduler:
                 self.state_pool.free(copy_slot)
             checkpoint = self._pending_checkpoints.pop(req.request_id, None)
             if checkpoint is not None:
-                self.prefix_cache.insert(
+                kept = self.prefix_cache.insert(
                     checkpoint.block_hashes, req.block_ids, checkpoint.boundary_num_tokens, checkpoint.slot_id,
                     token_ids=req.all_token_ids,
                 )
+                if kept and self.offload is not None:  # write-through: the unit goes to the tiers next step
+                    self.offload.checkpointed(req.request_id, checkpoint.block_hashes, req.block_ids, checkpoint.slot_id)
                 self.state_pool.free(checkpoint.slot_id)  # now cached (or a duplicate, then free)
             if not seq.needs_sample:
                 continue
@@ -356,19 +369,25 @@ class Scheduler:
         step.add(self._make_seq(req, num_new - len(drafts), drafts))
 
     def _admit(self, req: Request, step: _Step) -> bool:
-        """Start (or restart) the waiting head; False if it does not fit yet."""
-        hit = MISS
-        if self.prefix_cache is not None and getattr(req.sampling_params, "prompt_logprobs", None) is None:
+        """Start (or restart) the waiting head; False if it does not fit yet, or waits for an offload load."""
+        loaded = self.offload.take_loaded(req.request_id) if self.offload is not None else None
+        hit = loaded or MISS
+        if loaded is None and self.prefix_cache is not None and getattr(req.sampling_params, "prompt_logprobs", None) is None:
             # a request that wants prompt logprobs must compute every prompt position (as vLLM v1)
             hit = self.prefix_cache.lookup(req.all_token_ids)
-        if hit.num_tokens:  # hold the hit before allocating, so allocation cannot evict it
+            if (self.offload is not None and req.request_id not in self.offload.no_offload
+                    and self.offload.start_load(req.request_id, req.all_token_ids, hit.num_tokens)):
+                return False  # admitted from the loaded unit once the step has copied it in
+        if hit.num_tokens and loaded is None:  # hold the hit before allocating, so allocation cannot evict it
             self.block_pool.share(hit.block_ids)
             self.state_pool.share(hit.checkpoint_slot)
         num_new = self._chunk_len(req, hit.num_tokens, step)
         num_new = self._plan_checkpoint(req, hit.num_tokens, num_new, num_slots_needed=2, dry_run=True)
         num_new_blocks = _cdiv(hit.num_tokens + num_new, self.config.block_size) - len(hit.block_ids)
         if not (self.state_pool.can_allocate(1) and self.block_pool.can_allocate(num_new_blocks)):
-            if hit.num_tokens:
+            if loaded is not None:
+                self.offload.keep_loaded(req.request_id, loaded)
+            elif hit.num_tokens:
                 self.block_pool.free(hit.block_ids)
                 self.state_pool.free(hit.checkpoint_slot)
             return False
@@ -471,6 +490,8 @@ class Scheduler:
         copy_slot = self._pending_copy_slots.pop(req.request_id, None)
         if copy_slot is not None:
             self.state_pool.free(copy_slot)
+        if self.offload is not None:
+            self.offload.release(req.request_id)
 
     def check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
         params = req.sampling_params

@@ -1,6 +1,7 @@
 """What the scheduler hands the model runner for one step: plain lists and ints, no tensors.
 
-Per sequence the runner does, in this order:
+First, the step's offload copies (engine/offload/): prefix units out to their tiers, then units in, each
+verified (before anything this step writes a block or slot). Then per sequence the runner does, in this order:
 
     before the forward   zero_state            -> zero slot_id (recurrent + conv window)
                          copy_state_from_slot  -> copy that checkpoint slot into slot_id
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-NO_SLOT = -1
+from k3serve.engine.offload.unit import NO_SLOT, UnitCopy
 
 
 @dataclass
@@ -51,6 +52,8 @@ class SchedulerOutput:
     token_budget: int = 0  # the adaptive budget this step was scheduled under
     preempted_request_ids: list[str] = field(default_factory=list)  # [num_preempted] this step
     finished_request_ids: list[str] = field(default_factory=list)  # freed since the last step
+    offload_stores: list[UnitCopy] = field(default_factory=list)  # prefix units copied out first, before anything
+    offload_loads: list[UnitCopy] = field(default_factory=list)  # then units copied in (engine/offload/)
 
     @property
     def num_decodes(self) -> int:
@@ -58,4 +61,4 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs
+        return not (self.seqs or self.offload_stores or self.offload_loads)

@@ -126,6 +126,18 @@ class StatePool:
         self._key_to_slot[key] = slot_id
         return True
 
+    def forget(self, key: int) -> bool:
+        """Stop finding the checkpoint under `key` (its bytes are not to be trusted): an unused slot becomes free,
+        one in use stays its holders' until they free it. False if no slot holds `key`."""
+        slot_id = self._key_to_slot.pop(key, None)
+        if slot_id is None:
+            return False
+        self._slot_key[slot_id] = None
+        if slot_id in self._cached:
+            del self._cached[slot_id]
+            self._free.append(slot_id)
+        return True
+
     def evict_all_cached(self) -> int:
         """Drop every unused checkpoint (they become plain free); returns the count."""
         num_evicted = len(self._cached)

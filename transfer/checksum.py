@@ -132,6 +132,29 @@ def _request_pieces(request: CachedRequest, heads: HeadSlice | None, include_mla
     return pieces
 
 
+def block_checksums(cache: ModelCache, block_ids: Sequence[int]) -> list[str]:
+    """The checksum of each block of `block_ids` taken as its own view (its rows in every MLA layer, layer after
+    layer), all in one pass: equal bytes give equal values in any cache, on any device (an offload tier's entry
+    against the device block it lands in)."""
+    pieces = []
+    for i, block_id in enumerate(block_ids):
+        for layer, kv in enumerate(cache.mla_kv):
+            nbytes = kv[0].numel() * kv.element_size()
+            pieces.append(_piece(str(i), kv, int(block_id) * nbytes, nbytes, layer * nbytes))
+    sums = _checksum_pieces(pieces) if pieces else {}
+    return [sums.get(str(i), _format(0, 0)) for i in range(len(block_ids))]
+
+
+def slot_checksum(cache: ModelCache, slot_id: int) -> str:
+    """The checksum of one KDA slot's whole state (every KDA layer's recurrent state, then every conv window)."""
+    pieces, offset = [], 0
+    for pool in cache.kda_recurrent + cache.kda_conv:
+        nbytes = pool[0].numel() * pool.element_size()
+        pieces.append(_piece("slot", pool, int(slot_id) * nbytes, nbytes, offset))
+        offset += nbytes
+    return _checksum_pieces(pieces)["slot"] if pieces else _format(0, 0)
+
+
 def combine_request_checksums(shares: Iterable[dict[str, str]]) -> dict[str, str]:
     """Add up the senders' shares, region by region (a region may come from one sender only)."""
     parts: dict[str, list[str]] = {}

@@ -218,6 +218,18 @@ def overview() -> dashboard.Dashboard:
                                      f"sum by (model_name) (rate(vllm:prefix_cache_queries_total{{{MODEL}}}[{RATE}]))",
                                      "{{model_name}}", "A"),
                            ], max_val=1))
+        .with_panel(series(ids, "Offload tiers", "Prompt tokens looked up in and served from each offload tier of "
+                           "the prefix cache (kv_offload host | mooncake), per second; loads that did not verify "
+                           "(a miss, recomputed); bytes copied out and in (engine/offload/metrics.py).", "short", [
+                               query(f"sum by (tier) (rate(vllm:external_prefix_cache_queries_total{{{MODEL}}}[{RATE}]))",
+                                     "queried: {{tier}}", "A"),
+                               query(f"sum by (tier) (rate(vllm:external_prefix_cache_hits_total{{{MODEL}}}[{RATE}]))",
+                                     "hit: {{tier}}", "B"),
+                               query(f"sum by (tier) (rate(k3serve:kv_offload_misses_total{{{MODEL}}}[{RATE}]))",
+                                     "missed loads: {{tier}}", "C"),
+                               query(f"sum by (tier, direction) (rate(k3serve:kv_offload_bytes_total{{{MODEL}}}[{RATE}]))",
+                                     "bytes {{direction}}: {{tier}}", "D"),
+                           ]))
         .with_panel(series(ids, "Decode time", "First to last token of each choice.", "s",
                            quantile_queries("vllm:request_decode_time_seconds"), width=24))
         .with_row(dashboard.Row("Structured outputs").id(ids.id()))

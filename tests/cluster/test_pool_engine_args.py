@@ -55,6 +55,7 @@ def test_vllms_flag_names_reach_the_engines() -> None:
     assert _config("--enable-prefix-caching").engine_args("prefill").enable_prefix_caching is True
 
 
+_STORE = '{"master_server_addr": "store:50051", "metadata_server": "http://store:8080/metadata"}'
 # Each per-pool knob: a value that is not its default, as a flag's text and as the engine's value.
 POOL_VALUES = {
     "max_num_seqs": ("8", 8),
@@ -71,6 +72,9 @@ POOL_VALUES = {
     "num_kda_slots": ("200", 200),
     "num_gpu_blocks_override": ("100", 100),
     "kv_events_config": ('{"topic": "k3"}', '{"topic": "k3"}'),
+    "kv_offload": ("host", "host"),
+    "kv_offload_host_bytes": ("1048576", 1048576),
+    "kv_offload_mooncake_config": (_STORE, _STORE),
 }
 
 

@@ -492,3 +492,21 @@ def test_the_network_policy_narrows_the_api_to_the_peers_given_and_can_be_turned
     assert api["from"] == [{"namespaceSelector": {"matchLabels": {"team": "llm-gateway"}}}]
     assert "from" not in metrics and extra == {"ports": [{"port": 8265}]}
     assert of_kind(render(sets=("networkPolicy.enabled=false",)), "NetworkPolicy") == []
+
+
+def test_the_chart_starts_mooncake_stores_master_and_points_the_offloading_engines_at_it():
+    docs = render(sets=("mooncakeStore.enabled=true", "engine.kvOffload=mooncake", "mooncakeStore.args[0]=--v=1"))
+    (deployment,) = [d for d in of_kind(docs, "Deployment") if d["metadata"]["name"].endswith("-mooncake-master")]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["mooncake_master"]
+    assert "--enable_http_metadata_server=true" in container["args"] and "--v=1" in container["args"]
+    (service,) = [d for d in of_kind(docs, "Service") if d["metadata"]["name"].endswith("-mooncake-master")]
+    assert {p["port"] for p in service["spec"]["ports"]} == {50051, 8080}
+    cfg = config_of(docs)
+    store = json.loads(cfg["kv_offload_mooncake_config"])
+    assert store["master_server_addr"] == f"{service['metadata']['name']}:50051"
+    assert store["metadata_server"] == f"http://{service['metadata']['name']}:8080/metadata"
+    from k3serve.cluster.config import ServeConfig
+
+    assert ServeConfig(**cfg).engine_args("decode").kv_offload == "mooncake"  # a config k3serve accepts
+    assert not [d for d in of_kind(render(), "Deployment") if d["metadata"]["name"].endswith("-mooncake-master")]

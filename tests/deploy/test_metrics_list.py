@@ -1,6 +1,6 @@
 """deploy/metrics.txt against the collectors k3serve defines: the ingress (cluster/metrics.py) and
 the transfer layer (transfer/metrics.py), grammar compilation (engine/structured_output_metrics.py) and
-speculative decoding (engine/spec/metrics.py). Every listed metric must have a collector of the same
+speculative decoding (engine/spec/metrics.py) and the offload tiers (engine/offload/metrics.py). Every listed metric must have a collector of the same
 type, and each collector's labels must match the list, so the dashboards and rules built on the
 list see series. (A running server's GET /metrics is checked by the serving tests.)"""
 
@@ -20,13 +20,14 @@ def collectors() -> dict[str, tuple[str, frozenset[str]]]:
     """PromQL name -> (type, declared labels) of every collector k3serve defines."""
     prometheus_client = pytest.importorskip("prometheus_client")
     from k3serve.cluster.metrics import IngressMetrics
+    from k3serve.engine.offload.metrics import offload_metrics
     from k3serve.engine.spec.metrics import spec_decode_metrics
     from k3serve.engine.structured_output_metrics import grammar_compile_metrics
     from k3serve.transfer.metrics import TransferMetrics
 
     registry = prometheus_client.CollectorRegistry()
     owners = [IngressMetrics(registry=registry, model_name="m"), TransferMetrics.create(registry),
-              grammar_compile_metrics(registry), spec_decode_metrics(registry)]
+              grammar_compile_metrics(registry), spec_decode_metrics(registry), offload_metrics(registry)]
     found = {}
     for owner in owners:
         for c in vars(owner).values():

@@ -107,3 +107,15 @@ def test_bad_pin_share_and_cache_calls_are_errors():
         pool.cache_checkpoint(0, 1)
     with pytest.raises(ValueError, match="num_slots >= 1"):
         StatePool(0)
+
+
+def test_forget_drops_a_checkpoint_cached_or_in_use():
+    pool = StatePool(3)
+    cached, held = pool.allocate(), pool.allocate()
+    assert pool.cache_checkpoint(cached, key=1) and pool.cache_checkpoint(held, key=2)
+    pool.free(cached)
+    assert pool.forget(1) and pool.lookup(1) is None and pool.num_cached == 0
+    assert pool.forget(2) and pool.lookup(2) is None  # its holder keeps it until it frees it
+    assert not pool.forget(2)
+    pool.free(held)
+    pool.check_empty()

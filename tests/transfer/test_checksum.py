@@ -336,3 +336,25 @@ def test_gpu_request_checksums_at_k3_size() -> None:
 def _change(t: torch.Tensor, index: tuple[int, ...]) -> None:
     """Give one element other bytes (random-byte caches hold values where += 1 changes nothing)."""
     t[index] = 1.0 if bool(t[index] == 0) else 0.0
+
+
+def test_block_and_slot_checksums_are_the_entry_as_its_own_view_in_any_cache():
+    """The offload tiers' checksums: a block (every MLA layer, layer after layer) or a slot (every KDA pool) taken
+    as its own view, so equal bytes in another cache, at another id, give the same value, and a flipped bit does not."""
+    from k3serve.transfer.checksum import block_checksums, slot_checksum
+
+    config = tiny_config()
+    a = ModelCache.allocate(config, 6, 3, BLOCK_SIZE, dtype=torch.bfloat16)
+    b = ModelCache.allocate(config, 4, 2, BLOCK_SIZE, dtype=torch.bfloat16)
+    fill_random_bytes(a, seed=3)
+    for src, dst in ((a.mla_kv, b.mla_kv), (a.kda_recurrent + a.kda_conv, b.kda_recurrent + b.kda_conv)):
+        for x, y in zip(src, dst):
+            y[1].copy_(x[2])
+    assert block_checksums(a, [2, 5]) == [_oracle(torch.stack([kv[i] for kv in a.mla_kv])) for i in (2, 5)]
+    assert block_checksums(b, [1]) == block_checksums(a, [2])
+    assert slot_checksum(b, 1) == slot_checksum(a, 2)
+    assert slot_checksum(a, 2) == _oracle(torch.cat([p[2].contiguous().view(-1).view(torch.uint8)
+                                                     for p in a.kda_recurrent + a.kda_conv]))
+    b.mla_kv[-1][1].view(-1).view(torch.uint8)[-1] ^= 1
+    b.kda_conv[0][1].view(-1).view(torch.uint8)[0] ^= 4
+    assert block_checksums(b, [1]) != block_checksums(a, [2]) and slot_checksum(b, 1) != slot_checksum(a, 2)
