@@ -204,10 +204,11 @@ class MoE(nn.Module):
         self.load = torch.bincount(ids.flatten(), minlength=cfg.num_experts).float()
         combine = torch.zeros(x.shape[0], cfg.num_experts, device=x.device).scatter(1, ids, weights)  # [N, E]
         w1, w3, w2 = self.experts.weights()
+        E, inter, latent = w1.shape
         h = x @ self.routed_expert_down_proj.weight.T  # [N, latent]
-        act = situ_glu(torch.einsum("nl,eil->eni", h, w1), torch.einsum("nl,eil->eni", h, w3),
-                       cfg.situ_beta, cfg.situ_linear_beta)
-        routed = torch.einsum("ne,eni,eli->nl", combine, act, w2)
+        gate, up = ((h @ w.reshape(E * inter, latent).T).reshape(-1, E, inter) for w in (w1, w3))
+        act = situ_glu(gate, up, cfg.situ_beta, cfg.situ_linear_beta) * combine[..., None]  # [N, E, I]
+        routed = act.reshape(-1, E * inter) @ w2.transpose(1, 2).reshape(E * inter, latent)  # one GEMM over experts
         routed = rms_norm(routed, self.routed_expert_norm.weight, cfg.rms_norm_eps)
         out = routed @ self.routed_expert_up_proj.weight.T + self.shared_experts(x)
         return out.reshape(shape)

@@ -15,7 +15,7 @@ from k3serve.model.presets import KIMI_K3_TEXT, MXFP4_QUANTIZATION
 @dataclass(frozen=True)
 class Recipe:
     # ---- model (K3 architecture: every layer kind and feature of Kimi-K3, scaled down) ----
-    vocab_size: int = 8192  # the tokenizer's, special tokens included
+    vocab_size: int = 4096  # the tokenizer's, special tokens included
     hidden_size: int = 256
     num_layers: int = 8  # 1-based MLA layers: every 4th and the last two, as K3
     kda_heads: int = 2
@@ -26,11 +26,11 @@ class Recipe:
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
-    intermediate_size: int = 768  # the dense first layer
-    num_experts: int = 32
+    intermediate_size: int = 512  # the dense first layer
+    num_experts: int = 40
     experts_per_token: int = 4
     num_shared_experts: int = 1
-    moe_intermediate_size: int = 192
+    moe_intermediate_size: int = 128
     routed_expert_hidden_size: int = 128  # latent MoE width
     attn_res_block_size: int = 4
     max_position_embeddings: int = 32768

@@ -89,8 +89,10 @@ def final_perplexities(model: TrainableK3, windows: dict[str, Tensor]) -> dict[s
     return out
 
 
-def train(recipe: Recipe, out_dir: Path, device: str = "cpu", log=print) -> dict:
-    """Run the recipe end to end; returns results.json's content."""
+def train(recipe: Recipe, out_dir: Path, device: str = "cpu", time_limit_s: float | None = None, log=print) -> dict:
+    """Run the recipe end to end; returns results.json's content. `time_limit_s` stops the training loop after
+    the step that crosses it (the schedule as planned, `stopped_at_step` in the results): a guard for a device
+    call's limit, not part of the recipe."""
     t_start = time.time()
     dev = torch.device(device)
     _seed_everything(recipe.seed, dev)
@@ -113,6 +115,7 @@ def train(recipe: Recipe, out_dir: Path, device: str = "cpu", log=print) -> dict
     log_path = (out_dir / "train_log.jsonl").open("w")
     losses, evals = [], []
     t_train = time.time()
+    stopped_at = None
     for step in range(recipe.steps):
         if step == recipe.steps - recipe.qat_steps:
             model.set_fake_quant(True)
@@ -138,6 +141,13 @@ def train(recipe: Recipe, out_dir: Path, device: str = "cpu", log=print) -> dict
                 f"({entry['elapsed_s']:.0f} s)")
         losses.append(entry["loss"])
         log_path.write(json.dumps(entry) + "\n")
+        if step == 19:
+            log(f"20 steps in {entry['elapsed_s']:.1f} s: about {entry['elapsed_s'] / 20 * recipe.steps:.0f} s "
+                f"for {recipe.steps}")
+        if time_limit_s is not None and time.time() - t_start > time_limit_s and step + 1 < recipe.steps:
+            stopped_at = step + 1
+            log(f"time limit {time_limit_s:.0f} s reached: stopping after step {stopped_at}")
+            break
     log_path.close()
     train_seconds = time.time() - t_train
 
@@ -146,6 +156,7 @@ def train(recipe: Recipe, out_dir: Path, device: str = "cpu", log=print) -> dict
         "recipe": asdict(recipe), "corpus": corpus.summary(), "tokens": {k: v.numel() for k, v in streams.items()},
         "num_parameters": num_params, "train_seconds": round(train_seconds, 1), "device": str(dev),
         "torch": torch.__version__, "platform": platform.platform(), "final_loss": losses[-1],
+        "stopped_at_step": stopped_at,
         **final_perplexities(model, windows),
     }
     write_checkpoint(model, hf, out_dir / "tokenizer", out_dir / "checkpoint")
@@ -167,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="override recipe fields")
+    parser.add_argument("--time-limit-s", type=float, default=None,
+                        help="stop training after the step that crosses this many seconds, then export")
     args = parser.parse_args(argv)
     try:
         recipe = RECIPES[args.recipe].replace(**parse_overrides(args.set))
@@ -174,5 +187,5 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "command.txt").write_text("python -m tools.train " + " ".join(sys.argv[1:] if argv is None else argv) + "\n")
-    train(recipe, args.out, args.device, log=lambda line: print(line, flush=True))
+    train(recipe, args.out, args.device, args.time_limit_s, log=lambda line: print(line, flush=True))
     return 0
