@@ -132,5 +132,5 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
         try:
             out[name] = kind(text)
         except ValueError:
-            raise ValueError(f"--set {name} wants a {kind.__name__}, got {text!r}") from None
+            raise ValueError(f"--set {name} wants {kind.__name__}, got {text!r}") from None
     return out

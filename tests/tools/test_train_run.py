@@ -1,0 +1,80 @@
+"""A micro training run end to end on the CPU (tools/train): the loss falls, the run repeats bit for bit, the
+checkpoint it writes serves through the engine at the trainer's own held-out perplexity, and its tokenizer
+round-trips code and speaks Kimi's chat format."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from k3serve.engine.config import EngineArgs
+from k3serve.engine.llm_engine import LLMEngine
+from k3serve.model.tokenizer import Tokenizer
+from tools.train.corpus import load_corpus
+from tools.train.data import eval_windows, token_stream
+from tools.train.recipe import RECIPES
+from tools.train.train import train
+
+from benchmarks.eval_model import engine_nll, ppl
+
+RECIPE = RECIPES["micro"].replace(steps=12, eval_every=6, qat_steps=3, max_files=12, eval_tokens=256)
+
+
+def _run(out: Path) -> dict:
+    return train(RECIPE, out, "cpu", log=lambda line: None)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("micro-run")
+    return out, _run(out)
+
+
+def _losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def test_the_loss_falls_over_a_micro_run(run) -> None:
+    out, results = run
+    losses = _losses(out)
+    assert len(losses) == RECIPE.steps
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
+    assert results["val_ppl_checkpoint"] < RECIPE.vocab_size / 2
+    assert (out / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_second_run_repeats_the_first_bit_for_bit(run, tmp_path: Path) -> None:
+    out, results = run
+    again = _run(tmp_path)
+    assert _losses(tmp_path) == _losses(out)
+    digest = lambda d: {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (d / "checkpoint").iterdir()}  # noqa: E731
+    assert digest(tmp_path) == digest(out)
+    assert again["held_out_ppl_checkpoint"] == results["held_out_ppl_checkpoint"]
+
+
+def test_the_checkpoint_serves_the_trainers_held_out_perplexity(run) -> None:
+    out, results = run
+    tokenizer = Tokenizer.from_dir(out / "checkpoint")
+    corpus = load_corpus(RECIPE.val_percent, RECIPE.max_files)
+    windows = eval_windows(token_stream(tokenizer, corpus.held_out), RECIPE.seq_len, RECIPE.eval_tokens)
+    engine = LLMEngine(EngineArgs(model=str(out / "checkpoint"), max_num_batched_tokens=24, max_model_len=256))
+    served = ppl(engine_nll(engine, windows))  # chunked prefill, prompt logprobs
+    assert math.isclose(served, results["held_out_ppl_checkpoint"], rel_tol=1e-4)
+    assert results["held_out_ppl_dense_experts"] > 1  # the unquantised experts' perplexity is reported beside it
+
+
+def test_the_tokenizer_round_trips_code_and_carries_kimis_special_tokens_and_chat_template(run) -> None:
+    out, _ = run
+    tokenizer = Tokenizer.from_dir(out / "checkpoint")
+    assert tokenizer.vocab_size == RECIPE.vocab_size
+    code = 'def f(x: int) -> str:\n    """Ünïcode ✓"""\n    return f"{x!r:>8}"  # 中文\n'
+    assert tokenizer.decode(tokenizer.encode(code)) == code
+    for token in ("[BOS]", "[EOS]", "<|im_user|>", "<|im_assistant|>", "<|im_end|>", "<|im_middle|>"):
+        assert tokenizer.encode(token) == [tokenizer.special_token_id(token)]
+    assert tokenizer.chat_format == "kimi_k2" and tokenizer.chat_template is not None
+    ids = tokenizer.encode_chat([{"role": "user", "content": "print('hi')"}])
+    assert tokenizer.special_token_id("<|im_end|>") in ids and tokenizer.eos_token_id in tokenizer.stop_token_ids
