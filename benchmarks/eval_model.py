@@ -147,7 +147,8 @@ def prefix_cache_check(args: EngineArgs, prompts: list[list[int]], max_tokens: i
             "max_logprob_diff": max(diffs, default=0.0)}
 
 
-def function_cases(tokenizer: Tokenizer, files: list[SourceFile], count: int, context: int) -> list[tuple[list[int], list[int]]]:
+def function_cases(tokenizer: Tokenizer, files: list[SourceFile], count: int,
+                   context: int) -> list[tuple[list[int], list[int]]]:
     """(prompt, body) token pairs: functions of the held-out files whose body (after its docstring) is at most
     MAX_BODY_TOKENS tokens, the prompt the file up to that body (its last `context` tokens); a fixed sample."""
     cases = []
@@ -215,8 +216,9 @@ def evaluate(model_dir: Path, device: str = "cpu", seq_len: int = 512, num_token
              long_context: int = 4096, functions: int = 40, tp2: bool = False) -> dict:
     """Every evaluation above; returns the results (printed by `main`)."""
     tokenizer = Tokenizer.from_dir(model_dir)
-    args = EngineArgs(model=str(model_dir), device="cpu", dtype="float32", max_model_len=max(long_context, seq_len) + 128,
-                      max_num_batched_tokens=64, max_num_seqs=16, cache_memory_bytes=256 << 20)
+    args = EngineArgs(model=str(model_dir), device="cpu", dtype="float32",
+                      max_model_len=max(long_context, seq_len) + 128, max_num_batched_tokens=64, max_num_seqs=16,
+                      cache_memory_bytes=256 << 20)
     windows = held_out_windows(tokenizer, seq_len, num_tokens)
     ref = reference_nll(model_dir, windows)
     rows = [PathRow("fp32 reference (model/score.py)", ppl(ref), 0.0, 0.0, True),
@@ -252,9 +254,11 @@ def print_tables(results: dict) -> None:
           f"max logprob diff {pc['max_logprob_diff']:.2e}")
     print(f"function bodies: {fb['functions']} cases, exact match {fb['exact_match']:.1%}, "
           f"mean matched fraction {fb['mean_matched_fraction']:.1%}")
-    print("long context, ppl by position: " + ", ".join(f"{b}: {p:.2f}" for b, p in results["long_context_ppl_by_position"]))
+    by_position = results["long_context_ppl_by_position"]
+    print("long context, ppl by position: " + ", ".join(f"{b}: {p:.2f}" for b, p in by_position))
     print(f"planted fact at {pf['prompt_tokens']} tokens: recalled {pf['recalled']:.0%} of {pf['trials']}")
-    print(f"n-gram (4 drafts): mean acceptance length {ng['mean_acceptance_length']}, tokens match {ng['tokens_match']}")
+    print(f"n-gram (4 drafts): mean acceptance length {ng['mean_acceptance_length']}, "
+          f"tokens match {ng['tokens_match']}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,6 +38,10 @@ def _losses(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "train_log.jsonl").read_text().splitlines()]
 
 
+def _digests(out: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (out / "checkpoint").iterdir()}
+
+
 def test_the_loss_falls_over_a_micro_run(run) -> None:
     out, results = run
     losses = _losses(out)
@@ -51,8 +55,7 @@ def test_a_second_run_repeats_the_first_bit_for_bit(run, tmp_path: Path) -> None
     out, results = run
     again = _run(tmp_path)
     assert _losses(tmp_path) == _losses(out)
-    digest = lambda d: {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (d / "checkpoint").iterdir()}  # noqa: E731
-    assert digest(tmp_path) == digest(out)
+    assert _digests(tmp_path) == _digests(out)
     assert again["held_out_ppl_checkpoint"] == results["held_out_ppl_checkpoint"]
 
 

@@ -123,7 +123,8 @@ class MLA(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         D, H = config.hidden_size, config.num_attention_heads
-        self.H, self.nope, self.rope, self.v_dim = H, config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.H, self.v_dim = H, config.v_head_dim
+        self.nope, self.rope = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.latent, self.eps, self.scale = config.kv_lora_rank, config.rms_norm_eps, config.qk_head_dim**-0.5
         self.q_a_proj = Weight(config.q_lora_rank, D)
         self.q_a_layernorm = _norm(config.q_lora_rank)
@@ -176,7 +177,8 @@ class Experts(nn.Module):
     def weights(self) -> tuple[Tensor, Tensor, Tensor]:
         if not self.fake_quant:
             return self.w1, self.w3, self.w2
-        return tuple(w + (dequantize_mxfp4(*quantize_mxfp4(w.detach())) - w).detach() for w in (self.w1, self.w3, self.w2))
+        weights = (self.w1, self.w3, self.w2)
+        return tuple(w + (dequantize_mxfp4(*quantize_mxfp4(w.detach())) - w).detach() for w in weights)
 
 
 class MoE(nn.Module):

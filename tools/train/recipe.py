@@ -54,9 +54,10 @@ class Recipe:
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "num_layers", "kda_heads", "kda_head_dim", "mla_heads",
-                    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size", "num_experts", "experts_per_token",
-                    "moe_intermediate_size", "routed_expert_hidden_size", "attn_res_block_size", "seq_len",
-                    "batch_size", "steps", "kda_chunk", "eval_every", "eval_tokens")
+                    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                    "intermediate_size", "num_experts", "experts_per_token", "moe_intermediate_size",
+                    "routed_expert_hidden_size", "attn_res_block_size", "seq_len", "batch_size", "steps",
+                    "kda_chunk", "eval_every", "eval_tokens")
         for name in positive:
             value = getattr(self, name)
             if type(value) is not int or value < 1:
@@ -109,7 +110,8 @@ RECIPES: dict[str, Recipe] = {
     "k3-code": Recipe(),
     "micro": Recipe(
         vocab_size=512, hidden_size=64, num_layers=4, kda_heads=2, kda_head_dim=16, mla_heads=2, q_lora_rank=32,
-        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, intermediate_size=128, num_experts=4, experts_per_token=2, moe_intermediate_size=32,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, intermediate_size=128,
+        num_experts=4, experts_per_token=2, moe_intermediate_size=32,
         routed_expert_hidden_size=32, attn_res_block_size=2, seq_len=64, batch_size=4, steps=30, lr=1e-2,
         warmup_steps=3, qat_steps=5, kda_chunk=16, eval_every=15, eval_tokens=1024, max_files=40,
     ),

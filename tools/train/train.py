@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as e:
         parser.error(str(e))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "command.txt").write_text("python -m tools.train " + " ".join(sys.argv[1:] if argv is None else argv) + "\n")
+    command = " ".join(sys.argv[1:] if argv is None else argv)
+    (args.out / "command.txt").write_text(f"python -m tools.train {command}\n")
     train(recipe, args.out, args.device, args.time_limit_s, log=lambda line: print(line, flush=True))
     return 0
