@@ -165,11 +165,13 @@ def function_cases(tokenizer: Tokenizer, files: list[SourceFile], count: int,
             if not body:
                 continue
             start = body[0].lineno - 1
-            prefix, answer = "".join(lines[:start]), "".join(lines[start : node.end_lineno])
-            answer_ids = tokenizer.encode(answer)
+            answer = "".join(lines[start : node.end_lineno])
+            answer_ids = tokenizer.encode(answer) if len(answer) <= 16 * MAX_BODY_TOKENS else []
             if 0 < len(answer_ids) <= MAX_BODY_TOKENS:
-                cases.append((tokenizer.encode(prefix)[-context:], answer_ids))
-    return random.Random(0).sample(cases, min(count, len(cases)))
+                cases.append(("".join(lines[:start]), answer_ids))
+    chosen = random.Random(0).sample(cases, min(count, len(cases)))
+    # a token takes at most a few characters of code: the prompt's tail, encoded, holds `context` tokens
+    return [(tokenizer.encode(prefix[-16 * context :])[-context:], answer) for prefix, answer in chosen]
 
 
 def exact_match(llm: LLM, cases: list[tuple[list[int], list[int]]]) -> dict:

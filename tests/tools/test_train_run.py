@@ -9,29 +9,15 @@ import json
 import math
 from pathlib import Path
 
-import pytest
-
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.llm_engine import LLMEngine
 from k3serve.model.tokenizer import Tokenizer
 from tools.train.corpus import load_corpus
 from tools.train.data import eval_windows, token_stream
-from tools.train.recipe import RECIPES
-from tools.train.train import train
 
+from _micro_run import MICRO_RUN as RECIPE
+from _micro_run import run_micro
 from benchmarks.eval_model import engine_nll, ppl
-
-RECIPE = RECIPES["micro"].replace(steps=12, eval_every=6, qat_steps=3, max_files=12, eval_tokens=256)
-
-
-def _run(out: Path) -> dict:
-    return train(RECIPE, out, "cpu", log=lambda line: None)
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    out = tmp_path_factory.mktemp("micro-run")
-    return out, _run(out)
 
 
 def _losses(out: Path) -> list[float]:
@@ -42,8 +28,8 @@ def _digests(out: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (out / "checkpoint").iterdir()}
 
 
-def test_the_loss_falls_over_a_micro_run(run) -> None:
-    out, results = run
+def test_the_loss_falls_over_a_micro_run(micro_run) -> None:
+    out, results = micro_run
     losses = _losses(out)
     assert len(losses) == RECIPE.steps
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
@@ -51,16 +37,16 @@ def test_the_loss_falls_over_a_micro_run(run) -> None:
     assert (out / "loss.png").read_bytes().startswith(b"\x89PNG")
 
 
-def test_a_second_run_repeats_the_first_bit_for_bit(run, tmp_path: Path) -> None:
-    out, results = run
-    again = _run(tmp_path)
+def test_a_second_run_repeats_the_first_bit_for_bit(micro_run, tmp_path: Path) -> None:
+    out, results = micro_run
+    again = run_micro(tmp_path)
     assert _losses(tmp_path) == _losses(out)
     assert _digests(tmp_path) == _digests(out)
     assert again["held_out_ppl_checkpoint"] == results["held_out_ppl_checkpoint"]
 
 
-def test_the_checkpoint_serves_the_trainers_held_out_perplexity(run) -> None:
-    out, results = run
+def test_the_checkpoint_serves_the_trainers_held_out_perplexity(micro_run) -> None:
+    out, results = micro_run
     tokenizer = Tokenizer.from_dir(out / "checkpoint")
     corpus = load_corpus(RECIPE.val_percent, RECIPE.max_files)
     windows = eval_windows(token_stream(tokenizer, corpus.held_out), RECIPE.seq_len, RECIPE.eval_tokens)
@@ -70,8 +56,8 @@ def test_the_checkpoint_serves_the_trainers_held_out_perplexity(run) -> None:
     assert results["held_out_ppl_dense_experts"] > 1  # the unquantised experts' perplexity is reported beside it
 
 
-def test_the_tokenizer_round_trips_code_and_carries_kimis_special_tokens_and_chat_template(run) -> None:
-    out, _ = run
+def test_the_tokenizer_round_trips_code_and_carries_kimis_special_tokens_and_chat_template(micro_run) -> None:
+    out, _ = micro_run
     tokenizer = Tokenizer.from_dir(out / "checkpoint")
     assert tokenizer.vocab_size == RECIPE.vocab_size
     code = 'def f(x: int) -> str:\n    """Ünïcode ✓"""\n    return f"{x!r:>8}"  # 中文\n'
