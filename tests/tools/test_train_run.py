@@ -53,7 +53,10 @@ def test_the_checkpoint_serves_the_trainers_held_out_perplexity(micro_run) -> No
     engine = LLMEngine(EngineArgs(model=str(out / "checkpoint"), max_num_batched_tokens=24, max_model_len=256))
     served = ppl(engine_nll(engine, windows))  # chunked prefill, prompt logprobs
     assert math.isclose(served, results["held_out_ppl_checkpoint"], rel_tol=1e-4)
-    assert results["held_out_ppl_dense_experts"] > 1  # the unquantised experts' perplexity is reported beside it
+    # beside it: the unquantised experts' perplexity, and both where QAT began (post-training quantisation's cost)
+    assert results["held_out_ppl_dense_experts"] > 1
+    assert results["before_qat"]["step"] == RECIPE.steps - RECIPE.qat_steps
+    assert results["before_qat"]["val_ppl_ptq"] > 1 and results["before_qat"]["val_ppl_dense_experts"] > 1
 
 
 def test_the_tokenizer_round_trips_code_and_carries_kimis_special_tokens_and_chat_template(micro_run) -> None:

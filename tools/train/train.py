@@ -5,7 +5,8 @@
 writes to OUT: `tokenizer/` (BPE trained on the training split), `checkpoint/` (the published format:
 config.json, safetensors, tokenizer files; `model/weights.py` loads it), `train_log.jsonl` (a line a step),
 `results.json` (the corpus, the recipe, and the final perplexities: val and held-out, routed experts dense and
-MXFP4, i.e. before and after quantisation), `loss.png` and `command.txt`. Design: docs/design/trained_model.md.
+as written, bf16 with MXFP4 experts; `before_qat`: val with dense and post-training-quantised experts where QAT
+began), `loss.png` and `command.txt`. Design: docs/design/trained_model.md.
 """
 
 from __future__ import annotations
@@ -120,8 +121,14 @@ def train(recipe: Recipe, out_dir: Path, device: str = "cpu", time_limit_s: floa
     losses, evals = [], []
     t_train = time.time()
     stopped_at = None
+    pre_qat: dict[str, float] = {}
     for step in range(recipe.steps):
         if step == recipe.steps - recipe.qat_steps:
+            model.eval()  # post-training quantisation's cost at this point, to set QAT's against
+            pre_qat = {"val_ppl_dense_experts": perplexity(model, windows["val"]),
+                       "val_ppl_ptq": perplexity(round_to_checkpoint(model), windows["val"]), "step": step}
+            log(f"before QAT at step {step}: {pre_qat}")
+            model.train()
             model.set_fake_quant(True)
         lr = learning_rate(recipe, step)
         for group in opt.param_groups:
@@ -160,7 +167,7 @@ def train(recipe: Recipe, out_dir: Path, device: str = "cpu", time_limit_s: floa
         "recipe": asdict(recipe), "corpus": corpus.summary(), "tokens": {k: v.numel() for k, v in streams.items()},
         "num_parameters": num_params, "train_seconds": round(train_seconds, 1), "device": str(dev),
         "torch": torch.__version__, "platform": platform.platform(), "final_loss": losses[-1],
-        "stopped_at_step": stopped_at,
+        "stopped_at_step": stopped_at, "before_qat": pre_qat,
         **final_perplexities(model, windows),
     }
     write_checkpoint(model, hf, out_dir / "tokenizer", out_dir / "checkpoint")
