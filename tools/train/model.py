@@ -51,28 +51,37 @@ def chunk_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, c
 
     Per chunk (cumulative log decay G over it): T = (I + strictly-lower(beta_i k_i.(k_j e^{G_i - G_j})))^-1 diag(beta),
     w = T (e^G k), u = T v, v_new = u - w S, o = (q e^G) S + (q.(k e^{G_i - G_j}))_{j<=i} v_new, then the state moves
-    to the chunk's end (kernels/kda/naive.py `_chunk_sequence`, the same formulas)."""
+    to the chunk's end (kernels/kda/naive.py `_chunk_sequence`, the same formulas). Everything but the state's walk
+    runs for all chunks at once (T padded to whole chunks with tokens that change nothing: k = v = beta = g = 0), so
+    a step launches a few kernels a chunk."""
     B, H, L, K = q.shape
+    pad = -L % chunk
+    if pad:
+        q, k, v, g = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v, g))
+        beta = F.pad(beta, (0, pad))
+    N = (L + pad) // chunk
+    qc, kc, vc, gc = (t.reshape(B, H, N, chunk, t.shape[-1]) for t in (q, k, v, g))
+    bc = beta.reshape(B, H, N, chunk)
+    G = gc.cumsum(3)  # [B, H, N, c, K]
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~causal[..., None], float("-inf")).exp()
+    Akk = (((kc[..., :, None, :] * kc[..., None, :, :]) * decay).sum(-1) * bc[..., None]).tril(-1)
+    eye = torch.eye(chunk, device=q.device)
+    T = torch.linalg.solve_triangular(eye + Akk, torch.diag_embed(bc), upper=False)
+    w, u = T @ (G.exp() * kc), T @ vc  # [B, H, N, c, K | V]
+    Aqk = ((qc[..., :, None, :] * kc[..., None, :, :]) * decay).sum(-1)  # [B, H, N, c, c], j <= i
+    q_decayed = qc * G.exp()
+    G_end = G[..., -1, :]  # [B, H, N, K]
+    k_to_end = ((G_end[..., None, :] - G).exp() * kc).transpose(-1, -2)  # [B, H, N, K, c]
+    end_decay = G_end.exp()[..., None]  # [B, H, N, K, 1]
     S = q.new_zeros(B, H, K, v.shape[-1])
     outputs = []
-    for s in range(0, L, chunk):
-        e = min(s + chunk, L)
-        c = e - s
-        qc, kc, gc, vc, bc = q[:, :, s:e], k[:, :, s:e], g[:, :, s:e], v[:, :, s:e], beta[:, :, s:e]
-        G = gc.cumsum(2)  # [B, H, c, K]
-        causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-        decay = (G[:, :, :, None] - G[:, :, None]).masked_fill(~causal[..., None], float("-inf")).exp()
-        Akk = (((kc[:, :, :, None] * kc[:, :, None]) * decay).sum(-1) * bc[..., None]).tril(-1)
-        eye = torch.eye(c, device=q.device)
-        T = torch.linalg.solve_triangular(eye + Akk, torch.diag_embed(bc), upper=False)
-        w, u = T @ (G.exp() * kc), T @ vc
-        Aqk = ((qc[:, :, :, None] * kc[:, :, None]) * decay).sum(-1)
-        v_new = u - w @ S
-        outputs.append((qc * G.exp()) @ S + Aqk @ v_new)
-        G_end = G[:, :, -1]  # [B, H, K]
-        k_decayed = (G_end[:, :, None] - G).exp() * kc
-        S = G_end.exp()[..., None] * S + k_decayed.transpose(-1, -2) @ v_new
-    return torch.cat(outputs, dim=2)
+    # unbind, not indexing: its backward is one stack, where an index's is a zero-filled copy a chunk
+    for u_n, w_n, q_n, a_n, d_n, k_n in zip(*(t.unbind(2) for t in (u, w, q_decayed, Aqk, end_decay, k_to_end))):
+        v_new = u_n - w_n @ S
+        outputs.append(q_n @ S + a_n @ v_new)
+        S = d_n * S + k_n @ v_new
+    return torch.stack(outputs, dim=2).reshape(B, H, N * chunk, -1)[:, :, :L]
 
 
 class KDA(nn.Module):
