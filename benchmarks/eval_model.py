@@ -174,13 +174,15 @@ def function_cases(tokenizer: Tokenizer, files: list[SourceFile], count: int,
     return [(tokenizer.encode(prefix[-16 * context :])[-context:], answer) for prefix, answer in chosen]
 
 
+def _matched_prefix(got: list[int], want: list[int]) -> int:
+    """Tokens of `want` that `got` repeats before its first difference."""
+    return next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), min(len(got), len(want)))
+
+
 def exact_match(llm: LLM, cases: list[tuple[list[int], list[int]]]) -> dict:
     outs = llm.generate([p for p, _ in cases],
                         [SamplingParams(temperature=0, max_tokens=len(a), ignore_eos=True) for _, a in cases])
-    matched = []
-    for (_, answer), out in zip(cases, outs):
-        got = out.outputs[0].token_ids
-        matched.append(next((i for i, (x, y) in enumerate(zip(got, answer)) if x != y), len(answer)) / len(answer))
+    matched = [_matched_prefix(out.outputs[0].token_ids, answer) / len(answer) for (_, answer), out in zip(cases, outs)]
     return {"functions": len(cases), "exact_match": sum(m == 1.0 for m in matched) / max(1, len(cases)),
             "mean_matched_fraction": sum(matched) / max(1, len(matched))}
 
@@ -205,6 +207,14 @@ def planted_fact(llm: LLM, tokenizer: Tokenizer, filler: list[int], trials: int 
     return {"prompt_tokens": len(prompts[0]), "trials": trials, "recalled": sum(hits) / trials}
 
 
+def greedy_agreement(reference: EngineArgs, other: EngineArgs, prompts: list[list[int]], max_tokens: int = 32) -> dict:
+    """How many greedy tokens the `other` engine emits before it first differs from the `reference` engine."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    want, got = (LLM(**asdict(a)).generate(prompts, params) for a in (reference, other))
+    same = [_matched_prefix(g.outputs[0].token_ids, w.outputs[0].token_ids) for g, w in zip(got, want)]
+    return {"prompts": len(prompts), "max_tokens": max_tokens, "mean_tokens_before_divergence": sum(same) / len(same)}
+
+
 def ngram_acceptance(args: EngineArgs, prompts: list[list[int]], max_tokens: int = 64) -> dict:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     plain = LLM(**asdict(args)).generate(prompts, params)
@@ -227,9 +237,12 @@ def evaluate(model_dir: Path, device: str = "cpu", seq_len: int = 512, num_token
             path_row("engine, chunked prefill (64-token chunks)", engine_nll(LLMEngine(args), windows), ref, "cpu")]
     if tp2:
         rows.append(path_row("engine, TP 2 (gloo)", tp2_nll(args, windows), ref, "cpu"))
+    gpu_greedy = None
     if device == "cuda":
         gpu = EngineArgs(**{**asdict(args), "device": "cuda", "dtype": "bfloat16", "max_num_batched_tokens": None})
         rows.append(path_row("engine, bf16 GPU kernels (prefill)", engine_nll(LLMEngine(gpu), windows), ref, "cuda"))
+        # decode steps replay CUDA graphs: bf16 greedy text against fp32 CPU text (bf16 may diverge late)
+        gpu_greedy = greedy_agreement(args, gpu, [w[: seq_len // 2].tolist() for w in windows[:8]])
     files, _ = held_out_sources()
     stream = token_stream(tokenizer, files)
     llm = LLM(**{**asdict(args), "max_num_batched_tokens": None})
@@ -242,6 +255,7 @@ def evaluate(model_dir: Path, device: str = "cpu", seq_len: int = 512, num_token
         "long_context_ppl_by_position": position_ppl(engine_nll(llm.engine, long_windows)),
         "planted_fact": planted_fact(llm, tokenizer, stream[: long_context - 32].tolist()),
         "ngram": ngram_acceptance(args, [w[:seq_len // 2].tolist() for w in windows[:8]]),
+        "gpu_greedy": gpu_greedy,
     }
 
 
@@ -261,6 +275,9 @@ def print_tables(results: dict) -> None:
     print(f"planted fact at {pf['prompt_tokens']} tokens: recalled {pf['recalled']:.0%} of {pf['trials']}")
     print(f"n-gram (4 drafts): mean acceptance length {ng['mean_acceptance_length']}, "
           f"tokens match {ng['tokens_match']}")
+    if (gg := results["gpu_greedy"]) is not None:
+        print(f"bf16 GPU greedy (CUDA graphs) vs fp32 CPU: {gg['mean_tokens_before_divergence']:.1f} of "
+              f"{gg['max_tokens']} tokens before the first difference, {gg['prompts']} prompts")
 
 
 def main(argv: list[str] | None = None) -> int:

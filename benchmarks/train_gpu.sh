@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Train the embedded K3-architecture model on one H200 in one device call (docs/design/trained_model.md):
-#   OUT=/some/dir bash benchmarks/train_gpu.sh            the k3-code recipe (4000 steps; about 6-9 min expected)
+#   OUT=/some/dir bash benchmarks/train_gpu.sh            the k3-code recipe (4000 steps; 4-7 min expected)
 #   OUT=/some/dir STEPS=60 bash benchmarks/train_gpu.sh   a probe (STEPS >= 20): times a step, exports a poor checkpoint
 # TRAIN_S (default 470) stops the loop after the step that crosses it, so tokenizer training, the final
 # evaluation and the export still fit the call's 600 s; results.json then records stopped_at_step. TRAIN_ARGS

@@ -16,6 +16,7 @@ from benchmarks.eval_model import (
     PATH_TOLERANCE,
     engine_nll,
     function_cases,
+    greedy_agreement,
     held_out_windows,
     main,
     path_row,
@@ -40,6 +41,9 @@ def test_chunked_prefill_and_prefix_cache_hits_agree_with_the_fp32_reference(mic
     assert row.agrees and row.rel_diff < PATH_TOLERANCE["cpu"] and row.max_nll_diff < 1e-4, row
     cached = prefix_cache_check(args, [w.tolist() for w in windows], max_tokens=8)
     assert cached["cached_tokens"] > 0 and cached["tokens_match"] and cached["max_logprob_diff"] < 1e-4, cached
+    whole_prompts = EngineArgs(**{**args.__dict__, "max_num_batched_tokens": None})  # the GPU row's comparison
+    same = greedy_agreement(args, whole_prompts, [w[:24].tolist() for w in windows], max_tokens=8)
+    assert same["mean_tokens_before_divergence"] == 8, same
 
 
 @pytest.mark.slow
