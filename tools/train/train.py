@@ -17,7 +17,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -90,14 +90,17 @@ def final_perplexities(model: TrainableK3, windows: dict[str, Tensor]) -> dict[s
     return out
 
 
-def train(recipe: Recipe, out_dir: Path, device: str = "cpu", time_limit_s: float | None = None, log=print) -> dict:
-    """Run the recipe end to end; returns results.json's content. `time_limit_s` stops the training loop after
-    the step that crosses it (the schedule as planned, `stopped_at_step` in the results): a guard for a device
-    call's limit, not part of the recipe."""
+@dataclass
+class _Data:
+    corpus: Corpus
+    tokenizer: Tokenizer
+    streams: dict[str, Tensor]  # "train", "val", "held_out" -> [N] token ids
+    windows: dict[str, Tensor]  # "val" and, where its packages are installed, "held_out" -> [n, seq_len + 1]
+
+
+def _prepare_data(recipe: Recipe, out_dir: Path, log) -> _Data:
+    """The corpus, the tokenizer trained on its training split, the token streams and the evaluation windows."""
     t_start = time.time()
-    dev = torch.device(device)
-    _seed_everything(recipe.seed, dev)
-    out_dir.mkdir(parents=True, exist_ok=True)
     corpus = load_corpus(recipe.val_percent, recipe.max_files)
     log(f"corpus: {corpus.summary()}")
     tokenizer = train_tokenizer(corpus, recipe, out_dir / "tokenizer")
@@ -108,72 +111,95 @@ def train(recipe: Recipe, out_dir: Path, device: str = "cpu", time_limit_s: floa
                if streams[name].numel() > recipe.seq_len}
     if "held_out" not in windows:
         log("no held-out packages installed here: the held-out perplexity is left to benchmarks/eval_model.py")
+    return _Data(corpus, tokenizer, streams, windows)
 
-    hf = recipe.hf_config(tokenizer.bos_token_id, tokenizer.eos_token_id)
-    config = ModelConfig.from_hf_dict(hf)
-    torch.manual_seed(recipe.seed)
-    model = TrainableK3(config, recipe.kda_chunk).to(dev)
-    num_params = sum(p.numel() for p in model.parameters())
-    log(f"model: {num_params:,} parameters")
+
+@dataclass
+class _Loop:
+    losses: list[float] = field(default_factory=list)  # a step's training loss
+    evals: list[tuple[int, float]] = field(default_factory=list)  # (step, val loss)
+    before_qat: dict[str, float] = field(default_factory=dict)
+    stopped_at_step: int | None = None
+    seconds: float = 0.0
+
+
+def _train_loop(model: TrainableK3, recipe: Recipe, data: _Data, out_dir: Path, deadline: float | None, log) -> _Loop:
+    """The optimisation: a line of train_log.jsonl a step; QAT over the last qat_steps; stops past `deadline`."""
+    dev = next(model.parameters()).device
     opt = _optimizer(model, recipe)
     gen = torch.Generator().manual_seed(recipe.seed)
-    log_path = (out_dir / "train_log.jsonl").open("w")
-    losses, evals = [], []
-    t_train = time.time()
-    stopped_at = None
-    pre_qat: dict[str, float] = {}
-    for step in range(recipe.steps):
-        if step == recipe.steps - recipe.qat_steps:
-            model.eval()  # post-training quantisation's cost at this point, to set QAT's against
-            pre_qat = {"val_ppl_dense_experts": perplexity(model, windows["val"]),
-                       "val_ppl_ptq": perplexity(round_to_checkpoint(model), windows["val"]), "step": step}
-            log(f"before QAT at step {step}: {pre_qat}")
-            model.train()
-            model.set_fake_quant(True)
-        lr = learning_rate(recipe, step)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        inputs, targets = (t.to(dev) for t in train_batch(streams["train"], recipe.batch_size, recipe.seq_len, gen))
-        loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
-        opt.step()
-        for moe in model.moe_layers():
-            moe.balance(recipe.bias_update_rate)
-        entry = {"step": step, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
-                 "elapsed_s": round(time.time() - t_train, 2), "qat": step >= recipe.steps - recipe.qat_steps}
-        if (step + 1) % recipe.eval_every == 0 or step + 1 == recipe.steps:
-            model.eval()
-            entry["val_ppl"] = perplexity(model, windows["val"])
-            model.train()
-            evals.append((step, math.log(entry["val_ppl"])))
-            log(f"step {step + 1}/{recipe.steps} loss {entry['loss']:.3f} val ppl {entry['val_ppl']:.2f} "
-                f"({entry['elapsed_s']:.0f} s)")
-        losses.append(entry["loss"])
-        log_path.write(json.dumps(entry) + "\n")
-        if step == 19:
-            log(f"20 steps in {entry['elapsed_s']:.1f} s: about {entry['elapsed_s'] / 20 * recipe.steps:.0f} s "
-                f"for {recipe.steps}")
-        if time_limit_s is not None and time.time() - t_start > time_limit_s and step + 1 < recipe.steps:
-            stopped_at = step + 1
-            log(f"time limit {time_limit_s:.0f} s reached: stopping after step {stopped_at}")
-            break
-    log_path.close()
-    train_seconds = time.time() - t_train
+    loop, t_train = _Loop(), time.time()
+    with (out_dir / "train_log.jsonl").open("w") as log_file:
+        for step in range(recipe.steps):
+            if step == recipe.steps - recipe.qat_steps:
+                loop.before_qat = _before_qat(model, data.windows["val"], step)
+                log(f"before QAT at step {step}: {loop.before_qat}")
+                model.set_fake_quant(True)
+            lr = learning_rate(recipe, step)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            inputs, targets = (t.to(dev) for t in train_batch(data.streams["train"], recipe.batch_size,
+                                                              recipe.seq_len, gen))
+            loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+            opt.step()
+            for moe in model.moe_layers():
+                moe.balance(recipe.bias_update_rate)
+            entry = {"step": step, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
+                     "elapsed_s": round(time.time() - t_train, 2), "qat": step >= recipe.steps - recipe.qat_steps}
+            if (step + 1) % recipe.eval_every == 0 or step + 1 == recipe.steps:
+                entry["val_ppl"] = perplexity(model, data.windows["val"])
+                loop.evals.append((step, math.log(entry["val_ppl"])))
+                log(f"step {step + 1}/{recipe.steps} loss {entry['loss']:.3f} val ppl {entry['val_ppl']:.2f} "
+                    f"({entry['elapsed_s']:.0f} s)")
+            loop.losses.append(entry["loss"])
+            log_file.write(json.dumps(entry) + "\n")
+            if step == 19:
+                log(f"20 steps in {entry['elapsed_s']:.1f} s: about {entry['elapsed_s'] / 20 * recipe.steps:.0f} s "
+                    f"for {recipe.steps}")
+            if deadline is not None and time.time() > deadline and step + 1 < recipe.steps:
+                loop.stopped_at_step = step + 1
+                log(f"time limit reached: stopping after step {step + 1}")
+                break
+    loop.seconds = round(time.time() - t_train, 1)
+    return loop
 
-    model.eval()
+
+def _before_qat(model: TrainableK3, val: Tensor, step: int) -> dict[str, float]:
+    """Val perplexity with the experts dense and post-training quantised: PTQ's cost, to set QAT's against."""
+    return {"val_ppl_dense_experts": perplexity(model, val), "val_ppl_ptq": perplexity(round_to_checkpoint(model), val),
+            "step": step}
+
+
+def train(recipe: Recipe, out_dir: Path, device: str = "cpu", time_limit_s: float | None = None, log=print) -> dict:
+    """Run the recipe end to end; returns results.json's content. `time_limit_s` (from the start) stops the
+    training loop after the step that crosses it (the schedule as planned, `stopped_at_step` in the results): a
+    guard for a device call's limit, not part of the recipe."""
+    t_start = time.time()
+    dev = torch.device(device)
+    _seed_everything(recipe.seed, dev)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = _prepare_data(recipe, out_dir, log)
+    hf = recipe.hf_config(data.tokenizer.bos_token_id, data.tokenizer.eos_token_id)
+    torch.manual_seed(recipe.seed)
+    model = TrainableK3(ModelConfig.from_hf_dict(hf), recipe.kda_chunk).to(dev)
+    num_params = sum(p.numel() for p in model.parameters())
+    log(f"model: {num_params:,} parameters")
+    loop = _train_loop(model, recipe, data, out_dir, None if time_limit_s is None else t_start + time_limit_s, log)
+
     results = {
-        "recipe": asdict(recipe), "corpus": corpus.summary(), "tokens": {k: v.numel() for k, v in streams.items()},
-        "num_parameters": num_params, "train_seconds": round(train_seconds, 1), "device": str(dev),
-        "torch": torch.__version__, "platform": platform.platform(), "final_loss": losses[-1],
-        "stopped_at_step": stopped_at, "before_qat": pre_qat,
-        **final_perplexities(model, windows),
+        "recipe": asdict(recipe), "corpus": data.corpus.summary(),
+        "tokens": {k: v.numel() for k, v in data.streams.items()}, "num_parameters": num_params,
+        "train_seconds": loop.seconds, "device": str(dev), "torch": torch.__version__,
+        "platform": platform.platform(), "final_loss": loop.losses[-1], "stopped_at_step": loop.stopped_at_step,
+        "before_qat": loop.before_qat, **final_perplexities(model, data.windows),
     }
     write_checkpoint(model, hf, out_dir / "tokenizer", out_dir / "checkpoint")
     results["checkpoint_bytes"] = sum(f.stat().st_size for f in (out_dir / "checkpoint").iterdir())
     (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    plot_losses(losses, evals, out_dir / "loss.png")
+    plot_losses(loop.losses, loop.evals, out_dir / "loss.png")
     log(f"done in {time.time() - t_start:.0f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in results.items()
                                                               if k.endswith(("_ppl_checkpoint", "_dense_experts"))))
     return results
