@@ -22,13 +22,17 @@ def test_a_training_step_on_cuda_equals_the_cpus() -> None:
     model.set_fake_quant(True)
     token_ids = torch.randint(0, recipe.vocab_size, (2, 41))
     results = []
-    torch.backends.cuda.matmul.allow_tf32 = False
-    for device in ("cpu", "cuda"):
-        m = copy.deepcopy(model).to(device)
-        ids = token_ids.to(device)
-        loss = F.cross_entropy(m(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
-        loss.backward()
-        results.append((loss.item(), {n: p.grad.cpu() for n, p in m.named_parameters() if p.grad is not None}))
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # the short conv too
+    try:
+        for device in ("cpu", "cuda"):
+            m = copy.deepcopy(model).to(device)
+            ids = token_ids.to(device)
+            loss = F.cross_entropy(m(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+            loss.backward()
+            results.append((loss.item(), {n: p.grad.cpu() for n, p in m.named_parameters() if p.grad is not None}))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     (cpu_loss, cpu_grads), (gpu_loss, gpu_grads) = results
     assert abs(cpu_loss - gpu_loss) < 1e-4
     assert cpu_grads.keys() == gpu_grads.keys()
