@@ -64,7 +64,7 @@ def make_checkpoint(preset: str | dict, out_dir: str | Path, seed: int = 0, num_
     dev = _weights_device(shapes, device)
     gen = torch.Generator(dev).manual_seed(seed)
     tensors = _random_tensors(config, shapes, gen)
-    _write_shards(_with_echo(tensors, echo_weight) if echo_weight else tensors, shapes, out, num_shards)
+    write_shards(_with_echo(tensors, echo_weight) if echo_weight else tensors, shapes, out, num_shards)
     (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     gen_config = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
     (out / "generation_config.json").write_text(json.dumps(gen_config, indent=2) + "\n")
@@ -94,10 +94,12 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], t
     checkpoint keeps in fp32, uint8 MXFP4 codes and scales)."""
     with torch.device("meta"):
         targets = checkpoint_targets(KimiForCausalLM(config))
-    return {name: (tuple(t.tensor.shape), _stored_dtype(name, t.tensor.dtype)) for name, t in targets.items()}
+    return {name: (tuple(t.tensor.shape), stored_dtype(name, t.tensor.dtype)) for name, t in targets.items()}
 
 
-def _stored_dtype(name: str, loaded: torch.dtype) -> torch.dtype:
+def stored_dtype(name: str, loaded: torch.dtype) -> torch.dtype:
+    """The dtype a published checkpoint stores tensor `name` in: uint8 MXFP4 as is, fp32 for the
+    _FP32_SUFFIXES, bf16 for the rest."""
     if loaded == torch.uint8:
         return loaded
     return torch.float32 if name.endswith(_FP32_SUFFIXES) else torch.bfloat16
@@ -180,12 +182,13 @@ def _init(name: str, shape: tuple[int, ...], gen: torch.Generator, config: Model
         value = randn(*shape)
     else:  # projections [out, in]
         value = randn(*shape) / math.sqrt(shape[-1])
-    return value.to(_stored_dtype(name, value.dtype))
+    return value.to(stored_dtype(name, value.dtype))
 
 
-def _write_shards(tensors: Iterator[tuple[str, torch.Tensor]], shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+def write_shards(tensors: Iterator[tuple[str, torch.Tensor]], shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
                   out: Path, num_shards: int | None) -> None:
-    """Shard i holds the i-th run of names in order (as many names each); each is saved once all its tensors are
+    """Write `tensors` ((name, tensor) pairs covering `shapes`, in any order) as safetensors shards with an index.
+    Shard i holds the i-th run of names in order (as many names each); each is saved once all its tensors are
     drawn, so host memory holds about one shard."""
     names = sorted(shapes)
     if num_shards is None:

@@ -24,12 +24,12 @@ import re
 import warnings
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from .chat_template import KIMI_CHAT_TEMPLATE, KIMI_SPECIAL_TOKENS, normalize_messages, render_jinja, render_kimi_chat
 from .xtml_chat import END_OF_MESSAGE, K3_SPECIAL_TOKENS, Segment, chat_segments, render_text
 
-__all__ = ["Tokenizer", "train_tiny_tokenizer", "KIMI_PAT_STR", "TINY_CORPUS_MODULES"]
+__all__ = ["Tokenizer", "train_tiny_tokenizer", "train_bpe_tokenizer", "KIMI_PAT_STR", "TINY_CORPUS_MODULES"]
 
 # Kimi's pre-tokenizer split pattern (tokenization_kimi.py `pat_str`): Han runs stay whole.
 KIMI_PAT_STR = "|".join([
@@ -335,11 +335,17 @@ def _stdlib_docstrings() -> list[str]:
 
 def train_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 512, model_max_length: int = 8192,
                          chat_format: str = "kimi_k2") -> None:
+    """`train_bpe_tokenizer` on the docstrings of TINY_CORPUS_MODULES: the test tokenizer."""
+    train_bpe_tokenizer(out_dir, _stdlib_docstrings(), vocab_size, model_max_length, chat_format)
+
+
+def train_bpe_tokenizer(out_dir: str | Path, texts: Iterable[str], vocab_size: int, model_max_length: int = 8192,
+                        chat_format: str = "kimi_k2") -> None:
     """Train a real byte-level BPE tokenizer (Kimi's split pattern, the special tokens of
     `chat_format` as the last ids: Kimi K2's with its chat template, or K3's, which has none) on
-    stdlib docstrings and write tokenizer.json, tokenizer_config.json and special_tokens_map.json
+    `texts` and write tokenizer.json, tokenizer_config.json and special_tokens_map.json
     to `out_dir`. `vocab_size` counts everything (past the corpus's merges, reserved tokens fill it).
-    Same bytes every run."""
+    The same texts give the same bytes every run."""
     from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
     from tokenizers import Tokenizer as _RustTokenizer
 
@@ -355,7 +361,7 @@ def train_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 512, model_max_l
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=n_base, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tok.train_from_iterator(_stdlib_docstrings(), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     # a vocabulary larger than the corpus's merges (k3-rank-slice: 20480) is filled up with reserved tokens
     reserved = [f"<|reserved_token_{i}|>" for i in range(n_base - tok.get_vocab_size())]
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in reserved])

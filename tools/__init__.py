@@ -1,0 +1,1 @@
+"""Developer tools run from a source checkout (`python -m tools.train`); not installed with k3serve."""

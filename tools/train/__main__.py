@@ -1,0 +1,5 @@
+import sys
+
+from tools.train.train import main
+
+sys.exit(main())
