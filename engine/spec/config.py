@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 SpecMethod = Literal["ngram", "draft_model", "eagle", "dspark"]
 SPEC_METHODS = ("ngram", "draft_model", "eagle", "dspark")
-SERVED_METHODS = ("ngram",)  # the model-based methods need a drafter this engine does not load yet
+SERVED_METHODS = ("ngram", "eagle", "dspark")  # draft_model (an independent K3 drafter) is not served yet
 MAX_SPECULATIVE_TOKENS = 8
 
 
