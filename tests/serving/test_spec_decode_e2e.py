@@ -46,3 +46,25 @@ def test_a_speculating_decode_pool_serves_the_non_speculative_text(echo_checkpoi
     assert accepted > 0, "the decode pool accepted no draft"
     assert any(name == "k3serve:spec_decode_mean_acceptance_length" and dict(labels)["pool"] == "decode" and v > 1
                for (name, labels), v in metrics.items())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", ["eagle", "dspark"])
+def test_a_decode_pool_speculating_with_a_drafter_serves_the_non_speculative_text(
+        echo_checkpoint: Path, drafters: dict[str, Path], reference: list[str], method: str) -> None:
+    """A model-based drafter on the decode pool (Mooncake): the prompt's positions never pass through it (the
+    prefill pool ran them), so its first decode step drafts nothing and it drafts from the positions it computes."""
+    config = json.dumps({"method": method, "model": str(drafters[method]), "num_speculative_tokens": 4})
+    spec = ServerSpec(transfer="mooncake", launcher="local", extra_args=("--speculative-config", config))
+    with launch(spec, echo_checkpoint) as server:
+        texts = []
+        for prompt in PROMPTS:
+            response = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+                "model": SERVED_MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
+            assert response.status_code == 200, response.text
+            texts.append(response.json()["choices"][0]["text"])
+        metrics = server.metrics()
+    assert texts == reference
+    drafts = sum(v for (name, _), v in metrics.items() if name == "vllm:spec_decode_num_drafts_total")
+    accepted = sum(v for (name, _), v in metrics.items() if name == "vllm:spec_decode_num_accepted_tokens_total")
+    assert drafts > 0 and accepted > 0, f"the decode pool's {method} drafter proposed or got accepted nothing"
