@@ -32,6 +32,11 @@ from k3serve.model.draft.dspark import DSparkDrafter
 from k3serve.model.draft.eagle import EagleDrafter
 
 
+def scratch_blocks(num_speculative_tokens: int, block_size: int) -> int:
+    """A KDA slot's scratch blocks in the drafter's cache: room for K draft rows past the request's blocks."""
+    return num_speculative_tokens // block_size + 2
+
+
 @dataclass(frozen=True)
 class DraftRow:
     request_id: str
@@ -67,7 +72,7 @@ class DraftRunner:
         self.probabilistic = probabilistic
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.scratch_blocks = num_speculative_tokens // block_size + 2  # a slot's, past its request's blocks
+        self.scratch_blocks = scratch_blocks(num_speculative_tokens, block_size)
         self.cache = ModelCache.allocate(drafter.config, num_blocks + num_slots * self.scratch_blocks, 0,
                                          block_size, 1, drafter.dtype, device)
         self.device = torch.device(device)
