@@ -48,12 +48,12 @@ def _generate(engine: LLMEngine) -> list[list[int]]:
     return [out[rid] for rid in ids]
 
 
-@pytest.mark.parametrize("method", ["ngram", "eagle", "dspark"])
+@pytest.mark.parametrize(("method", "k"), [("ngram", 4)] + [(m, k) for m in ("eagle", "dspark") for k in (1, 4, 8)])
 def test_a_tp2_engine_speculates_and_generates_the_tp1_tokens(echo_checkpoint: Path, drafters: dict[str, Path],
-                                                              method: str) -> None:
+                                                              method: str, k: int) -> None:
     """A drafter runs on rank 0 alone, over full copies of the target's embedding and lm_head."""
     reference = _generate(LLMEngine(_args(echo_checkpoint, 1, None)))
-    spec = {"method": method, "num_speculative_tokens": 4} | ({"model": str(drafters[method])} if method in drafters
+    spec = {"method": method, "num_speculative_tokens": k} | ({"model": str(drafters[method])} if method in drafters
                                                               else {})
     args = _args(echo_checkpoint, 2, spec)
     init = tcp_init_method()

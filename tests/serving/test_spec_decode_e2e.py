@@ -49,12 +49,13 @@ def test_a_speculating_decode_pool_serves_the_non_speculative_text(echo_checkpoi
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("k", [1, 4, 8])
 @pytest.mark.parametrize("method", ["eagle", "dspark"])
 def test_a_decode_pool_speculating_with_a_drafter_serves_the_non_speculative_text(
-        echo_checkpoint: Path, drafters: dict[str, Path], reference: list[str], method: str) -> None:
+        echo_checkpoint: Path, drafters: dict[str, Path], reference: list[str], method: str, k: int) -> None:
     """A model-based drafter on the decode pool (Mooncake): the prompt's positions never pass through it (the
     prefill pool ran them), so its first decode step drafts nothing and it drafts from the positions it computes."""
-    config = json.dumps({"method": method, "model": str(drafters[method]), "num_speculative_tokens": 4})
+    config = json.dumps({"method": method, "model": str(drafters[method]), "num_speculative_tokens": k})
     spec = ServerSpec(transfer="mooncake", launcher="local", extra_args=("--speculative-config", config))
     with launch(spec, echo_checkpoint) as server:
         texts = []
