@@ -63,7 +63,8 @@ def with_drafter(sizes: CacheSizes, args: EngineArgs) -> CacheSizes:
         with torch.device("meta"):
             module = DRAFTERS[drafter.method](drafter, args.torch_dtype)
             module.process_weights_after_loading()
-        tables = 2 * drafter.model.vocab_size * drafter.model.hidden_size * itemsize if args.tensor_parallel_size > 1 else 0
+        tp = args.tensor_parallel_size
+        tables = 2 * drafter.model.vocab_size * drafter.model.hidden_size * itemsize if tp > 1 else 0
         weights = sizes.weight_bytes + sum(storage_bytes(held_tensors(module)).values()) + tables
     return CacheSizes(
         mla_bytes_per_token=sizes.mla_bytes_per_token + row,
