@@ -292,8 +292,10 @@ class LLMEngine:
         return IncrementalDetokenizer.for_request(self.tokenizer, prompt_tail, params)
 
     def _forget(self, request_id: str) -> _Tracked:
-        """The engine's state of a request that ended, its matcher included, dropped."""
+        """The engine's state of a request that ended, its matcher and drafter state included, dropped."""
         self.structured_outputs.release(request_id)
+        if self.runner.drafter is not None:
+            self.runner.drafter.release(request_id)
         return self._tracked.pop(request_id)
 
     def stats(self, num_reserved: int = 0) -> EngineStats:
@@ -392,8 +394,8 @@ class LLMEngine:
             if end <= n:
                 continue
             decoding = end == req.num_tokens - 1 and can_speculate(req)
-            rows.append(DraftRow(req.request_id, n, 0, req.all_token_ids[n + 1 : end + 1], list(req.block_ids),
-                                 req.slot_id, req.sampling_params if decoding else None, req.num_output_tokens))
+            rows.append(DraftRow(req.request_id, n, end - n, req.all_token_ids, list(req.block_ids), req.slot_id,
+                                 req.sampling_params if decoding else None, req.num_output_tokens))
         self.speculator.proposer.store(self.runner.draft(rows))
 
     def _verify(self, output, verify_logits: dict[str, torch.Tensor]

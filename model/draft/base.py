@@ -50,7 +50,6 @@ class Drafter(nn.Module):
         self.weights_processed = False
         self.reference_kernels = False
         self._head: tuple[VocabParallelEmbedding, ParallelLMHead] | None = None  # not submodules: not loaded here
-        self.num_forwards = 0  # drafter forwards run (a test's proof that drafting happened)
 
     def bind(self, embed_tokens: VocabParallelEmbedding, lm_head: ParallelLMHead) -> None:
         """The target's vocab tables, unsharded (TP 1's own, or rank 0's full copies)."""
@@ -73,7 +72,6 @@ class Drafter(nn.Module):
         the pre-norm output [T, hidden]."""
         if not self.weights_processed or self._head is None:
             raise RuntimeError("drafter weights not processed or not bound to the target's embedding and lm_head")
-        self.num_forwards += 1
         with reference_kernels_in_thread(self.reference_kernels):
             return self.model.layers[0](x, batch, cache, 0)
 

@@ -1,5 +1,7 @@
-"""A drafter checkpoint's config.json: a one-layer `kimi_linear` config (one MLA layer, a dense MLP) plus what
-makes it a drafter, checked once against the target it drafts for; every error names the field.
+"""A drafter checkpoint's config.json, checked once against the target it drafts for; every error names the field.
+
+An EAGLE or DSpark drafter is a one-layer `kimi_linear` config (one MLA layer, a dense MLP) plus what makes it a
+drafter:
 
     draft_method               "eagle" | "dspark": the speculative method the checkpoint serves
     architectures              ["KimiK3EagleDrafter"] | ["KimiK3DSparkDrafter"] (as written by make-checkpoint)
@@ -7,7 +9,9 @@ makes it a drafter, checked once against the target it drafts for; every error n
     dspark_block_size          dspark: the longest block one forward proposes (K <= it)
     dspark_noise_token_id      dspark: the token id of the block's masked positions
 
-The drafter shares the target's embedding and lm_head (`vocab_size` and `hidden_size` must be the target's).
+It shares the target's embedding and lm_head (`vocab_size` and `hidden_size` must be the target's). A config.json
+without `draft_method` is a model of its own (method `draft_model`: any K3-architecture checkpoint with the
+target's vocabulary, its own embedding and lm_head).
 """
 
 from __future__ import annotations
@@ -19,14 +23,14 @@ from typing import Any
 
 from k3serve.model.config import ConfigError, ModelConfig
 
-DRAFT_METHODS = ("eagle", "dspark")
+DRAFT_METHODS = ("eagle", "dspark")  # what a draft_method may say; no draft_method: "draft_model"
 ARCHITECTURES = {"eagle": "KimiK3EagleDrafter", "dspark": "KimiK3DSparkDrafter"}
 
 
 @dataclass(frozen=True)
 class DrafterConfig:
     method: str
-    model: ModelConfig  # the drafter's one layer: MLA + dense MLP, plain residual
+    model: ModelConfig  # eagle / dspark: the drafter's one layer (MLA + dense MLP); draft_model: the whole model
     target_layer_ids: tuple[int, ...] = ()  # dspark's conditioning layers; () for eagle (the final hidden state)
     block_size: int = 0  # dspark: the most drafts one forward proposes
     noise_token_id: int = 0  # dspark: the masked positions' token
@@ -46,6 +50,8 @@ class DrafterConfig:
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> "DrafterConfig":
         method = raw.get("draft_method")
+        if method is None:
+            return cls("draft_model", ModelConfig.from_hf_dict(raw))
         if method not in DRAFT_METHODS:
             raise ConfigError(f"drafter config.json draft_method must be one of {list(DRAFT_METHODS)}, got {method!r}")
         model = ModelConfig.from_hf_dict(raw)
@@ -72,9 +78,10 @@ class DrafterConfig:
     def check_fits(self, target: ModelConfig, method: str, num_speculative_tokens: int) -> None:
         """Raise ConfigError (naming the field) unless this drafter serves `method` with K drafts for `target`."""
         if self.method != method:
+            why = "its config.json draft_method" if self.method != "draft_model" else "its config.json has no draft_method"
             raise ConfigError(f"speculative_config.method={method!r} but the drafter checkpoint is a {self.method!r} "
-                              f"drafter (its config.json draft_method)")
-        for name in ("vocab_size", "hidden_size"):
+                              f"drafter ({why})")
+        for name in ("vocab_size", "hidden_size") if self.method != "draft_model" else ("vocab_size",):
             mine, theirs = getattr(self.model, name), getattr(target, name)
             if mine != theirs:
                 raise ConfigError(f"drafter config.json {name}={mine} does not fit the target's {name}={theirs}")

@@ -1,5 +1,6 @@
 """A drafter on this device, loaded from its checkpoint directory and bound to the target's embedding and lm_head:
-the target's own at TP 1, else full copies read from the target's checkpoint (the drafter runs on rank 0 alone)."""
+the target's own at TP 1, else full copies read from the target's checkpoint (the drafter runs on rank 0 alone).
+A `draft_model` drafter is a K3 model of its own, loaded as the target is (unsharded)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from k3serve.model.draft.config import DrafterConfig
 from k3serve.model.draft.dspark import DSparkDrafter
 from k3serve.model.draft.eagle import EagleDrafter
 from k3serve.model.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+from k3serve.model.loader import load_model
 from k3serve.model.model import KimiForCausalLM
 from k3serve.model.parallel import SINGLE
 from k3serve.model.weights import WeightLoadError, checkpoint_files, load_weights
@@ -21,9 +23,13 @@ DRAFTERS: dict[str, type[Drafter]] = {"eagle": EagleDrafter, "dspark": DSparkDra
 
 
 def load_drafter(drafter_dir: str | Path, config: DrafterConfig, target: KimiForCausalLM, target_dir: str | Path,
-                 device: torch.device | str) -> Drafter:
+                 device: torch.device | str) -> Drafter | KimiForCausalLM:
     """`config` (already checked against the target: `DrafterConfig.check_fits`) with its weights from
-    `drafter_dir`, in the target's dtype, on `device`."""
+    `drafter_dir`, in the target's dtype, on `device`; a `draft_model` is a whole model, unsharded."""
+    if config.method == "draft_model":
+        model = load_model(drafter_dir, SINGLE, target.dtype, device)
+        model.use_kernels(reference=target.reference_kernels)
+        return model
     with torch.device(device):
         drafter = DRAFTERS[config.method](config, target.dtype)
     load_weights(drafter, drafter_dir)

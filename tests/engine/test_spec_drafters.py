@@ -1,11 +1,14 @@
-"""Specification: the model-based drafters (EAGLE, DSpark) change how many tokens a step emits, never which ones.
+"""Specification: the model-based drafters (EAGLE, DSpark, draft_model) change how many tokens a step emits, never
+which ones.
 
 Over the self-repeating target (`echo_checkpoint`) with drafters that propose the last token again (`drafters`),
 greedy output with speculation is token for token the output without it, for each method at K = 1, 4 and 8, with
 prefix-cache hits and preemption, and an abort after a verify step leaves no block, slot or stored draft. A path
 that decoded without speculating, or without running the drafter, fails: verify rows, accepted drafts and drafter
-forwards are counted. A drafter that does not fit its target fails at start, naming the field; probabilistic
-drafting keeps the target's law (the rejection sampler with q, and the first tokens' joint law through the engine).
+forwards are counted. The target itself as its own draft_model has (almost) every draft accepted: its KDA state,
+kept one token ahead and recomputed from the tokens after a prefix hit, a preemption or a handoff, is exact. A
+drafter that does not fit its target fails at start, naming the field; probabilistic drafting keeps the target's
+law (the rejection sampler with q, and the first tokens' joint law through the engine).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from _llm_harness import assert_engine_empty, engine_args, random_prompt
 from _spec_harness import token_runs
 
 PROMPT_LENS = [5, 70, 130]
-METHODS = ["eagle", "dspark"]
+METHODS = ["eagle", "dspark", "draft_model"]
 P_THRESHOLD_Z = 3.0902  # the standard normal's upper 1e-3 quantile
 
 
@@ -59,9 +62,10 @@ def _check_speculated(llm: LLM, method: str) -> None:
     engine = llm.engine
     stats = engine.spec_stats
     assert stats.num_drafts > 0 and stats.num_draft_tokens >= stats.num_drafts, "no verify step ran"
-    assert engine.runner.drafter.drafter.num_forwards > 0, "the drafter never ran"
+    assert engine.runner.drafter.num_forwards > 0, "the drafter never ran"
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, f"{method}: no draft accepted, or none rejected"
     assert engine.speculator.proposer.num_indexed == 0, "a finished request's drafts outlived it"
+    assert engine.runner.drafter.num_tracked == 0, "a finished request's drafter state outlived it"
     assert_engine_empty(engine)
 
 
@@ -71,7 +75,7 @@ def test_greedy_output_with_a_drafter_is_the_non_speculative_one(echo_checkpoint
                                                                 prompts, reference, method: str, k: int) -> None:
     llm = LLM(**engine_args(echo_checkpoint, max_model_len=512), speculative_config=_spec(drafters, method, k))
     assert token_runs(llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32))) == reference
-    if method == "eagle" and k > 1:  # its drafts continue the repetition: later positions are accepted too
+    if method != "dspark" and k > 1:  # their drafts continue the repetition: later positions are accepted too
         assert len(llm.engine.spec_stats.accepted_per_position) > 1
     _check_speculated(llm, method)
 
@@ -137,8 +141,34 @@ def test_a_drafter_that_does_not_fit_the_target_fails_at_start_naming_the_field(
     for spec, message in cases:
         with pytest.raises(ConfigError, match=message):
             LLM(**args, speculative_config={**spec, "num_speculative_tokens": 4})
-    with pytest.raises(ValueError, match=r"speculative_config\.method='draft_model' is not served"):
-        LLM(**args, speculative_config={"method": "draft_model", "model": str(eagle), "num_speculative_tokens": 4})
+    small = drafters["draft_model"]
+    with pytest.raises(ConfigError, match=r"'draft_model' drafter \(its config\.json has no draft_method\)"):
+        LLM(**args, speculative_config={"method": "eagle", "model": str(small), "num_speculative_tokens": 4})
+    raw = json.loads((small / "config.json").read_text())
+    other = _edited(small, tmp_path, text_config={**raw["text_config"], "vocab_size": 1024})
+    with pytest.raises(ConfigError, match=r"vocab_size=1024 does not fit the target's vocab_size=512"):
+        LLM(**args, speculative_config={"method": "draft_model", "model": str(other), "num_speculative_tokens": 4})
+
+
+def test_the_target_as_its_own_draft_model_has_its_drafts_accepted(echo_checkpoint: Path) -> None:
+    """Its drafts are the target's own greedy tokens when the drafter's state is exact, through prefix-cache hits
+    and preemption (both make it recompute from token 0); a near-tie between batch shapes may reject one."""
+    gen = torch.Generator().manual_seed(4)
+    shared = random_prompt(gen, 140)
+    prompts = [shared + random_prompt(gen, n) for n in (3, 20)] + [random_prompt(gen, n) for n in (90, 200)]
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    want = token_runs(LLM(**engine_args(echo_checkpoint, max_model_len=512)).generate(prompts, params))
+    llm = LLM(**engine_args(echo_checkpoint, max_model_len=512, num_gpu_blocks_override=8, max_num_batched_tokens=64),
+              speculative_config={"method": "draft_model", "model": str(echo_checkpoint), "num_speculative_tokens": 4})
+    assert token_runs(llm.generate(prompts[:1], params)) == want[:1]
+    got = llm.generate(prompts, params)
+    assert token_runs(got) == want
+    assert any(out.num_cached_tokens for out in got[1:2]) and llm.engine.num_preemptions > 0
+    stats = llm.engine.spec_stats
+    assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens > 0, (stats.num_accepted_tokens,
+                                                                             stats.num_draft_tokens)
+    assert llm.engine.runner.drafter.num_tracked == 0
+    assert_engine_empty(llm.engine)
 
 
 def test_rejection_with_draft_probabilities_emits_the_target_law() -> None:
