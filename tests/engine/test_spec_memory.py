@@ -34,3 +34,17 @@ def test_the_memory_plan_gives_a_drafter_its_cache_out_of_the_same_budget(echo_c
         sizes.mla_bytes_per_token + row, sizes.kda_bytes_per_slot + scratch_blocks(4, 64) * 64 * row, None)
     before, after = (plan_engine_pools(config, EngineArgs(**a)) for a in (plain, spec))
     assert after.num_blocks < before.num_blocks
+
+
+def test_a_draft_model_is_planned_with_its_own_layers_and_twice_its_kda_state(echo_checkpoint, drafters) -> None:
+    from k3serve.engine.memory import cache_sizes, with_drafter
+    from k3serve.engine.spec.drafter import scratch_blocks
+
+    spec = EngineArgs(model=str(echo_checkpoint), dtype="float32", speculative_config={
+        "method": "draft_model", "model": str(drafters["draft_model"]), "num_speculative_tokens": 8})
+    target = cache_sizes(ModelConfig.from_dir(echo_checkpoint), 1, spec.torch_dtype, count_weights=False)
+    own = cache_sizes(ModelConfig.from_dir(drafters["draft_model"]), 1, spec.torch_dtype, count_weights=False)
+    got = with_drafter(target, spec)
+    assert got.mla_bytes_per_token == target.mla_bytes_per_token + own.mla_bytes_per_token
+    assert got.kda_bytes_per_slot == (target.kda_bytes_per_slot + 2 * own.kda_bytes_per_slot
+                                      + scratch_blocks(8, 64) * 64 * own.mla_bytes_per_token)

@@ -48,7 +48,8 @@ def _generate(engine: LLMEngine) -> list[list[int]]:
     return [out[rid] for rid in ids]
 
 
-@pytest.mark.parametrize(("method", "k"), [("ngram", 4)] + [(m, k) for m in ("eagle", "dspark") for k in (1, 4, 8)])
+@pytest.mark.parametrize(("method", "k"), [("ngram", 4)] + [(m, k) for m in ("eagle", "dspark", "draft_model")
+                                                                   for k in (1, 4, 8)])
 def test_a_tp2_engine_speculates_and_generates_the_tp1_tokens(echo_checkpoint: Path, drafters: dict[str, Path],
                                                               method: str, k: int) -> None:
     """A drafter runs on rank 0 alone, over full copies of the target's embedding and lm_head."""

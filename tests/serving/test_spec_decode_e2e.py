@@ -50,11 +50,12 @@ def test_a_speculating_decode_pool_serves_the_non_speculative_text(echo_checkpoi
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("k", [1, 4, 8])
-@pytest.mark.parametrize("method", ["eagle", "dspark"])
+@pytest.mark.parametrize("method", ["eagle", "dspark", "draft_model"])
 def test_a_decode_pool_speculating_with_a_drafter_serves_the_non_speculative_text(
         echo_checkpoint: Path, drafters: dict[str, Path], reference: list[str], method: str, k: int) -> None:
-    """A model-based drafter on the decode pool (Mooncake): the prompt's positions never pass through it (the
-    prefill pool ran them), so its first decode step drafts nothing and it drafts from the positions it computes."""
+    """A model-based drafter on the decode pool (Mooncake): the prompt's positions never pass through an EAGLE or
+    DSpark drafter (the prefill pool ran them), so its first decode step drafts nothing and it drafts from the
+    positions it computes; a draft_model recomputes the prompt from its tokens at the first decode step."""
     config = json.dumps({"method": method, "model": str(drafters[method]), "num_speculative_tokens": k})
     spec = ServerSpec(transfer="mooncake", launcher="local", extra_args=("--speculative-config", config))
     with launch(spec, echo_checkpoint) as server:
