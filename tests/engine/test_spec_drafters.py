@@ -212,3 +212,29 @@ def test_probabilistic_drafting_keeps_the_joint_law_of_the_first_tokens(echo_che
     stats = spec.engine.spec_stats
     assert stats.num_drafts >= 300 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert_engine_empty(spec.engine)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_stops_constraints_and_logprobs_inside_accepted_runs_are_the_non_speculative_ones(
+        echo_checkpoint: Path, drafters: dict[str, Path], prompts, reference, method: str) -> None:
+    from k3serve.engine.sampling_params import StructuredOutputsParams
+
+    plain = LLM(**engine_args(echo_checkpoint, max_model_len=512))
+    stop_text = plain.get_tokenizer().decode(reference[1][9:11])
+    cases = [SamplingParams(temperature=0.0, max_tokens=32, stop_token_ids=[reference[0][12]], logprobs=2),
+             SamplingParams(temperature=0.0, max_tokens=32, stop=[stop_text]),
+             SamplingParams(temperature=0.0, max_tokens=30,
+                            structured_outputs=StructuredOutputsParams(regex="[0-9]{4,20}x"))]
+    want = plain.generate(prompts, cases)
+    llm = LLM(**engine_args(echo_checkpoint, max_model_len=512), speculative_config=_spec(drafters, method, 8))
+    got = llm.generate(prompts, cases)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert (g.outputs[0].text, g.outputs[0].finish_reason, g.outputs[0].stop_reason) == (
+            w.outputs[0].text, w.outputs[0].finish_reason, w.outputs[0].stop_reason)
+    for a, b in zip(got[0].outputs[0].logprobs, want[0].outputs[0].logprobs):
+        assert a.keys() == b.keys()
+        assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in a)
+    assert llm.engine.structured_outputs.num_matchers == 0
+    _check_speculated(llm, method)
+    assert_engine_empty(plain.engine)
