@@ -172,7 +172,12 @@ class DraftRunner:
         if not drafting:
             return rows, []
         logits = d.logits(out[self._ids(block_at)]).view(len(drafting), self.k, -1)
-        return rows, [self._choose(logits[:, j], drafting, j) for j in range(self.k)]
+        steps, prev = [], self._ids([r.token_ids[r.end] for r in drafting])
+        for j in range(self.k):  # left to right: each row's logits, plus the Markov bias after the previous draft
+            bias = d.markov_bias(prev)
+            steps.append(self._choose(logits[:, j] if bias is None else logits[:, j] + bias, drafting, j))
+            prev = self._ids(steps[-1][0])
+        return rows, steps
 
     def _draft_model(self, rows: list[DraftRow]) -> tuple[list[DraftRow], list[_Step]]:
         model = self.drafter

@@ -8,6 +8,8 @@ drafter:
     dspark_target_layer_ids    dspark: the target layers (0-based) whose outputs condition the drafter
     dspark_block_size          dspark: the longest block one forward proposes (K <= it)
     dspark_noise_token_id      dspark: the token id of the block's masked positions
+    dspark_markov_rank         dspark, optional: the rank of the Markov head (a previous-token bias on each block
+                               row's logits, `model.markov_head.markov_w{1,2}`); absent or 0: none
 
 It shares the target's embedding and lm_head (`vocab_size` and `hidden_size` must be the target's). A config.json
 without `draft_method` is a model of its own (method `draft_model`: any K3-architecture checkpoint with the
@@ -34,6 +36,7 @@ class DrafterConfig:
     target_layer_ids: tuple[int, ...] = ()  # dspark's conditioning layers; () for eagle (the final hidden state)
     block_size: int = 0  # dspark: the most drafts one forward proposes
     noise_token_id: int = 0  # dspark: the masked positions' token
+    markov_rank: int = 0  # dspark: the Markov head's rank, 0 without one
 
     @property
     def aux_hidden_size(self) -> int:
@@ -73,7 +76,10 @@ class DrafterConfig:
         if type(noise) is not int or not 0 <= noise < model.vocab_size:
             raise ConfigError(f"drafter config.json dspark_noise_token_id must be a token id in [0, "
                               f"{model.vocab_size}), got {noise!r}")
-        return cls(method, model, tuple(layers), block, noise)
+        rank = raw.get("dspark_markov_rank", 0)
+        if type(rank) is not int or rank < 0:
+            raise ConfigError(f"drafter config.json dspark_markov_rank must be an int >= 0, got {rank!r}")
+        return cls(method, model, tuple(layers), block, noise, rank)
 
     def check_fits(self, target: ModelConfig, method: str, num_speculative_tokens: int) -> None:
         """Raise ConfigError (naming the field) unless this drafter serves `method` with K drafts for `target`."""

@@ -75,7 +75,7 @@ def test_greedy_output_with_a_drafter_is_the_non_speculative_one(echo_checkpoint
                                                                 prompts, reference, method: str, k: int) -> None:
     llm = LLM(**engine_args(echo_checkpoint, max_model_len=512), speculative_config=_spec(drafters, method, k))
     assert token_runs(llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32))) == reference
-    if method != "dspark" and k > 1:  # their drafts continue the repetition: later positions are accepted too
+    if k > 1:  # their drafts continue the repetition (DSpark's through its Markov head): later positions too
         assert len(llm.engine.spec_stats.accepted_per_position) > 1
     _check_speculated(llm, method)
 
@@ -135,6 +135,7 @@ def test_a_drafter_that_does_not_fit_the_target_fails_at_start_naming_the_field(
         ({"method": "dspark", "model": str(_edited(dspark, tmp_path, dspark_block_size=2))}, r"dspark_block_size=2"),
         ({"method": "dspark", "model": str(_edited(dspark, tmp_path, dspark_target_layer_ids=[0, 9]))},
          r"dspark_target_layer_ids \[9\]"),
+        ({"method": "dspark", "model": str(_edited(dspark, tmp_path, dspark_markov_rank=-1))}, r"dspark_markov_rank"),
         ({"method": "eagle", "model": str(tmp_path)}, r"speculative_config\.model: no config\.json"),
         ({"method": "eagle", "model": str(_edited(eagle, tmp_path, draft_method="medusa"))}, r"draft_method"),
     ]

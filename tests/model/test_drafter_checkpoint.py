@@ -17,7 +17,8 @@ from k3serve.model.loader import load_model
 from k3serve.model.weights import checkpoint_files
 
 NAMES = {"eagle": {"model.fc.weight", "model.norm.weight"},
-         "dspark": {"model.fc.weight", "model.hidden_norm.weight", "model.norm.weight"}}
+         "dspark": {"model.fc.weight", "model.hidden_norm.weight", "model.norm.weight",
+                    "model.markov_head.markov_w1.weight", "model.markov_head.markov_w2.weight"}}
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -36,7 +37,8 @@ def test_a_written_drafter_loads_onto_its_target(tiny_checkpoint: Path, tmp_path
                      str(where)]) == 0
     tensors = _tensors(out)
     assert NAMES[method] <= set(tensors)
-    assert all(name.startswith(("model.fc.", "model.hidden_norm.", "model.norm.", "model.layers.0."))
+    assert all(name.startswith(("model.fc.", "model.hidden_norm.", "model.norm.", "model.layers.0.",
+                                "model.markov_head."))
                for name in tensors), "the embedding and lm_head are the target's, not the drafter's"
     assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight" in tensors  # the layer's own K3 names
     assert all(torch.equal(t, _tensors(again)[n]) for n, t in tensors.items()), "not deterministic"
