@@ -11,7 +11,9 @@ decode worker), who hands it in; without one, submission compiles it and waits (
 With `speculative_config` a decode may be a verify row (`engine/spec/`): the step runs it with the others, rejection
 samples its drafts (`spec/rejection.py`), has the runner commit each accepted prefix to the KDA state
 (`ModelRunner.commit_verified`, every rank) and then appends the emitted tokens, stop conditions applied token by
-token (a stop string truncates the run after the token that completes it).
+token (a stop string truncates the run after the token that completes it). With a model-based drafter the step
+ends by drafting (`_draft`): the runner's drafter reads the hidden states of the positions the step computed and
+proposes the drafts the scheduler takes at the next step.
 
 `LLM` (offline) and `AsyncEngine` (streaming) drive it; prefill and decode workers reuse it.
 """
@@ -43,7 +45,8 @@ from k3serve.engine.sampler import PromptScoring, Sampler, token_logprobs
 from k3serve.engine.sampling_params import SamplingParams
 from k3serve.engine.scheduler import Scheduler
 from k3serve.engine.spec.metrics import SpecDecodeStats, spec_decode_metrics
-from k3serve.engine.spec.proposer import Speculator
+from k3serve.engine.spec.drafter import DraftRow
+from k3serve.engine.spec.proposer import Speculator, can_speculate
 from k3serve.engine.spec.rejection import rejection_sample
 from k3serve.engine.state_pool import StatePool
 from k3serve.engine.structured_output import ConstraintViolationError, StructuredOutputs
@@ -121,6 +124,11 @@ class LLMEngine:
                 f"max_model_len={args.max_model_len} exceeds the model's max_position_embeddings="
                 f"{self.config.max_position_embeddings}"
             )
+        spec = args.speculative_config
+        if spec is not None and spec.model is not None:  # a drafter that does not fit fails before any loading
+            from k3serve.model.draft.config import DrafterConfig
+
+            DrafterConfig.from_dir(spec.model).check_fits(self.config, spec.method, spec.num_speculative_tokens)
         if (group.world_size if group else 1) != args.tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size={args.tensor_parallel_size} but the TP group has "
                              f"{group.world_size if group else 1} ranks")
@@ -237,6 +245,8 @@ class LLMEngine:
             request_id, prompt_token_ids, params, output_token_ids=[first_token_id],
             num_computed_tokens=len(prompt_token_ids), block_ids=list(block_ids), slot_id=slot_id,
         )
+        if self.runner.drafter is not None:  # its drafter context starts at the first decode step (design note)
+            self.runner.drafter.forget(block_ids)
         self.scheduler.add_running(request)
         self._tracked[request_id] = _Tracked(
             params=params,
@@ -288,8 +298,10 @@ class LLMEngine:
         return IncrementalDetokenizer.for_request(self.tokenizer, prompt_tail, params)
 
     def _forget(self, request_id: str) -> _Tracked:
-        """The engine's state of a request that ended, its matcher included, dropped."""
+        """The engine's state of a request that ended, its matcher and drafter state included, dropped."""
         self.structured_outputs.release(request_id)
+        if self.runner.drafter is not None:
+            self.runner.drafter.release(request_id)
         return self._tracked.pop(request_id)
 
     def stats(self, num_reserved: int = 0) -> EngineStats:
@@ -373,7 +385,25 @@ class LLMEngine:
             appended = (done or self.scheduler.requests[rid]).output_token_ids[num_outputs[rid]:]
             entries = verified_logprobs.get(rid) or [None] * len(tokens)
             deltas.append(self._delta(rid, appended, entries[: len(appended)], done))
+        if self.runner.drafter is not None:
+            self._draft(output)
         return deltas
+
+    def _draft(self, output) -> None:
+        """The drafter's turn at the end of a step: the context rows of every position the step computed for a
+        request still running, and K drafts for those now decoding that may speculate (stored for the scheduler)."""
+        rows = []
+        for seq in output.seqs:
+            req = self.scheduler.requests.get(seq.request_id)
+            if req is None or req.is_finished:
+                continue
+            n, end = seq.num_computed_tokens, req.num_computed_tokens
+            if end <= n:
+                continue
+            decoding = end == req.num_tokens - 1 and can_speculate(req)
+            rows.append(DraftRow(req.request_id, n, end - n, req.all_token_ids, list(req.block_ids), req.slot_id,
+                                 req.sampling_params if decoding else None, req.num_output_tokens))
+        self.speculator.proposer.store(self.runner.draft(rows))
 
     def _verify(self, output, verify_logits: dict[str, torch.Tensor]
                 ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs | None]], StructuredVerdict]:
@@ -393,7 +423,9 @@ class LLMEngine:
             mask = self.structured_outputs.verify_mask(rid, drafts[rid])
             if mask is not None:
                 mask.apply(logits)
-            verdict = rejection_sample(logits, drafts[rid], params, self.scheduler.requests[rid].num_output_tokens)
+            q = getattr(self.speculator.proposer, "draft_probs", None)
+            verdict = rejection_sample(logits, drafts[rid], params, self.scheduler.requests[rid].num_output_tokens,
+                                       q(rid, len(drafts[rid])) if q is not None else None)
             emitted[rid] = verdict.token_ids
             self.spec_stats.record(len(drafts[rid]), verdict.num_accepted)
             if mask is not None:

@@ -44,6 +44,40 @@ def cache_sizes(config: ModelConfig, tp_size: int, dtype: torch.dtype, count_wei
     )
 
 
+def with_drafter(sizes: CacheSizes, args: EngineArgs) -> CacheSizes:
+    """`sizes` plus what rank 0's model-based drafter holds (`engine/spec/drafter.py`): its cache (its MLA layers'
+    rows a token of every block; a KDA slot's scratch blocks, and for a draft_model its KDA state twice: the kept
+    one and the drafting copy), its weights, and for EAGLE / DSpark at TP > 1 full copies of the target's
+    embedding and lm_head. Every rank is planned alike, so the followers leave that much unused."""
+    spec = args.speculative_config
+    if spec is None or spec.model is None:
+        return sizes
+    from k3serve.engine.spec.drafter import scratch_blocks
+    from k3serve.model.draft.config import DrafterConfig
+    from k3serve.model.draft.loader import DRAFTERS
+
+    drafter = DrafterConfig.from_dir(spec.model)
+    own = cache_sizes(drafter.model, 1, args.torch_dtype, count_weights=False)
+    itemsize = torch.empty((), dtype=args.torch_dtype).element_size()
+    weights = None
+    if sizes.weight_bytes is not None:
+        if drafter.method == "draft_model":
+            weights = sizes.weight_bytes + weight_bytes(drafter.model, 1, args.torch_dtype)
+        else:
+            with torch.device("meta"):
+                module = DRAFTERS[drafter.method](drafter, args.torch_dtype)
+                module.process_weights_after_loading()
+            tp = args.tensor_parallel_size
+            tables = 2 * drafter.model.vocab_size * drafter.model.hidden_size * itemsize if tp > 1 else 0
+            weights = sizes.weight_bytes + sum(storage_bytes(held_tensors(module)).values()) + tables
+    scratch = scratch_blocks(spec.num_speculative_tokens, args.block_size) * args.block_size
+    return CacheSizes(
+        mla_bytes_per_token=sizes.mla_bytes_per_token + own.mla_bytes_per_token,
+        kda_bytes_per_slot=sizes.kda_bytes_per_slot + 2 * own.kda_bytes_per_slot + scratch * own.mla_bytes_per_token,
+        weight_bytes=weights,
+    )
+
+
 def weight_bytes(config: ModelConfig, tp_size: int, dtype: torch.dtype) -> int:
     """Bytes of rank 0's weights, counted on the meta device (nothing is allocated): the loaded tensors
     plus what `process_weights_after_loading` derives from them (e.g. the MLA layers' fp32 W_UK / W_UV, 4 MiB
@@ -130,8 +164,8 @@ def plan_engine_pools(config: ModelConfig, args: EngineArgs, usable_bytes: int |
     come out of what `gpu_memory_utilization` leaves free (they are made after the plan)."""
     from k3serve.engine.cuda_graphs import graphs_allowed
 
-    sizes = cache_sizes(config, args.tensor_parallel_size, args.torch_dtype,
-                        count_weights=args.cache_memory_bytes is None and usable_bytes is not None)
+    sizes = with_drafter(cache_sizes(config, args.tensor_parallel_size, args.torch_dtype,
+                                     count_weights=args.cache_memory_bytes is None and usable_bytes is not None), args)
     graphs = graphs_allowed(args)
     graph_bytes = prefill_bytes = 0
     if args.cache_memory_bytes is not None:

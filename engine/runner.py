@@ -11,10 +11,14 @@ same slices (each one's gather is a collective).
 The runner is the only place that turns the scheduler's lists into tensors (once per step,
 `ForwardBatch.build`, or `DecodeGraphs.run` for a decode-only step replayed as a CUDA graph) and the
 only place that touches the cache tensors outside the model.
+
+With a model-based drafter (rank 0 only: `engine/spec/drafter.py`) the runner keeps a step's hidden states (and
+the drafter's chosen layers' outputs) until the engine, which knows the step's tokens, calls `draft`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +34,7 @@ from k3serve.engine.outputs import TokenLogprobs
 from k3serve.engine.sampler import PROMPT_LOGPROBS_ROWS, PromptScoring, prompt_logprobs
 
 from k3serve.engine.scheduler_output import NO_SLOT, ScheduledSeq, SchedulerOutput
+from k3serve.engine.spec.drafter import DraftRow, DraftRunner, Drafts
 from k3serve.engine.tp_group import TPGroup, rank_device
 from k3serve.kernels._backend import to_device_async
 from k3serve.model.batch import ForwardBatch, ModelCache, VerifyRecords
@@ -77,7 +82,19 @@ def load_runner(
         reserve_pad_slot=use_graphs,
     )
     graphs = capture_decode_graphs(model, cache, args, all_ranks_ok) if use_graphs else None
-    return ModelRunner(model, cache, group, graphs, offload=tier_data(args, cache, plan, tp, model.config))
+    spec = args.speculative_config
+    drafter = None
+    if spec is not None and spec.model is not None and tp.rank == 0:  # rank 0 alone drafts
+        from k3serve.model.draft.config import DrafterConfig
+        from k3serve.model.draft.loader import load_drafter
+
+        config = DrafterConfig.from_dir(spec.model)
+        config.check_fits(model.config, spec.method, spec.num_speculative_tokens)
+        drafter = DraftRunner(load_drafter(spec.model, config, model, model_dir, device), plan.num_blocks,
+                              plan.num_slots + int(use_graphs), plan.block_size, spec.num_speculative_tokens,
+                              spec.draft_sample_method == "probabilistic", device)
+    return ModelRunner(model, cache, group, graphs, offload=tier_data(args, cache, plan, tp, model.config),
+                       drafter=drafter)
 
 
 class ModelRunner:
@@ -85,6 +102,7 @@ class ModelRunner:
         self, model: KimiForCausalLM, cache: ModelCache, group: TPGroup | None = None,
         graphs: DecodeGraphs | None = None, prompt_logprobs_rows: int = PROMPT_LOGPROBS_ROWS,
         offload: Sequence[TierData] = (),
+        drafter: DraftRunner | None = None,
     ) -> None:
         if prompt_logprobs_rows < 1:
             raise ValueError(f"prompt_logprobs_rows must be >= 1, got {prompt_logprobs_rows}")
@@ -97,6 +115,8 @@ class ModelRunner:
         self._pending_commit: _PendingCommit | None = None  # a verify step's, until `commit_verified`
         self._kda_layers = [layer.self_attn for layer in model.model.layers if layer.is_kda]  # cache order
         self.offload = {tier.name: tier for tier in offload}  # this rank's half of each offload tier
+        self.drafter = drafter  # rank 0's model-based drafter, or None
+        self._drafter_inputs: tuple[torch.Tensor, torch.Tensor | None, dict[str, int]] | None = None  # see draft
 
     def execute(self, output: SchedulerOutput, score_prompts: dict[str, PromptScoring] | None = None) -> RunnerOutput:
         """`score_prompts`: request_id -> the prompt tokens its chunk's first rows score (prompt logprobs)."""
@@ -115,11 +135,16 @@ class ModelRunner:
         for seq in seqs:
             if seq.copy_state_from_slot != NO_SLOT:
                 self.cache.copy_slot(seq.copy_state_from_slot, seq.slot_id)
-        if self.graphs is not None and self.graphs.fits(seqs):  # verify steps never fit: they run eagerly
+        aux_layers = self.drafter.aux_layer_ids if self.drafter is not None else ()
+        aux = None
+        if self.graphs is not None and not aux_layers and self.graphs.fits(seqs):  # verify steps never fit
             hidden = self.graphs.run(seqs)
         else:
             batch = self._build_batch(seqs)
+            batch.aux_layer_ids = aux_layers
             hidden = self.model(batch, self.cache)
+            if aux_layers:
+                aux = torch.cat([batch.aux_hidden[i] for i in aux_layers], dim=-1)
             if batch.num_spec:
                 cu, slots = batch.spec_spans()
                 spec_ids = [s.request_id for s in seqs[batch.num_decode : batch.prefill_start]]
@@ -131,6 +156,8 @@ class ModelRunner:
         starts = [0]
         for seq in seqs:
             starts.append(starts[-1] + seq.num_scheduled_tokens)
+        if self.drafter is not None:
+            self._drafter_inputs = (hidden, aux, {s.request_id: at for s, at in zip(seqs, starts)})
         sample_rows, row_spans = [], []  # a verify row's logits are all its rows'
         for i, s in enumerate(seqs):
             if s.needs_sample:
@@ -187,6 +214,16 @@ class ModelRunner:
         for layer, records, recurrent, conv in zip(self._kda_layers, pending.records, self.cache.kda_recurrent,
                                                    self.cache.kda_conv):
             layer.commit_verified(records, recurrent, conv, pending.slots, pending.cu_seqlens, lens)
+
+    def draft(self, rows: list[DraftRow]) -> dict[str, Drafts]:
+        """Rank 0, after the step's tokens are known: the drafter's context rows of the step's positions and the
+        drafts of the rows that ask (`DraftRow.hidden_start` is filled in here from the step's row layout).
+        Once a step, never on a step without a drafter."""
+        if self.drafter is None or self._drafter_inputs is None:
+            raise RuntimeError("draft without a drafter or without a step to draft from")
+        (hidden, aux, starts), self._drafter_inputs = self._drafter_inputs, None
+        rows = [dataclasses.replace(r, hidden_start=starts[r.request_id]) for r in rows]
+        return self.drafter.run(rows, hidden, aux)
 
     @property
     def has_pending_commit(self) -> bool:

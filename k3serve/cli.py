@@ -21,8 +21,18 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
 
     layers = "" if args.layers is None else f", first {args.layers} layers"
     try:
+        if args.drafter is not None:
+            from k3serve.model.draft.checkpoint import make_drafter_checkpoint
+
+            if args.target is None:
+                raise ConfigError("--drafter needs --target, the checkpoint directory of the model it drafts for")
+            with stage(f"writing a random {args.drafter} drafter for {args.target} (seed {args.seed}) to {args.out}"):
+                make_drafter_checkpoint(args.drafter, args.target, args.out, seed=args.seed,
+                                        echo_weight=args.echo_weight)
+            return 0
         with stage(f"writing the {args.preset} checkpoint (seed {args.seed}{layers}, random weights) to {args.out}"):
-            make_checkpoint(args.preset, args.out, seed=args.seed, num_layers=args.layers, device=args.device)
+            make_checkpoint(args.preset, args.out, seed=args.seed, num_layers=args.layers, device=args.device,
+                            echo_weight=args.echo_weight)
     except ConfigError as exc:
         print(f"k3serve make-checkpoint: {exc}", file=sys.stderr)
         return 2
@@ -173,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "k3-rank-slice has 12)")
     p.add_argument("--device", help="where the weights are drawn: cpu or cuda (default: the CPU for a small preset, "
                    "the same bytes everywhere; else CUDA, e.g. k3-rank-slice)")
+    p.add_argument("--drafter", choices=["eagle", "dspark"], help="write a random speculative decoding drafter of "
+                   "this method for --target instead of a preset (its vocabulary and hidden size)")
+    p.add_argument("--target", type=Path, help="with --drafter: the target model's checkpoint directory")
+    p.add_argument("--echo-weight", type=float, default=0.0, help="a model that repeats its last token (target: that "
+                   "multiple of the embedding added to the lm_head; drafter: one that proposes it): speculative "
+                   "decoding's tests and benchmarks (default: 0, plain random weights)")
     p.set_defaults(func=_make_checkpoint)
 
     p = sub.add_parser("score", help="print the full-sequence logits of a token list as JSON")

@@ -118,6 +118,9 @@ class ForwardBatch:
     num_spec: int = 0  # verify sequences right after the decodes (1 + k tokens each; host copies set)
     num_spec_tokens: int = 0  # their rows
     verify_records: list[VerifyRecords] = field(default_factory=list)  # one a KDA layer, in order: the verify pass
+    # A model-based drafter's conditioning: the outputs of these layers (0-based), kept by the forward
+    aux_layer_ids: tuple[int, ...] = ()
+    aux_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [T, hidden]
     _kda_plan: ChunkPlan | None = field(default=None, init=False, repr=False, compare=False)
     _parts: dict[tuple[int, int], "ForwardBatch"] = field(default_factory=dict, init=False, repr=False, compare=False)
 

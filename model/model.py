@@ -139,10 +139,14 @@ class KimiModel(nn.Module):
             )
 
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
+        """[T, hidden] after the final norm; the outputs of `batch.aux_layer_ids` go to `batch.aux_hidden` (with
+        attention residuals a layer's output is its block's running sum: the residual stream's counterpart)."""
         if not self.config.attn_res_block_size:
             h = self.embed_tokens(batch.token_ids)
             for layer, idx in zip(self.layers, self._cache_idx):
                 h = layer(h, batch, cache, idx)
+                if layer.layer_idx in batch.aux_layer_ids:
+                    batch.aux_hidden[layer.layer_idx] = h
             return self.norm(h)
         # rows: one snapshot per block start (layer_idx % block == 0), then the running prefix
         snapshots = -(-self.config.num_hidden_layers // self.config.attn_res_block_size)
@@ -152,6 +156,8 @@ class KimiModel(nn.Module):
         k, pending = 0, None
         for layer, idx in zip(self.layers, self._cache_idx):
             k, pending = layer.forward_attn_res(sources, k, pending, batch, cache, idx)
+            if layer.layer_idx in batch.aux_layer_ids:  # the block's sum so far, this layer's output included
+                batch.aux_hidden[layer.layer_idx] = sources[k] + pending
         (scores,) = self.output_attn_res_scores
         return _mix_norm(sources, k, scores, self.output_attn_res_norm.eps, self.norm, pending)
 

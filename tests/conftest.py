@@ -13,6 +13,9 @@ safetensors, published tensor names), so every model test also runs the real loa
     echo_checkpoint               k3-tiny with 0.3 x the embedding added to its lm_head (`make_checkpoint`'s
                                   echo_weight): it repeats itself for a while, so speculative decoding's prompt
                                   lookup has drafts to accept (and to reject where a run changes)
+    drafters                      {"eagle": DIR, "dspark": DIR}: random drafters for echo_checkpoint that propose the
+                                  last token again (`make_drafter_checkpoint`'s echo_weight); "draft_model": a
+                                  3-layer k3-tiny of another seed that repeats itself too
 """
 
 import importlib.util
@@ -60,6 +63,17 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def echo_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint("k3-tiny", tmp_path_factory.mktemp("k3-tiny-echo"), seed=0, echo_weight=0.3)
+
+
+@pytest.fixture(scope="session")
+def drafters(tmp_path_factory: pytest.TempPathFactory, echo_checkpoint: Path) -> dict[str, Path]:
+    from k3serve.model.draft.checkpoint import make_drafter_checkpoint
+
+    out = {method: make_drafter_checkpoint(method, echo_checkpoint, tmp_path_factory.mktemp(f"{method}-drafter"),
+                                           seed=1, echo_weight=3.0) for method in ("eagle", "dspark")}
+    out["draft_model"] = make_checkpoint("k3-tiny", tmp_path_factory.mktemp("draft-model"), seed=1, num_layers=3,
+                                         echo_weight=0.3)
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,6 @@ from typing import Any, Literal
 
 SpecMethod = Literal["ngram", "draft_model", "eagle", "dspark"]
 SPEC_METHODS = ("ngram", "draft_model", "eagle", "dspark")
-SERVED_METHODS = ("ngram",)  # the model-based methods need a drafter this engine does not load yet
 MAX_SPECULATIVE_TOKENS = 8
 
 
@@ -59,9 +58,6 @@ class SpeculativeConfig:
         if self.method != "ngram" and not self.model:
             raise ValueError(f"speculative_config.model must name the drafter's checkpoint directory for "
                              f"method {self.method!r}")
-        if self.method not in SERVED_METHODS:
-            raise ValueError(f"speculative_config.method={self.method!r} is not served by this engine yet "
-                             f"(served: {list(SERVED_METHODS)})")
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str") -> "SpeculativeConfig":

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
+
 from k3serve.engine.request import Request
 from k3serve.engine.spec.config import SpeculativeConfig
+from k3serve.engine.spec.drafter import Drafts
 from k3serve.engine.spec.ngram import NgramProposer
 
 
@@ -30,13 +33,47 @@ class DraftProposer(Protocol):
     def release(self, request_id: str) -> None: ...
 
 
+class StoredDrafts:
+    """A model-based drafter's proposals: the engine stores what the runner's drafter proposed after a step
+    (`store`), the scheduler takes them at the next one (`propose`), only while the request still has the tokens
+    they continue (a preempted request drafts again when its recompute reaches its last token)."""
+
+    def __init__(self) -> None:
+        self._drafts: dict[str, Drafts] = {}
+
+    def store(self, drafts: dict[str, Drafts]) -> None:
+        self._drafts.update(drafts)
+
+    def propose(self, request_id: str, token_ids: list[int], max_tokens: int) -> list[int]:
+        drafts = self._drafts.get(request_id)
+        if drafts is None or drafts.num_tokens != len(token_ids) or max_tokens < 1:
+            return []
+        return drafts.token_ids[:max_tokens]
+
+    def draft_probs(self, request_id: str, num_drafts: int) -> torch.Tensor | None:
+        """[num_drafts, V]: the q rows of the request's first drafts, None for deterministic ones."""
+        drafts = self._drafts.get(request_id)
+        return None if drafts is None or drafts.probs is None else drafts.probs[:num_drafts]
+
+    def release(self, request_id: str) -> None:
+        self._drafts.pop(request_id, None)
+
+    @property
+    def num_indexed(self) -> int:
+        """Requests with stored drafts (a leak check: none once every request ended)."""
+        return len(self._drafts)
+
+
 class Speculator:
-    """`proposer`: the config's method's (prompt lookup), unless given."""
+    """`proposer`: the config's method's (prompt lookup, or the drafts a model-based drafter stored), unless
+    given."""
 
     def __init__(self, config: SpeculativeConfig, proposer: DraftProposer | None = None) -> None:
         self.config = config
-        self.proposer = proposer or NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
-                                                  config.prompt_lookup_max)
+        if proposer is None:
+            proposer = StoredDrafts() if config.model is not None else NgramProposer(
+                config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer = proposer
 
     def drafts(self, request: Request, max_tokens: int) -> list[int]:
         """At most min(K, `max_tokens`) drafts continuing the request, [] when it cannot speculate."""

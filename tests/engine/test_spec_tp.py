@@ -1,7 +1,8 @@
 """Specification: a TP2 engine speculates as a TP1 engine does. Rank 0 alone samples and rejects; every rank runs the
 verify forward and then the commit rank 0 announces (`ModelRunner.commit_verified`, the follower loop of
 `kv_handoff.FollowerRank`), so the collectives line up and each rank's KDA heads advance by the same accepted
-prefix. Greedy tokens equal the TP1 engine's without speculation, drafts were accepted, and the pools end empty."""
+prefix. Greedy tokens equal the TP1 engine's without speculation, drafts were accepted, and the pools end empty;
+also with a model-based drafter (rank 0's alone)."""
 
 from __future__ import annotations
 
@@ -47,15 +48,23 @@ def _generate(engine: LLMEngine) -> list[list[int]]:
     return [out[rid] for rid in ids]
 
 
-def test_a_tp2_engine_speculates_and_generates_the_tp1_tokens(echo_checkpoint: Path) -> None:
+@pytest.mark.parametrize(("method", "k"), [("ngram", 4)] + [(m, k) for m in ("eagle", "dspark", "draft_model")
+                                                                   for k in (1, 4, 8)])
+def test_a_tp2_engine_speculates_and_generates_the_tp1_tokens(echo_checkpoint: Path, drafters: dict[str, Path],
+                                                              method: str, k: int) -> None:
+    """A drafter runs on rank 0 alone, over full copies of the target's embedding and lm_head."""
     reference = _generate(LLMEngine(_args(echo_checkpoint, 1, None)))
-    args = _args(echo_checkpoint, 2, {"method": "ngram", "num_speculative_tokens": 4})
+    spec = {"method": method, "num_speculative_tokens": k} | ({"model": str(drafters[method])} if method in drafters
+                                                              else {})
+    args = _args(echo_checkpoint, 2, spec)
     init = tcp_init_method()
     with spawned(_follower, 1, args, init):
         engine = LLMEngine(args, TPGroup(0, 2, init, timeout_s=30))
         try:
             assert _generate(engine) == reference
             assert engine.spec_stats.num_accepted_tokens > 0
+            if method in drafters:
+                assert engine.runner.drafter.num_forwards > 0
             assert_engine_empty(engine)
         finally:
             engine.close()
