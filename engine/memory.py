@@ -74,24 +74,35 @@ def storage_bytes(tensors: list[torch.Tensor]) -> dict[int, int]:
 class PoolPlan:
     num_blocks: int
     num_slots: int  # KDA slots the state pool hands out
-    block_size: int
+    block_size: int  # tokens a block id holds: the scheduler's block (`EngineArgs.tokens_per_block`)
     pad_slot: bool = False  # one more KDA slot in the cache, for CUDA-graph padding rows (no request owns it)
     graph_bytes: int = 0  # set aside for the captured decode graphs out of a device budget (`graph_reserve_bytes`)
     prefill_bytes: int = 0  # set aside for an eager step's activations (`prefill_activation_bytes`), likewise
+
+    dcp_size: int = 1  # ranks a block's pages are spread over (decode context parallelism)
 
     @property
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    @property
+    def page_size(self) -> int:
+        """Tokens of a block one rank holds: its MLA tensors' block."""
+        return self.block_size // self.dcp_size
+
 
 def plan_pools(
     sizes: CacheSizes, cache_bytes: int, block_size: int, num_slots: int, max_model_len: int,
     pad_slot: bool = False, graph_bytes: int = 0, prefill_bytes: int = 0, num_blocks_override: int | None = None,
+    dcp_size: int = 1,
 ) -> PoolPlan:
     """Give `num_slots` KDA slots (plus the pad slot), `graph_bytes` and `prefill_bytes` their bytes, the rest of
-    `cache_bytes` to MLA blocks: all it holds, or `num_blocks_override` of them (`num_gpu_blocks_override`)."""
+    `cache_bytes` to MLA blocks: all it holds, or `num_blocks_override` of them (`num_gpu_blocks_override`). A
+    block holds `block_size` tokens, of which a rank stores 1 / `dcp_size`."""
+    if block_size % dcp_size:
+        raise ValueError(f"blocks of {block_size} tokens do not split into {dcp_size} decode context parallel pages")
     slot_bytes = (num_slots + pad_slot) * sizes.kda_bytes_per_slot
-    block_bytes = block_size * sizes.mla_bytes_per_token
+    block_bytes = block_size // dcp_size * sizes.mla_bytes_per_token
     num_blocks = (cache_bytes - slot_bytes - graph_bytes - prefill_bytes) // block_bytes if block_bytes else 0
     needed = math.ceil(max_model_len / block_size)
     if num_blocks_override is not None:
@@ -112,7 +123,7 @@ def plan_pools(
             "max_num_seqs" + (" / max_num_batched_tokens" if prefill_bytes else "") + "."
         )
     return PoolPlan(num_blocks=int(num_blocks), num_slots=num_slots, block_size=block_size, pad_slot=pad_slot,
-                    graph_bytes=graph_bytes, prefill_bytes=prefill_bytes)
+                    graph_bytes=graph_bytes, prefill_bytes=prefill_bytes, dcp_size=dcp_size)
 
 
 def plan_engine_pools(config: ModelConfig, args: EngineArgs, usable_bytes: int | None = None,
@@ -149,9 +160,9 @@ def plan_engine_pools(config: ModelConfig, args: EngineArgs, usable_bytes: int |
         cache_bytes = usable_bytes - sizes.weight_bytes
     else:
         cache_bytes = DEFAULT_CPU_CACHE_BYTES
-    return plan_pools(sizes, cache_bytes, args.block_size, args.kda_slots, args.max_model_len, pad_slot=graphs,
+    return plan_pools(sizes, cache_bytes, args.tokens_per_block, args.kda_slots, args.max_model_len, pad_slot=graphs,
                       graph_bytes=graph_bytes, prefill_bytes=prefill_bytes,
-                      num_blocks_override=args.num_gpu_blocks_override)
+                      num_blocks_override=args.num_gpu_blocks_override, dcp_size=args.decode_context_parallel_size)
 
 
 PLAN_NUM_SM = 148
@@ -201,7 +212,8 @@ def graph_reserve_bytes(config: ModelConfig, args: EngineArgs) -> int:
 
     rows = args.graph_batch_sizes[-1]
     itemsize = torch.empty((), dtype=args.torch_dtype).element_size()
-    inputs = StaticDecodeInputs(rows, math.ceil(args.max_model_len / args.block_size), args.block_size, 0, "meta")
+    inputs = StaticDecodeInputs(rows, math.ceil(args.max_model_len / args.tokens_per_block), args.tokens_per_block, 0,
+                                "meta")
     output = rows * config.hidden_size * itemsize
     activations = rows * decode_activation_bytes(config, args.tensor_parallel_size, args.torch_dtype)
     return inputs.device_bytes + output + activations + graph_pool_slack_bytes(config, args.tensor_parallel_size)
@@ -256,7 +268,7 @@ def scheduler_config(args: EngineArgs, device_bytes: int | None, eos_token_id: i
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=base,
         max_adaptive_batched_tokens=(args.max_adaptive_batched_tokens or 2 * base) if args.adaptive_token_budget else base,
         max_model_len=args.max_model_len,
-        block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+        block_size=args.tokens_per_block, enable_prefix_caching=args.enable_prefix_caching,
         kda_checkpoint_mode=args.kda_checkpoint_mode, eos_token_id=eos_token_id,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_running_to_scale=DEFAULT_MAX_RUNNING_TO_SCALE,
