@@ -5,6 +5,7 @@ this process, state moved by a real transfer backend (Mooncake, else NIXL).
     (P, D) = (1, 2)   one prefill rank writes both decode shards (MLA to both, heads split)
     (P, D) = (2, 2)   rank s -> rank s (MLA and heads)
     (P, D) = (2, 1)   both prefill ranks write into the one decode rank
+    (P, D, DCP) = (1, 2, 2), (2, 2, 2)   the decode ranks split the latent KV: each receives only its pages
 
 Greedy outputs equal the colocated engine's; afterwards both engines hold nothing (no running
 request, reservation or pin) and every follower exits 0. A byte corrupted in a decode rank's
@@ -62,13 +63,13 @@ def reference(tiny_checkpoint) -> list[list[int]]:
 class Pair:
     """A prefill engine (TP P) and a decode engine (TP D); followers in spawned processes."""
 
-    def __init__(self, model, prefill_tp: int, decode_tp: int) -> None:
+    def __init__(self, model, prefill_tp: int, decode_tp: int, decode_dcp: int = 1) -> None:
         kw = _engine_kwargs(model)
         ctx = multiprocessing.get_context("spawn")
         self.procs: list = []
         self.prefill = self.decode = None
         pargs = EngineArgs(**kw, tensor_parallel_size=prefill_tp)
-        dargs = EngineArgs(**kw, tensor_parallel_size=decode_tp)
+        dargs = EngineArgs(**kw, tensor_parallel_size=decode_tp, decode_context_parallel_size=decode_dcp)
 
         def group(tp, target, args_of) -> TPGroup | None:
             if tp == 1:
@@ -123,8 +124,8 @@ class Pair:
 
 
 @contextmanager
-def pair(model, prefill_tp: int, decode_tp: int):
-    p = Pair(model, prefill_tp, decode_tp)
+def pair(model, prefill_tp: int, decode_tp: int, decode_dcp: int = 1):
+    p = Pair(model, prefill_tp, decode_tp, decode_dcp)
     ok = False
     try:
         yield p
@@ -136,10 +137,12 @@ def pair(model, prefill_tp: int, decode_tp: int):
 
 
 @pytest.mark.skipif(BACKEND is None, reason="needs the mooncake or nixl package")
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 2), (2, 1)], ids=lambda t: str(t))
-def test_greedy_outputs_match_colocated(tiny_checkpoint, reference, prefill_tp: int, decode_tp: int) -> None:
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "decode_dcp"), [(1, 2, 1), (2, 2, 1), (2, 1, 1), (1, 2, 2), (2, 2, 2)],
+                         ids=lambda t: str(t))
+def test_greedy_outputs_match_colocated(tiny_checkpoint, reference, prefill_tp: int, decode_tp: int,
+                                        decode_dcp: int) -> None:
     start = time.monotonic()
-    with pair(tiny_checkpoint, prefill_tp, decode_tp) as p:
+    with pair(tiny_checkpoint, prefill_tp, decode_tp, decode_dcp) as p:
         async def main():
             before = await p.idle()
             outs = await asyncio.gather(*[p.run(f"r{i}", prompt) for i, prompt in enumerate(PROMPTS)])
