@@ -78,7 +78,6 @@ class PoolPlan:
     pad_slot: bool = False  # one more KDA slot in the cache, for CUDA-graph padding rows (no request owns it)
     graph_bytes: int = 0  # set aside for the captured decode graphs out of a device budget (`graph_reserve_bytes`)
     prefill_bytes: int = 0  # set aside for an eager step's activations (`prefill_activation_bytes`), likewise
-
     dcp_size: int = 1  # ranks a block's pages are spread over (decode context parallelism)
 
     @property

@@ -63,7 +63,7 @@ def load_runner(
         return ok if group is None else all(group.all_gather(ok))
 
     device = rank_device(args.device, tp.rank, tp.world_size)
-    tp = replace(tp, dcp_size=args.decode_context_parallel_size)
+    tp = replace(tp, dcp_size=args.decode_context_parallel_size)  # the MLA layers split their KV over DCP groups
     model = load_model(model_dir, tp, args.torch_dtype, device)
     model.use_kernels(reference=args.kernels == "reference", moe_finalize=args.moe_finalize)
     use_graphs = graphs_enabled(args, tp)
