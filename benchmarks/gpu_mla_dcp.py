@@ -101,7 +101,8 @@ def row(N: int, ctx: int, W: int, dev, ceil, dtype) -> dict:
     unsplit, local, merge = graph_us(case.unsplit, dev), graph_us(case.local, dev), graph_us(case.merge, dev)
     total = None if None in (local, merge) else local + merge
     floors = {name: floor_us(moved[name], 0, ceil) for name in ("unsplit", "local", "merge")}
-    return dict(shape=f"N{N} ctx{f'{ctx // 1024}K' if ctx >= 1024 else ctx} W{W}", unsplit=unsplit, local=local, merge=merge, dcp=total,
+    context = f"{ctx // 1024}K" if ctx >= 1024 else str(ctx)
+    return dict(shape=f"N{N} ctx{context} W{W}", unsplit=unsplit, local=local, merge=merge, dcp=total,
                 vs_unsplit="-" if None in (unsplit, total) else f"{unsplit / total:.2f}",
                 unsplit_floor=floors["unsplit"], local_floor=floors["local"], merge_floor=floors["merge"],
                 local_x_floor=x_floor(local, floors["local"]), collective_bytes=moved["collective"],

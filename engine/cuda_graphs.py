@@ -81,7 +81,8 @@ class DecodeGraphs:
         self.batch_sizes = tuple(batch_sizes)
         self.max_blocks = max_blocks
         device = next(model.parameters()).device
-        self.inputs = StaticDecodeInputs(self.batch_sizes[-1], max_blocks, cache.tokens_per_block, cache.pad_slot, device)
+        self.inputs = StaticDecodeInputs(self.batch_sizes[-1], max_blocks, cache.tokens_per_block, cache.pad_slot,
+                                         device)
         self._hidden = torch.zeros(self.batch_sizes[-1], model.config.hidden_size, dtype=model.dtype, device=device)
         self.replays: Counter[int] = Counter()
         self.num_padding_rows = 0

@@ -16,7 +16,8 @@ import torch
 
 from k3serve.kernels.gate import sigmoid_gate
 from k3serve.kernels.head_matmul import head_matmul
-from k3serve.kernels.mla import dcp, gather_kv_cache, mla_decode_paged, mla_prefill_attention, mla_verify_paged, write_kv_cache
+from k3serve.kernels.mla import (dcp, gather_kv_cache, mla_decode_paged, mla_prefill_attention, mla_verify_paged,
+                                  write_kv_cache)
 from k3serve.model.batch import ForwardBatch
 from k3serve.model.config import ModelConfig
 from k3serve.model.layers import mla_dcp

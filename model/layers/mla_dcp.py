@@ -47,7 +47,8 @@ def verify(tp: TensorParallel, q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor,
     return decode(tp, q_latent, q_pe, kv_cache, block_tables[rows], lens, scale, kv_lora_rank)
 
 
-def gather_context(tp: TensorParallel, kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor) -> tuple[Tensor, Tensor]:
+def gather_context(tp: TensorParallel, kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor
+                   ) -> tuple[Tensor, Tensor]:
     """`gather_kv_cache` of a cache split over the DCP group: (packed [sum(seq_lens), L+R], cu_seqlens int64 [N+1]
     on the host). seq_lens on the host; every rank of the group gathers the same blocks, its own pages of them."""
     span = tp.dcp_size * kv_cache.shape[1]

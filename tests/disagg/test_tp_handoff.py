@@ -236,10 +236,10 @@ def test_corrupted_byte_on_any_decode_rank_fails_the_request(tiny_checkpoint, re
 
 @pytest.mark.skipif(BACKEND is None, reason="needs the mooncake or nixl package")
 def test_a_dcp_decode_engine_preempts_and_recomputes_from_its_pages(tiny_checkpoint) -> None:
-    """Prefill TP 2 (a second wave extends two prompts of the first: prefix-cache hits) into decode TP 2, DCP 2, whose cache holds one longest
-    request (32 blocks of 2 x 8 tokens): four ~100-token prompts decoding 40 tokens each outgrow it, so the decode
-    engine preempts and recomputes a request from its tokens there (the MLA prefill over the group's pages). The
-    greedy tokens are the colocated engine's."""
+    """Prefill TP 2 (a second wave extends two prompts of the first: prefix-cache hits) into decode TP 2, DCP 2,
+    whose cache holds one longest request (32 blocks of 2 x 8 tokens): four ~100-token prompts decoding 40 tokens
+    each outgrow it, so the decode engine preempts and recomputes a request from its tokens there (the MLA prefill
+    over the group's pages). The greedy tokens are the colocated engine's."""
     gen = torch.Generator().manual_seed(5)
     prefix = torch.randint(0, 500, (64,), generator=gen).tolist()
     prompts = [prefix + torch.randint(0, 500, (n,), generator=gen).tolist() for n in (30, 33, 36, 40)]

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _transfer_setup import BLOCK_SIZE, byte_equal, close, connect, fill_random_bytes, make_side, run_transfer, shard, tiny_config
+from _transfer_setup import (BLOCK_SIZE, byte_equal, close, connect, fill_random_bytes, make_side, run_transfer, shard,
+                             tiny_config)
 from k3serve.model.batch import ModelCache
 from k3serve.transfer.checksum import CachedRequest, combine_request_checksums, mismatched_regions, request_checksums, \
     views_checksums
