@@ -5,9 +5,9 @@ vocab-parallel embedding all produce per-rank partial sums of the hidden state; 
 them. The vocab-parallel lm_head produces per-rank slices of the logits; `gather` brings them to rank 0,
 the only rank that samples. Decode context parallelism (`dcp_size` > 1: MLA's latent KV split by sequence
 over groups of `dcp_size` consecutive ranks, docs/design/dcp.md) exchanges queries and partial outputs within
-a group: `dcp_all_gather`, `dcp_all_to_all`. All run on the engine's own process group when it has one (NCCL on a CUDA
-engine whose ranks each have a GPU, else gloo: `engine/tp_group.py`), else on torch.distributed's default
-group. With `world_size == 1` every call is a no-op, so single-process code pays nothing.
+a group: `dcp_all_gather`, `dcp_all_to_all`. All run on the engine's own process group when it has one (NCCL
+on a CUDA engine whose ranks each have a GPU, else gloo: `engine/tp_group.py`), else on torch.distributed's
+default group. With `world_size == 1` every call is a no-op, so single-process code pays nothing.
 
 Every call runs synchronously on the caller's CUDA stream (`asyncOp` off, as `dist.all_reduce` without
 `async_op` does): an NCCL collective is then one more kernel of the step, which a CUDA graph records
@@ -82,7 +82,6 @@ class TensorParallel:
         else:
             dist.gather(x, parts, dst=0)
         return out
-
 
     def dcp_all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         """x [W, *S] (W = dcp_size, the same shape on every rank): part s goes to DCP rank s of this rank's

@@ -253,7 +253,11 @@ class CacheLayout:
 
     # -- serialization ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Without DCP the dict has no `dcp_size`: a peer that predates it reads the layout as before."""
+        data = dataclasses.asdict(self)
+        if self.dcp_size == 1:
+            del data["dcp_size"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CacheLayout":

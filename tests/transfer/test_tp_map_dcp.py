@@ -79,3 +79,15 @@ def test_a_span_of_the_wrong_page_count_or_a_prefill_engine_with_dcp_is_refused(
             TPMapping(side.rank_caches(), side.rank_caches())
     finally:
         close(side)
+
+
+def test_the_layout_carries_the_dcp_size_and_leaves_it_out_at_one() -> None:
+    """A DCP decode rank's layout round-trips with its dcp_size; without DCP the JSON is what it was before, so
+    a peer that predates the field still reads it."""
+    from k3serve.transfer.layout import CacheLayout
+
+    config = tiny_config()
+    split = CacheLayout.from_cache(ModelCache.allocate(config, 4, 2, BLOCK_SIZE, tp_size=2, dcp_size=2), config, 1, 2)
+    assert (split.dcp_size, split.dcp_rank) == (2, 1) and CacheLayout.from_json(split.to_json()) == split
+    whole = CacheLayout.from_cache(ModelCache.allocate(config, 4, 2, BLOCK_SIZE), config, 0, 1)
+    assert "dcp_size" not in whole.to_dict() and CacheLayout.from_json(whole.to_json()) == whole
