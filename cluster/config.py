@@ -59,10 +59,14 @@ POOL_ENGINE_ARGS = ("max_num_seqs", "max_num_batched_tokens", "max_adaptive_batc
                     "kv_offload_host_bytes", "kv_offload_mooncake_config")
 # Decode steps' CUDA graphs: the decode pool's and a colocated engine's; a prefill engine runs no decode step, so it
 # is always eager (capturing would cost time and memory for nothing).
-DECODE_ENGINE_ARGS = ("enforce_eager", "cuda_graph_batch_sizes", "speculative_config")
+# Decode context parallelism likewise: a prefill engine holds whole blocks and the handoff sends each decode rank
+# its pages (transfer/tp_map.py).
+DECODE_ENGINE_ARGS = ("enforce_eager", "cuda_graph_batch_sizes", "speculative_config", "decode_context_parallel_size")
 _DECODE_NOTES = {"enforce_eager": " Serving: the decode pool's (prefill engines are always eager).",
                  "cuda_graph_batch_sizes": " Serving: the decode pool's (prefill engines are always eager).",
-                 "speculative_config": ""}  # its own docstring says where it applies
+                 "speculative_config": "",  # its own docstring says where it applies
+                 "decode_context_parallel_size": " Serving: the decode pool's, dividing decode_tp (prefill engines "
+                                                 "hold whole blocks; each decode rank receives its pages)."}
 
 
 def _engine_fields() -> dict[str, Any]:
@@ -249,6 +253,10 @@ class ServeConfig(AutoscaleOptions):
             raise ValueError("colocated mode runs one engine with prefill_tp=1")
         if self.mode == "colocated" and self.decode_tp != 1:
             raise ValueError("colocated mode runs one engine with decode_tp=1")
+        dcp = self.decode_context_parallel_size
+        if dcp < 1 or self.decode_tp % dcp:
+            raise ValueError(f"decode_context_parallel_size={dcp} must be >= 1 and divide decode_tp={self.decode_tp}: "
+                             "a DCP group is that many of a decode engine's ranks")
         if self.mode == "disaggregated" and max(self.prefill_tp, self.decode_tp) > 1 and self.transfer == "local":
             raise ValueError("prefill_tp or decode_tp > 1 runs ranks in separate processes: use transfer mooncake or nixl")
         queue_fields = {"max_queued_requests", "queue_timeout_seconds",

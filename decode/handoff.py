@@ -55,7 +55,8 @@ class RankReceiver:
         """Region sums of this rank's whole view of a request, or why they could not be computed
         (a string, so a follower still answers the gather instead of leaving rank 0 waiting)."""
         try:
-            request = CachedRequest(self.cache, self.layout, block_ids, slot_id, num_tokens)
+            request = CachedRequest(self.cache, self.layout, block_ids, slot_id, num_tokens).dcp_pages(
+                self.layout.dcp_size, self.layout.dcp_rank, whole_blocks=False)
             return request_checksums(request, HeadSlice.whole_shard(self.layout))
         except Exception as e:
             return f"rank {self.rank} could not checksum its shard: {type(e).__name__}: {e}"

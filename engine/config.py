@@ -24,6 +24,10 @@ class EngineArgs:
     """Checkpoint directory, or a small preset name (written once under model_cache_dir)."""
     tensor_parallel_size: int = 1
     """Ranks one engine's weights and KDA heads are sharded over."""
+    decode_context_parallel_size: int = 1
+    """Ranks of the TP group that split every request's MLA latent KV by sequence (vLLM's name): each holds 1/N
+    of it, a page of block_size tokens of every block of N pages, and attends over its part (docs/design/dcp.md).
+    Must divide tensor_parallel_size; 1: the latent KV replicated on every rank."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights and caches; auto: float32 on CPU (exact reference path), bfloat16 on CUDA."""
     device: str = "cpu"
@@ -31,7 +35,8 @@ class EngineArgs:
     seed: int = 0
     """Seeds the weights of a preset checkpoint and the engine's global RNG."""
     block_size: int = 64
-    """Tokens per MLA KV block (and KDA checkpoint granularity)."""
+    """Tokens per MLA KV block on a rank; a block id holds decode_context_parallel_size of them (the scheduler's
+    block, and the prefix cache's and KDA checkpoints' granularity: `tokens_per_block`)."""
     max_model_len: int = 4096
     """Prompt + output tokens per request."""
     max_num_seqs: int = 64
@@ -101,6 +106,10 @@ class EngineArgs:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        dcp = self.decode_context_parallel_size
+        if not isinstance(dcp, int) or dcp < 1 or self.tensor_parallel_size % dcp:
+            raise ValueError(f"decode_context_parallel_size must be an integer >= 1 dividing tensor_parallel_size="
+                             f"{self.tensor_parallel_size}, got {dcp!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.kda_checkpoint_mode not in ("in_pass", "align", "none"):
@@ -175,6 +184,11 @@ class EngineArgs:
         if self.dtype == "auto":
             return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
         return DTYPES[self.dtype]
+
+    @property
+    def tokens_per_block(self) -> int:
+        """Tokens one block id holds: the scheduler's block (`block_size` a DCP rank, times the DCP ranks)."""
+        return self.block_size * self.decode_context_parallel_size
 
     @property
     def graph_batch_sizes(self) -> tuple[int, ...]:

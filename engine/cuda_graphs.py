@@ -81,7 +81,8 @@ class DecodeGraphs:
         self.batch_sizes = tuple(batch_sizes)
         self.max_blocks = max_blocks
         device = next(model.parameters()).device
-        self.inputs = StaticDecodeInputs(self.batch_sizes[-1], max_blocks, cache.block_size, cache.pad_slot, device)
+        self.inputs = StaticDecodeInputs(self.batch_sizes[-1], max_blocks, cache.tokens_per_block, cache.pad_slot,
+                                         device)
         self._hidden = torch.zeros(self.batch_sizes[-1], model.config.hidden_size, dtype=model.dtype, device=device)
         self.replays: Counter[int] = Counter()
         self.num_padding_rows = 0
@@ -169,7 +170,7 @@ def capture_decode_graphs(
     """The engine's captured decode graphs; None, with a warning that names the cause, when capturing
     fails (e.g. an op without a sync-free GPU kernel for this model) on this rank or another
     (`DecodeGraphs.capture`): the engine then runs eagerly."""
-    graphs = DecodeGraphs(model, cache, args.graph_batch_sizes, -(-args.max_model_len // args.block_size))
+    graphs = DecodeGraphs(model, cache, args.graph_batch_sizes, -(-args.max_model_len // args.tokens_per_block))
     try:
         graphs.capture(all_ranks_ok)
     except RuntimeError as e:

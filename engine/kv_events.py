@@ -37,7 +37,7 @@ def open_kv_events(args: "EngineArgs") -> "KVEventPublisher | None":
     config = KVEventsConfig.from_json(args.kv_events_config)
     if not config.publishes:
         return None
-    return KVEventPublisher(config, args.block_size, "GPU" if args.device.startswith("cuda") else "CPU")
+    return KVEventPublisher(config, args.tokens_per_block, "GPU" if args.device.startswith("cuda") else "CPU")
 
 
 @dataclass(frozen=True)

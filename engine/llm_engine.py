@@ -145,7 +145,7 @@ class LLMEngine:
                 group.lead(("stop",))
                 group.close()
             raise
-        block_pool, state_pool = BlockPool(self.plan.num_blocks, args.block_size), StatePool(self.plan.num_slots)
+        block_pool, state_pool = BlockPool(self.plan.num_blocks, args.tokens_per_block), StatePool(self.plan.num_slots)
         prefix_cache = PrefixCache(block_pool, state_pool) if args.enable_prefix_caching else None
         self.kv_events = open_kv_events(args) if prefix_cache is not None else None
         if self.kv_events is not None:
@@ -210,7 +210,7 @@ class LLMEngine:
     def reserve(self, num_tokens: int) -> tuple[list[int], int] | None:
         """Blocks for `num_tokens` of KV plus one KDA slot, for a handoff to write into; None if
         they are not free now (the caller answers 'no capacity' rather than waiting)."""
-        num_blocks = -(-num_tokens // self.args.block_size)
+        num_blocks = -(-num_tokens // self.args.tokens_per_block)
         blocks, states = self.scheduler.block_pool, self.scheduler.state_pool
         if num_tokens + 1 > self.args.max_model_len or not (blocks.can_allocate(num_blocks) and states.can_allocate(1)):
             return None

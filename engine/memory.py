@@ -8,7 +8,7 @@ that a deployment of the published K3 fits before renting the hardware.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -108,24 +108,34 @@ def storage_bytes(tensors: list[torch.Tensor]) -> dict[int, int]:
 class PoolPlan:
     num_blocks: int
     num_slots: int  # KDA slots the state pool hands out
-    block_size: int
+    block_size: int  # tokens a block id holds: the scheduler's block (`EngineArgs.tokens_per_block`)
     pad_slot: bool = False  # one more KDA slot in the cache, for CUDA-graph padding rows (no request owns it)
     graph_bytes: int = 0  # set aside for the captured decode graphs out of a device budget (`graph_reserve_bytes`)
     prefill_bytes: int = 0  # set aside for an eager step's activations (`prefill_activation_bytes`), likewise
+    dcp_size: int = 1  # ranks a block's pages are spread over (decode context parallelism)
 
     @property
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    @property
+    def page_size(self) -> int:
+        """Tokens of a block one rank holds: its MLA tensors' block."""
+        return self.block_size // self.dcp_size
+
 
 def plan_pools(
     sizes: CacheSizes, cache_bytes: int, block_size: int, num_slots: int, max_model_len: int,
     pad_slot: bool = False, graph_bytes: int = 0, prefill_bytes: int = 0, num_blocks_override: int | None = None,
+    dcp_size: int = 1,
 ) -> PoolPlan:
     """Give `num_slots` KDA slots (plus the pad slot), `graph_bytes` and `prefill_bytes` their bytes, the rest of
-    `cache_bytes` to MLA blocks: all it holds, or `num_blocks_override` of them (`num_gpu_blocks_override`)."""
+    `cache_bytes` to MLA blocks: all it holds, or `num_blocks_override` of them (`num_gpu_blocks_override`). A
+    block holds `block_size` tokens, of which a rank stores 1 / `dcp_size`."""
+    if block_size % dcp_size:
+        raise ValueError(f"blocks of {block_size} tokens do not split into {dcp_size} decode context parallel pages")
     slot_bytes = (num_slots + pad_slot) * sizes.kda_bytes_per_slot
-    block_bytes = block_size * sizes.mla_bytes_per_token
+    block_bytes = block_size // dcp_size * sizes.mla_bytes_per_token
     num_blocks = (cache_bytes - slot_bytes - graph_bytes - prefill_bytes) // block_bytes if block_bytes else 0
     needed = math.ceil(max_model_len / block_size)
     if num_blocks_override is not None:
@@ -146,7 +156,7 @@ def plan_pools(
             "max_num_seqs" + (" / max_num_batched_tokens" if prefill_bytes else "") + "."
         )
     return PoolPlan(num_blocks=int(num_blocks), num_slots=num_slots, block_size=block_size, pad_slot=pad_slot,
-                    graph_bytes=graph_bytes, prefill_bytes=prefill_bytes)
+                    graph_bytes=graph_bytes, prefill_bytes=prefill_bytes, dcp_size=dcp_size)
 
 
 def plan_engine_pools(config: ModelConfig, args: EngineArgs, usable_bytes: int | None = None,
@@ -183,9 +193,9 @@ def plan_engine_pools(config: ModelConfig, args: EngineArgs, usable_bytes: int |
         cache_bytes = usable_bytes - sizes.weight_bytes
     else:
         cache_bytes = DEFAULT_CPU_CACHE_BYTES
-    return plan_pools(sizes, cache_bytes, args.block_size, args.kda_slots, args.max_model_len, pad_slot=graphs,
+    return plan_pools(sizes, cache_bytes, args.tokens_per_block, args.kda_slots, args.max_model_len, pad_slot=graphs,
                       graph_bytes=graph_bytes, prefill_bytes=prefill_bytes,
-                      num_blocks_override=args.num_gpu_blocks_override)
+                      num_blocks_override=args.num_gpu_blocks_override, dcp_size=args.decode_context_parallel_size)
 
 
 PLAN_NUM_SM = 148
@@ -198,24 +208,25 @@ SMALL_STEP_BUFFERS_BYTES = 8 * 2**20
 routing's counts."""
 
 
-def mla_decode_workspace_bytes(config: ModelConfig, tp_size: int) -> int:
-    """The MLA decode's split-K partials for this rank's heads (0 without MLA layers): one layer's at a time."""
+def mla_decode_workspace_bytes(config: ModelConfig, tp_size: int, dcp_size: int = 1) -> int:
+    """The MLA decode's split-K partials for the heads a rank attends for (0 without MLA layers): its own, or with
+    decode context parallelism its DCP group's; one layer's at a time."""
     if not config.mla_layers:
         return 0
-    return decode_workspace_bytes(config.num_attention_heads // tp_size, config.kv_lora_rank, PLAN_NUM_SM)
+    return decode_workspace_bytes(config.num_attention_heads // tp_size * dcp_size, config.kv_lora_rank, PLAN_NUM_SM)
 
 
-def graph_pool_slack_bytes(config: ModelConfig, tp_size: int) -> int:
+def graph_pool_slack_bytes(config: ModelConfig, tp_size: int, dcp_size: int = 1) -> int:
     """What a graph pool holds that does not grow with the rows: the MLA decode's split-K partials, cuBLAS's
     workspace for the capture stream and the caching allocator's rounding."""
-    return mla_decode_workspace_bytes(config, tp_size) + CUBLAS_WORKSPACE_BYTES + ALLOCATOR_ROUNDING_BYTES
+    return mla_decode_workspace_bytes(config, tp_size, dcp_size) + CUBLAS_WORKSPACE_BYTES + ALLOCATOR_ROUNDING_BYTES
 
 
-def prefill_fixed_bytes(config: ModelConfig, tp_size: int) -> int:
+def prefill_fixed_bytes(config: ModelConfig, tp_size: int, dcp_size: int = 1) -> int:
     """What an eager step holds beside its activations, made after the plan: cuBLAS's and cuBLASLt's workspaces for
     the default stream (kept from the first GEMM on), a mixed step's absorbed-decode split-K partials and the small
     buffers that do not grow with the tokens."""
-    return 2 * CUBLAS_WORKSPACE_BYTES + mla_decode_workspace_bytes(config, tp_size) + SMALL_STEP_BUFFERS_BYTES
+    return 2 * CUBLAS_WORKSPACE_BYTES + mla_decode_workspace_bytes(config, tp_size, dcp_size) + SMALL_STEP_BUFFERS_BYTES
 
 
 def graph_reserve_bytes(config: ModelConfig, args: EngineArgs) -> int:
@@ -235,16 +246,19 @@ def graph_reserve_bytes(config: ModelConfig, args: EngineArgs) -> int:
 
     rows = args.graph_batch_sizes[-1]
     itemsize = torch.empty((), dtype=args.torch_dtype).element_size()
-    inputs = StaticDecodeInputs(rows, math.ceil(args.max_model_len / args.block_size), args.block_size, 0, "meta")
+    inputs = StaticDecodeInputs(rows, math.ceil(args.max_model_len / args.tokens_per_block), args.tokens_per_block, 0,
+                                "meta")
     output = rows * config.hidden_size * itemsize
-    activations = rows * decode_activation_bytes(config, args.tensor_parallel_size, args.torch_dtype)
-    return inputs.device_bytes + output + activations + graph_pool_slack_bytes(config, args.tensor_parallel_size)
+    dcp = args.decode_context_parallel_size
+    activations = rows * decode_activation_bytes(config, args.tensor_parallel_size, args.torch_dtype, dcp)
+    return inputs.device_bytes + output + activations + graph_pool_slack_bytes(config, args.tensor_parallel_size, dcp)
 
 
-def decode_activation_bytes(config: ModelConfig, tp_size: int, dtype: torch.dtype) -> int:
+def decode_activation_bytes(config: ModelConfig, tp_size: int, dtype: torch.dtype, dcp_size: int = 1) -> int:
     """Bytes one decode row's step allocates, counted generously: the residual stream (the attention-residual
     bank) held through the step, plus everything the widest layer part makes counted live at once, fp32
-    where the layer computes in fp32."""
+    where the layer computes in fp32. With decode context parallelism the MLA layer also holds its DCP group's
+    gathered queries and the fp32 partial outputs it sends and receives (`model/layers/mla_dcp.py`)."""
     b = torch.empty((), dtype=dtype).element_size()
     hidden = config.hidden_size
     stream = (residual_rows(config) + 3) * hidden * b  # the bank, a layer's input, its mixer's and its MLP's outputs
@@ -254,6 +268,8 @@ def decode_activation_bytes(config: ModelConfig, tp_size: int, dtype: torch.dtyp
     q_width = h * config.qk_head_dim
     mla = ((config.q_lora_rank or 0) + 2 * q_width + 2 * config.mla_kv_dim + h * config.v_head_dim) * b \
         + h * latent * (4 + b) + 2 * h * config.v_head_dim * 4 + hidden * b  # q, latent, absorbed q, o, gate
+    if dcp_size > 1:  # q [H, L+R] and the group's [W, H, L+R], q_all; partials [W*H, L+1] out, packed, in
+        mla += h * config.mla_kv_dim * 4 * (1 + 2 * dcp_size) + 3 * dcp_size * h * (latent + 1) * 4
     dense = 3 * config.intermediate_size // tp_size * b + hidden * b
     moe = 0
     if config.num_experts:
@@ -290,7 +306,7 @@ def scheduler_config(args: EngineArgs, device_bytes: int | None, eos_token_id: i
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=base,
         max_adaptive_batched_tokens=(args.max_adaptive_batched_tokens or 2 * base) if args.adaptive_token_budget else base,
         max_model_len=args.max_model_len,
-        block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+        block_size=args.tokens_per_block, enable_prefix_caching=args.enable_prefix_caching,
         kda_checkpoint_mode=args.kda_checkpoint_mode, eos_token_id=eos_token_id,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_running_to_scale=DEFAULT_MAX_RUNNING_TO_SCALE,
@@ -311,6 +327,7 @@ class StepShape:
     max_seq_len: int  # max_model_len: one sequence's context, its new tokens included
     tp_size: int
     itemsize: int  # bytes of an element of the model's dtype
+    dcp_size: int = 1  # decode context parallel ranks: the MLA prefill gathers the context's pages from them
 
     @property
     def max_chunk(self) -> int:
@@ -353,7 +370,8 @@ def prefill_activation_bytes(config: ModelConfig, args: EngineArgs, device_bytes
     caching allocator's fragmentation (reserved less allocated, left to 1 - gpu_memory_utilization) and NCCL's
     buffers."""
     phases = prefill_phase_bytes(config, args, device_bytes)
-    return max(phases.values()) + prefill_fixed_bytes(config, args.tensor_parallel_size)
+    return max(phases.values()) + prefill_fixed_bytes(config, args.tensor_parallel_size,
+                                                      args.decode_context_parallel_size)
 
 
 def prefill_phase_bytes(config: ModelConfig, args: EngineArgs, device_bytes: int | None = None) -> dict[str, int]:
@@ -362,7 +380,7 @@ def prefill_phase_bytes(config: ModelConfig, args: EngineArgs, device_bytes: int
     "logits", "prompt_logprobs" and "sampling"."""
     num_tokens = max_step_tokens(args, device_bytes)
     step = StepShape(num_tokens, min(args.max_num_seqs, num_tokens), args.max_model_len, args.tensor_parallel_size,
-                     torch.empty((), dtype=args.torch_dtype).element_size())
+                     torch.empty((), dtype=args.torch_dtype).element_size(), args.decode_context_parallel_size)
     hidden, b, tp = config.hidden_size, step.itemsize, step.tp_size
     moe_layers = [config.is_moe_layer(i) for i in range(config.num_hidden_layers)]  # as `DecoderLayer` builds them
     parts = {"kda": _kda_prefill_bytes(config, step)} if config.kda_layers else {}
@@ -446,6 +464,8 @@ def _mla_prefill_bytes(config: ModelConfig, step: StepShape) -> int:
     q = T * (q_width + q_lora) * b if q_lora else 0
     per_key = (config.mla_kv_dim + config.kv_lora_rank + H * (config.qk_nope_head_dim + config.v_head_dim)
                + q_width) * b + 4 * 8
+    if step.dcp_size > 1:  # the group's pages all-gathered (and this rank's copy), then put in order
+        per_key += config.mla_kv_dim * b + -(-config.mla_kv_dim * b // step.dcp_size) + 8
     sdpa = (3 * step.max_seq_len + 2 * L) * q_width * b + H * L * 4
     keys = step.mla_keys * per_key + T * v_width * b + max(sdpa, T * v_width * 4)
     output = T * (v_width * (2 * 4 + b) + config.hidden_size * b)
@@ -489,10 +509,26 @@ def describe_plan(config: ModelConfig, args: EngineArgs, device_bytes: int) -> l
     """Rows of `k3serve plan`: what one rank of an engine run with `args` holds and how much context fits
     beside the weights (the engine's KDA slots, `args.kda_slots`: one per running request, and with prefix
     caching as many for its checkpoints; the pad slot and the graphs' memory when `args` allow CUDA graphs;
-    one eager step's activations)."""
+    one eager step's activations). With decode context parallelism a rank holds 1 / N of each token's latent KV,
+    and the context that fits is set against the same engine without it."""
+    dcp = args.decode_context_parallel_size
+    rows = _plan_rows(config, args, device_bytes)
+    if dcp == 1 or rows[-1][0] == "fits":
+        return rows
+    without = _plan_rows(config, replace(args, decode_context_parallel_size=1), device_bytes)
+    if without[-1][0] == "fits":
+        return rows + [("without decode context parallelism", "does not fit")]
+    tokens, base = (int(dict(r)["tokens of context that fit"].replace(",", "")) for r in (rows, without))
+    return rows + [("tokens of context that fit without DCP (latent KV on every rank)", f"{base:,}"),
+                   (f"DCP {dcp} capacity gain", f"{tokens / base:.2f}x")]
+
+
+def _plan_rows(config: ModelConfig, args: EngineArgs, device_bytes: int) -> list[tuple[str, str]]:
+    """`describe_plan`'s rows of one engine."""
     from k3serve.engine.cuda_graphs import graphs_off_reason
 
     tp_size, utilization, max_num_seqs = args.tensor_parallel_size, args.gpu_memory_utilization, args.max_num_seqs
+    dcp = args.decode_context_parallel_size
     config.check_tp(tp_size)
     sizes = cache_sizes(config, tp_size, args.torch_dtype)
     budget = int(device_bytes * utilization) - sizes.weight_bytes
@@ -506,9 +542,12 @@ def describe_plan(config: ModelConfig, args: EngineArgs, device_bytes: int) -> l
     gib = 2**30
     rows = [
         ("tensor-parallel ranks", str(tp_size)),
+        *([("decode context parallel ranks (a DCP group)", f"{dcp}: each holds 1/{dcp} of every request's MLA KV")]
+          if dcp > 1 else []),
         ("device memory x utilization", f"{device_bytes / gib:.1f} GiB x {utilization:.2f}"),
         ("weights per rank (MXFP4 experts packed)", f"{sizes.weight_bytes / gib:.2f} GiB"),
-        ("MLA latent KV per token (all MLA layers)", f"{sizes.mla_bytes_per_token / 1024:.1f} KiB"),
+        ("MLA latent KV per token (all MLA layers)", f"{sizes.mla_bytes_per_token / 1024:.1f} KiB"
+         + (f", {sizes.mla_bytes_per_token / dcp / 1024:.2f} KiB on a rank" if dcp > 1 else "")),
         ("KDA state per request (this rank's heads)", f"{sizes.kda_bytes_per_slot / 2**20:.1f} MiB"),
         (f"KDA slots for max_num_seqs={max_num_seqs}"
          + (" and prefix-cache checkpoints" if args.kda_slots > max_num_seqs else "")
@@ -524,7 +563,7 @@ def describe_plan(config: ModelConfig, args: EngineArgs, device_bytes: int) -> l
         rows.append(("fits", f"NO: weights + KDA slots + graphs + prefill activations exceed the budget by "
                              f"{-kv_bytes / gib:.2f} GiB"))
         return rows
-    tokens = kv_bytes // sizes.mla_bytes_per_token
+    tokens = kv_bytes * dcp // sizes.mla_bytes_per_token
     rows += [
         ("left for MLA KV", f"{kv_bytes / gib:.2f} GiB"),
         ("tokens of context that fit", f"{tokens:,}"),

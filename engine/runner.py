@@ -18,9 +18,8 @@ the drafter's chosen layers' outputs) until the engine, which knows the step's t
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -72,14 +71,15 @@ def load_runner(
         return ok if group is None else all(group.all_gather(ok))
 
     device = rank_device(args.device, tp.rank, tp.world_size)
+    tp = replace(tp, dcp_size=args.decode_context_parallel_size)  # the MLA layers split their KV over DCP groups
     model = load_model(model_dir, tp, args.torch_dtype, device)
     model.use_kernels(reference=args.kernels == "reference", moe_finalize=args.moe_finalize)
     use_graphs = graphs_enabled(args, tp)
     if tp.world_size > 1 and tp.capturable:  # the same on every rank: NCCL was chosen by all of them
         use_graphs = all_ranks_ok(use_graphs)
     cache = ModelCache.allocate(
-        model.config, plan.num_blocks, plan.num_slots, plan.block_size, tp.world_size, args.torch_dtype, device,
-        reserve_pad_slot=use_graphs,
+        model.config, plan.num_blocks, plan.num_slots, plan.page_size, tp.world_size, args.torch_dtype, device,
+        reserve_pad_slot=use_graphs, dcp_size=plan.dcp_size,
     )
     graphs = capture_decode_graphs(model, cache, args, all_ranks_ok) if use_graphs else None
     spec = args.speculative_config
@@ -222,7 +222,7 @@ class ModelRunner:
         if self.drafter is None or self._drafter_inputs is None:
             raise RuntimeError("draft without a drafter or without a step to draft from")
         (hidden, aux, starts), self._drafter_inputs = self._drafter_inputs, None
-        rows = [dataclasses.replace(r, hidden_start=starts[r.request_id]) for r in rows]
+        rows = [replace(r, hidden_start=starts[r.request_id]) for r in rows]
         return self.drafter.run(rows, hidden, aux)
 
     @property
@@ -250,7 +250,7 @@ class ModelRunner:
             num_computed=[s.num_computed_tokens for s in seqs],
             block_tables=[s.block_ids for s in seqs],
             slot_ids=[s.slot_id for s in seqs],
-            block_size=self.cache.block_size,
+            block_size=self.cache.tokens_per_block,
             checkpoint_offsets=in_pass if any(off >= 0 for off in in_pass) else None,
             checkpoint_slot_ids=[s.checkpoint_slot for s in seqs] if any(off >= 0 for off in in_pass) else None,
             device=self.device,

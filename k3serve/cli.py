@@ -57,11 +57,17 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"k3serve plan: {exc} (--model takes a checkpoint directory or a preset: {', '.join(PRESETS)})",
               file=sys.stderr)
         return 2
-    engine_args = EngineArgs(
-        model=args.model, device="cuda", tensor_parallel_size=args.tp, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-        enforce_eager=args.enforce_eager, max_num_batched_tokens=args.max_num_batched_tokens,
-    )
+    try:
+        engine_args = EngineArgs(
+            model=args.model, device="cuda", tensor_parallel_size=args.tp, dtype=args.dtype,
+            max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+            gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            decode_context_parallel_size=args.decode_context_parallel_size,
+        )
+    except ValueError as exc:
+        print(f"k3serve plan: {exc}", file=sys.stderr)
+        return 2
     rows = describe_plan(config, engine_args, int(args.device_memory_gib * 2**30))
     width = max(len(k) for k, _ in rows)
     print(f"per-rank memory plan for {args.model}")
@@ -213,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, help="a step's base token budget (default: the engine's for "
                    "this device memory); sizes the prefill activations set aside")
     p.add_argument("--enforce-eager", action="store_true", help="plan without CUDA graphs (no pad slot, no pool)")
+    p.add_argument("--decode-context-parallel-size", type=int, default=1,
+                   help="ranks that split each request's MLA latent KV by sequence, dividing --tp (default: 1); the "
+                   "plan sets the context that fits against the same engine without it")
     p.set_defaults(func=_plan)
 
     p = sub.add_parser("generate", help="generate text offline for one or more prompts (no server)")

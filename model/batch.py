@@ -33,8 +33,14 @@ class ModelCache:
     mla_kv: list[torch.Tensor]  # per MLA layer [num_blocks, block_size, kv_lora_rank + rope_dim]
     kda_recurrent: list[torch.Tensor]  # per KDA layer [num_slots, H_local, K, V] fp32
     kda_conv: list[torch.Tensor]  # per KDA layer [num_slots, 3 * H_local * K, kernel - 1]
-    block_size: int
+    block_size: int  # tokens a rank's block holds (the MLA tensors' second dimension)
     pad_slot: int | None = None  # a KDA slot no request owns: padding rows of fixed-shape batches use it
+    dcp_size: int = 1  # DCP ranks a block id spans: rank r of a group holds page r (`kernels/mla/dcp.py`)
+
+    @property
+    def tokens_per_block(self) -> int:
+        """Tokens one block id of the scheduler's tables holds, over the DCP group's ranks."""
+        return self.block_size * self.dcp_size
 
     @classmethod
     def allocate(
@@ -47,6 +53,7 @@ class ModelCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         reserve_pad_slot: bool = False,
+        dcp_size: int = 1,
     ) -> "ModelCache":
         """`reserve_pad_slot` adds one KDA slot after the `num_slots` the state pool hands out, for the
         padding rows of fixed-shape decode batches (`StaticDecodeInputs`)."""
@@ -69,6 +76,7 @@ class ModelCache:
             ],
             block_size=block_size,
             pad_slot=pad_slot,
+            dcp_size=dcp_size,
         )
 
     def copy_slot(self, src: int, dst: int) -> None:

@@ -3,9 +3,11 @@
 Head-sharded layers (KDA, MLA), column/row-parallel MLPs, expert-parallel routed experts and the
 vocab-parallel embedding all produce per-rank partial sums of the hidden state; `all_reduce` combines
 them. The vocab-parallel lm_head produces per-rank slices of the logits; `gather` brings them to rank 0,
-the only rank that samples. Both run on the engine's own process group when it has one (NCCL on a CUDA
-engine whose ranks each have a GPU, else gloo: `engine/tp_group.py`), else on torch.distributed's default
-group. With `world_size == 1` every call is a no-op, so single-process code pays nothing.
+the only rank that samples. Decode context parallelism (`dcp_size` > 1: MLA's latent KV split by sequence
+over groups of `dcp_size` consecutive ranks, docs/design/dcp.md) exchanges queries and partial outputs within
+a group: `dcp_all_gather`, `dcp_all_to_all`. All run on the engine's own process group when it has one (NCCL
+on a CUDA engine whose ranks each have a GPU, else gloo: `engine/tp_group.py`), else on torch.distributed's
+default group. With `world_size == 1` every call is a no-op, so single-process code pays nothing.
 
 Every call runs synchronously on the caller's CUDA stream (`asyncOp` off, as `dist.all_reduce` without
 `async_op` does): an NCCL collective is then one more kernel of the step, which a CUDA graph records
@@ -28,10 +30,20 @@ class TensorParallel:
     # The engine's own process group (`TPGroup.tensor_parallel()`); None: torch.distributed's
     # default group. Several TP engines in one process need their own.
     group: Any = field(default=None, compare=False, repr=False)
+    # Ranks a DCP group: ranks [g*dcp_size, (g+1)*dcp_size) split every request's MLA latent KV by sequence
+    dcp_size: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"tensor-parallel rank {self.rank} outside world size {self.world_size}")
+        if self.dcp_size < 1 or self.world_size % self.dcp_size:
+            raise ValueError(f"decode context parallel size {self.dcp_size} does not divide the tensor-parallel "
+                             f"size {self.world_size}")
+
+    @property
+    def dcp_rank(self) -> int:
+        """This rank's place in its DCP group: the page of every virtual block it holds."""
+        return self.rank % self.dcp_size
 
     @property
     def capturable(self) -> bool:
@@ -71,6 +83,31 @@ class TensorParallel:
             dist.gather(x, parts, dst=0)
         return out
 
+    def dcp_all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """x [W, *S] (W = dcp_size, the same shape on every rank): part s goes to DCP rank s of this rank's
+        group; returns [W, *S], part s from DCP rank s. One all-to-all of the TP group, nothing sent outside
+        the DCP group (its other splits are empty)."""
+        W = self.dcp_size
+        if W == 1:
+            return x
+        if x.shape[0] != W:
+            raise ValueError(f"dcp_all_to_all wants [{W}, ...], got {tuple(x.shape)}")
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        first, part = self.rank - self.dcp_rank, x[0].numel()
+        splits = [part if first <= s < first + W else 0 for s in range(self.world_size)]
+        if self.group is not None:
+            _finish(self.group.alltoall_base(out.view(-1), x.view(-1), splits, splits, _ALL_TO_ALL))
+        else:
+            dist.all_to_all_single(out.view(-1), x.view(-1), splits, splits)
+        return out
+
+    def dcp_all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank of this rank's DCP group's `x` (the same shape everywhere): [W, *x.shape], in DCP rank order."""
+        if self.dcp_size == 1:
+            return x.unsqueeze(0)
+        return self.dcp_all_to_all(x.unsqueeze(0).expand(self.dcp_size, *x.shape))
+
 
 def is_nccl(group: Any) -> bool:
     """Whether `group` is an NCCL process group (never on a torch built without NCCL, such as the CPU one)."""
@@ -96,6 +133,7 @@ def _on_callers_stream(options: Any) -> Any:
 # collectives a layer (building each call's options every call adds up over K3's 93 layers: docs/BENCHMARKS.md).
 _ALL_REDUCE = _on_callers_stream(dist.AllreduceOptions())
 _GATHER_TO_0 = _on_callers_stream(dist.GatherOptions())
+_ALL_TO_ALL = _on_callers_stream(dist.AllToAllOptions())
 _GATHER_TO_0.rootRank = 0
 
 

@@ -128,7 +128,7 @@ class RankSender:
         try:
             peer = self.peer(job.decode_addresses, job.request_id)
             span = RequestSpan(job.src_block_ids, job.reservation.block_ids, job.src_slot, job.reservation.slot_id,
-                               job.num_tokens)
+                               job.num_tokens, peer.mapping.dcp_size)
             s = self.layout.tp_rank
             ops = peer.mapping.ops(span)
             batches = [(peer.keys[r], ops[(s, r)]) for r in range(peer.mapping.decode_tp) if ops.get((s, r))]
@@ -143,7 +143,7 @@ class RankSender:
         views = {r: (view.heads, view.mla) for r in range(mapping.decode_tp)
                  if (view := mapping.view(self.layout.tp_rank, r)) is not None}
         request = CachedRequest(self.cache, self.layout, job.src_block_ids, job.src_slot, job.num_tokens)
-        return views_checksums(request, views)
+        return views_checksums(request, views, mapping.dcp_size)
 
     def _write_and_wait(self, batches: list[tuple[str, list]], meanwhile: Callable[[], T] | None = None) -> T | None:
         """Post one batch per decode rank, run `meanwhile` (if given) while they are in flight, then

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from k3serve.kernels._backend import gpu_kernels, has_module
+from k3serve.kernels.mla.dcp import local_seq_lens
 from k3serve.model.batch import ModelCache
 from k3serve.transfer.checksum_lanes import _P1, _P2, _R, _SHIFT, Piece, _power_at, _powers
 from k3serve.transfer.layout import CacheLayout, HeadSlice
@@ -67,6 +68,18 @@ class CachedRequest:
     slot_id: int
     num_tokens: int
 
+    def dcp_pages(self, dcp_size: int, dcp_rank: int, whole_blocks: bool) -> "CachedRequest":
+        """The rows of this request that DCP rank `dcp_rank` of a decode engine holds, as a request of its own: the
+        first n_r rows of its pages (`kernels/mla/dcp.py` `local_seq_lens`). `whole_blocks`: this cache holds
+        page-sized blocks of every token (a prefill rank's), its pages are blocks dcp_rank, dcp_rank + W, ...;
+        else it is that decode rank's own cache, whose blocks hold only its pages."""
+        if dcp_size == 1:
+            return self
+        page = self.layout.block_size
+        rows = int(local_seq_lens(torch.tensor([self.num_tokens]), page, dcp_size, dcp_rank)[0])
+        blocks = self.block_ids[dcp_rank::dcp_size] if whole_blocks else self.block_ids
+        return CachedRequest(self.cache, self.layout, tuple(blocks), self.slot_id, rows)
+
 
 def request_checksums(request: CachedRequest, heads: HeadSlice | None, include_mla: bool = True) -> dict[str, str]:
     """Checksums, per region, of this cache's share of one decode rank's view of a request.
@@ -80,13 +93,14 @@ def request_checksums(request: CachedRequest, heads: HeadSlice | None, include_m
 
 
 def views_checksums(
-    request: CachedRequest, views: dict[int, tuple[HeadSlice | None, bool]]
+    request: CachedRequest, views: dict[int, tuple[HeadSlice | None, bool]], dcp_size: int = 1
 ) -> dict[int, dict[str, str]]:
     """`request_checksums` of several decode ranks' views at once (a sender feeding a wider decode engine):
     {decode rank: (heads, include_mla)} -> {decode rank: checksums}, equal to one call per rank, but in one
     pass (on CUDA one launch and one sync, not one per rank) over the distinct pieces: the MLA rows every
-    view carries whole are summed once."""
-    per_view = {r: _request_pieces(request, heads, mla) for r, (heads, mla) in views.items()}
+    view carries whole are summed once. A decode engine of `dcp_size` > 1 views only its pages of the MLA rows."""
+    per_view = {r: _request_pieces(request.dcp_pages(dcp_size, r % dcp_size, whole_blocks=True), heads, mla)
+                for r, (heads, mla) in views.items()}
     distinct = list({_piece_key(piece): piece for pieces in per_view.values() for piece in pieces}.values())
     lanes = dict(zip(map(_piece_key, distinct), _lanes(distinct)))
     return {r: _fold(pieces, [lanes[_piece_key(piece)] for piece in pieces]) for r, pieces in per_view.items()}

@@ -177,14 +177,22 @@ class CacheLayout:
     kda_conv: tuple[KDAConvRegion, ...]
     compat_hash: str
     layout_version: int = LAYOUT_VERSION
+    dcp_size: int = 1  # decode context parallelism: rank r holds page r % dcp_size of every block (block_size tokens)
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank={self.tp_rank} outside tp_size={self.tp_size}")
+        if self.dcp_size < 1 or self.tp_size % self.dcp_size:
+            raise ValueError(f"dcp_size={self.dcp_size} does not divide tp_size={self.tp_size}")
         if self.num_kda_heads % self.tp_size:
             raise ValueError(f"tp_size={self.tp_size} does not divide num_kda_heads={self.num_kda_heads}")
         if len(self.kda_recurrent) != len(self.kda_conv):
             raise ValueError("every KDA layer needs one recurrent and one conv region")
+
+    @property
+    def dcp_rank(self) -> int:
+        """The page of every block this rank holds (0 without decode context parallelism)."""
+        return self.tp_rank % self.dcp_size
 
     @property
     def num_kda_heads_local(self) -> int:
@@ -232,6 +240,7 @@ class CacheLayout:
             kda_recurrent=tuple(recurrent),
             kda_conv=tuple(conv),
             compat_hash=compatibility_hash(config, kv_dtype, cache.block_size),
+            dcp_size=cache.dcp_size,
         )
 
     @classmethod
@@ -244,7 +253,11 @@ class CacheLayout:
 
     # -- serialization ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Without DCP the dict has no `dcp_size`: a peer that predates it reads the layout as before."""
+        data = dataclasses.asdict(self)
+        if self.dcp_size == 1:
+            del data["dcp_size"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CacheLayout":

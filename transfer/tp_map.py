@@ -31,6 +31,14 @@ adjacent on both sides, as with P == D):
     prefill slot (P_local = 4K)   | q: h0 h1 h2 h3 | k: h0 h1 h2 h3 | v: h0 h1 h2 h3 |
     decode slot  (P_local = 2K)   | q: h2 h3 | k: h2 h3 | v: h2 h3 |      (r0 <- s0, heads 2-3 of 0-3)
 
+Decode context parallelism (a decode engine of DCP size W, `CacheLayout.dcp_size`): decode block j holds W pages
+of `block_size` tokens, rank r page r % W of each, at block j of its own tensor; a prefill engine (W = 1) holds
+page-sized blocks. Prefill block i goes to the decode ranks of DCP rank i % W, into block i // W, still whole
+blocks, so rank r receives only its pages (W = 2):
+
+    src block ids   3  4  5  9  6          DCP rank 0 <- 3, 5, 6 into dst 7, 8, 2
+    dst block ids   7     8     2          DCP rank 1 <- 4, 9    into dst 7, 8
+
 `TPMapping` does the head arithmetic once per peer pair (at handshake); `ops(span)` then only
 adds block/slot offsets, per request.
 """
@@ -61,12 +69,14 @@ class RequestSpan:
     src_slot: int  # prefill KDA slot holding the state after num_tokens tokens
     dst_slot: int  # decode KDA slot reserved for it
     num_tokens: int
+    dcp_size: int = 1  # the decode engine's: a dst block holds that many src blocks, one on each DCP rank
 
     def __post_init__(self) -> None:
         if self.num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {self.num_tokens}")
-        if len(self.src_block_ids) != len(self.dst_block_ids):
-            raise ValueError(f"{len(self.src_block_ids)} src blocks but {len(self.dst_block_ids)} dst blocks")
+        if len(self.dst_block_ids) != -(-len(self.src_block_ids) // self.dcp_size):
+            raise ValueError(f"{len(self.src_block_ids)} src blocks but {len(self.dst_block_ids)} dst blocks"
+                             + (f" of {self.dcp_size} pages" if self.dcp_size > 1 else ""))
 
 
 @dataclass(frozen=True)
@@ -124,6 +134,11 @@ class TPMapping:
             cache.layout.check_regions(cache.regions)
         any_layout = prefill[0].layout
         self.block_size = any_layout.block_size
+        if any(c.layout.dcp_size != 1 for c in prefill):
+            raise ValueError("a prefill engine holds whole blocks: decode context parallelism is the decode pool's")
+        self.dcp_size = decode[0].layout.dcp_size
+        if any(c.layout.dcp_size != self.dcp_size for c in decode):
+            raise ValueError(f"decode ranks disagree on dcp_size: {sorted({c.layout.dcp_size for c in decode})}")
         self.num_heads = any_layout.num_kda_heads
         self._views: dict[tuple[int, int], PairView] = {}
         self._mla: dict[tuple[int, int], list[_BlockSegment]] = {}
@@ -162,11 +177,14 @@ class TPMapping:
             raise ValueError(
                 f"{span.num_tokens} tokens fill {num_blocks} blocks of {self.block_size}, span has {len(span.src_block_ids)}"
             )
-        runs = _block_runs(span.src_block_ids, span.dst_block_ids)
+        if span.dcp_size != self.dcp_size:
+            raise ValueError(f"span of dcp_size {span.dcp_size} for a decode engine of dcp_size {self.dcp_size}")
         max_src, max_dst = max(span.src_block_ids), max(span.dst_block_ids)
         result = {}
         for pair, view in self._views.items():
             ops = []
+            src_ids, dst_ids = self.pages(span.src_block_ids, span.dst_block_ids, pair[1])
+            runs = _block_runs(src_ids, dst_ids)
             for seg in self._mla[pair]:
                 if max_src >= seg.num_src_blocks or max_dst >= seg.num_dst_blocks:
                     raise ValueError(f"block ids out of range: src {span.src_block_ids}, dst {span.dst_block_ids}")
@@ -189,6 +207,13 @@ class TPMapping:
             self._check_slots(pair, span)
             result[pair] = ops
         return result
+
+    def pages(self, src_block_ids: Sequence[int], dst_block_ids: Sequence[int], dst_rank: int
+              ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The (src block, dst block) pairs of decode rank `dst_rank`'s pages, in order: every block without
+        decode context parallelism; src blocks d, d + W, ... into dst blocks 0, 1, ... on DCP rank d."""
+        src = tuple(src_block_ids[dst_rank % self.dcp_size :: self.dcp_size])
+        return src, tuple(dst_block_ids[: len(src)])
 
     # -- construction -----------------------------------------------------------------------------
     def _mla_segments(self, s: int, r: int) -> list[_BlockSegment]:

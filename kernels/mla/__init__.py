@@ -17,13 +17,13 @@ from __future__ import annotations
 from torch import Tensor
 
 from .._backend import gpu_kernels, has_module
-from . import naive, split_rule
+from . import dcp, naive, split_rule
 
 last_backend: dict[str, str] = {}  # "mla_decode_paged" / "merge_attn_states" / "write_kv_cache" -> "triton" | "naive",
 # "mla_prefill_attention" -> "sdpa" | "naive"
 
 __all__ = ["mla_prefill_attention", "write_kv_cache", "gather_kv_cache", "mla_decode_paged", "merge_attn_states",
-           "decode_workspace_bytes", "mla_verify_paged"]
+           "decode_workspace_bytes", "mla_verify_paged", "mla_decode_dcp", "dcp"]
 
 
 def decode_workspace_bytes(num_heads: int, latent_dim: int, num_sm: int) -> int:
@@ -194,6 +194,19 @@ def merge_attn_states(outputs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
         return triton_decode.merge_attn_states(outputs.contiguous(), lses)
     last_backend["merge_attn_states"] = "naive"
     return naive.merge_attn_states(outputs, lses)
+
+
+def mla_decode_dcp(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                   scale: float, kv_lora_rank: int, dcp_size: int) -> tuple[Tensor, Tensor]:
+    """`mla_decode_paged` over a cache of virtual blocks [num_blocks, W * page, L+R] as W = `dcp_size` DCP ranks
+    run it, in one process: each rank's decode over its pages (`dcp.shard_cache`, `dcp.local_seq_lens`), then
+    `merge_attn_states` of the W parts. Equals the unsplit decode to rounding; for tests and benchmarks (an
+    engine runs one rank's part, `model/layers/mla_dcp.py`)."""
+    if dcp_size < 1 or kv_cache.dim() != 3 or kv_cache.shape[1] % dcp_size:
+        raise ValueError(f"dcp_size={dcp_size} must be >= 1 and divide the block of kv_cache {tuple(kv_cache.shape)}")
+    _check_paged(kv_cache, block_tables, seq_lens)
+    return dcp.split_decode(mla_decode_paged, merge_attn_states, q_latent, q_pe, kv_cache, block_tables, seq_lens,
+                            scale, kv_lora_rank, dcp_size)
 
 
 def mla_verify_paged(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_lens: list[int],

@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from .._backend import to_device_async
+from . import dcp
 
 
 def mla_prefill_attention(
@@ -86,6 +87,21 @@ def merge_attn_states(outputs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
     # where() rather than a product, so an empty part's garbage output (even NaN) cannot leak in.
     contrib = torch.where(part_weights[..., None] > 0, coef[..., None] * outputs.float(), 0.0)  # [P, N, H, D]
     return contrib.sum(dim=0).to(outputs.dtype), lse
+
+
+def mla_decode_dcp(
+    q_latent: Tensor,
+    q_pe: Tensor,
+    kv_cache: Tensor,  # [num_blocks, W * page, L+R]: virtual blocks, rank r's page r of each
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    kv_lora_rank: int,
+    dcp_size: int,
+) -> tuple[Tensor, Tensor]:
+    """`mla_decode_paged` split over `dcp_size` ranks by page and merged by LSE: the reference of the DCP step."""
+    return dcp.split_decode(mla_decode_paged, merge_attn_states, q_latent, q_pe, kv_cache, block_tables, seq_lens,
+                            scale, kv_lora_rank, dcp_size)
 
 
 def mla_verify_paged(

@@ -1,7 +1,8 @@
 """Multi-head latent attention, NoPE (model/K3_MODEL.md §1c, §6).
 
 The cache holds, per token, the normalized latent c (kv_lora_rank) and the shared k_pe
-(rope dim, no rotary): replicated on every TP rank. Prefill uses the compute-friendly MHA form
+(rope dim, no rotary): replicated on every TP rank, or with decode context parallelism split by sequence
+over each DCP group's ranks (`mla_dcp.py`). Prefill uses the compute-friendly MHA form
 (up-project k_nope and v from c); single-token sequences use the absorbed form (q_nope folded
 into latent space with W_UK, attention over the 576-dim latent keys, W_UV applied after).
 Both see exactly the same cached values, and a test holds them equal.
@@ -9,13 +10,17 @@ Both see exactly the same cached values, and a test holds them equal.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from k3serve.kernels.gate import sigmoid_gate
 from k3serve.kernels.head_matmul import head_matmul
-from k3serve.kernels.mla import gather_kv_cache, mla_decode_paged, mla_prefill_attention, mla_verify_paged, write_kv_cache
+from k3serve.kernels.mla import (dcp, gather_kv_cache, mla_decode_paged, mla_prefill_attention, mla_verify_paged,
+                                  write_kv_cache)
 from k3serve.model.batch import ForwardBatch
 from k3serve.model.config import ModelConfig
+from k3serve.model.layers import mla_dcp
 from k3serve.model.layers.common import Linear, RMSNorm, Sharded, keep_address, project, stack_rows
 from k3serve.model.parallel import TensorParallel
 
@@ -70,7 +75,9 @@ class MLAAttention(Sharded):
         q = q.reshape(T, H, self.nope + self.rope)
         c = kv[:, : self.kv_lora_rank]
         self.kv_a_layernorm(c, out=c)  # in place: kv is now the cache's row [c | k_pe], with no concatenation
-        write_kv_cache(kv_cache, batch.slot_mapping, kv)
+        slots = batch.slot_mapping if self.tp.dcp_size == 1 else \
+            dcp.local_slots(batch.slot_mapping, kv_cache.shape[1], self.tp.dcp_size, self.tp.dcp_rank)
+        write_kv_cache(kv_cache, slots, kv)
 
         split, spec_end = batch.num_decode_tokens, batch.prefill_token_start
         parts = []
@@ -88,6 +95,10 @@ class MLAAttention(Sharded):
     def _decode(self, q: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         n = batch.num_decode
         q_latent = head_matmul(q[..., : self.nope], self.w_uk)  # fp32, from q's head-strided view
+        if self.tp.dcp_size > 1:
+            o_latent = mla_dcp.decode(self.tp, q_latent, q[..., self.nope :], kv_cache, batch.block_tables[:n],
+                                      batch.seq_lens[:n], self.scale, self.kv_lora_rank)
+            return head_matmul(o_latent, self.w_uv.transpose(1, 2))
         # q_latent fp32, q_pe a strided view in q's dtype: the reference widens both to fp32, the Triton kernel
         # rounds both to the cache dtype as it loads them (no copies)
         o_latent, _ = mla_decode_paged(
@@ -101,8 +112,9 @@ class MLAAttention(Sharded):
         a, b = batch.num_decode, batch.prefill_start
         cu, _ = batch.spec_spans()
         q_latent = head_matmul(q[..., : self.nope], self.w_uk)
-        o_latent = mla_verify_paged(q_latent, q[..., self.nope :], kv_cache, batch.block_tables[a:b],
-                                    batch.seq_lens_host[a:b].tolist(), cu, self.scale, self.kv_lora_rank)
+        verify = mla_verify_paged if self.tp.dcp_size == 1 else partial(mla_dcp.verify, self.tp)
+        o_latent = verify(q_latent, q[..., self.nope :], kv_cache, batch.block_tables[a:b],
+                          batch.seq_lens_host[a:b].tolist(), cu, self.scale, self.kv_lora_rank)
         return head_matmul(o_latent, self.w_uv.transpose(1, 2))
 
     def _prefill(self, q: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -128,7 +140,8 @@ class MLAAttention(Sharded):
         """Causal attention of sequences' new tokens (q) over their seq_lens cached tokens (host), in q's dtype.
         Its keys and values are freed when it returns: one group's, not the step's."""
         H = self.num_heads
-        cached, cu_k = gather_kv_cache(kv_cache, block_tables, seq_lens)  # host: no sync
+        gather = gather_kv_cache if self.tp.dcp_size == 1 else partial(mla_dcp.gather_context, self.tp)
+        cached, cu_k = gather(kv_cache, block_tables, seq_lens)  # host: no sync
         kv = self.kv_b_proj(cached[:, : self.kv_lora_rank]).reshape(-1, H, self.nope + self.v_dim)
         k_pe = cached[:, self.kv_lora_rank :].unsqueeze(1).expand(-1, H, self.rope)
         k = torch.cat([kv[..., : self.nope], k_pe.to(kv.dtype)], dim=-1)

@@ -210,6 +210,7 @@ engine:
   enablePrefixCaching: true
   kdaCheckpointMode: align
   cudaGraphBatchSizes: [1, 2, 4, 8]
+  decodeContextParallelSize: 8
   numKdaSlots: null
 decode:
   engine:
@@ -237,6 +238,7 @@ def test_engine_values_reach_each_pools_engine_arguments(tmp_path):
     assert (prefill.long_prefill_token_threshold, prefill.kda_checkpoint_mode) == (2048, "align")
     assert (decode.max_num_seqs, decode.enable_prefix_caching, decode.num_gpu_blocks_override) == (8, False, 4096)
     assert decode.cuda_graph_batch_sizes == (1, 2, 4, 8) and prefill.enforce_eager  # graphs: decode's only
+    assert (decode.decode_context_parallel_size, prefill.decode_context_parallel_size) == (8, 1)  # decode's only
     assert prefill.gpu_memory_utilization == decode.gpu_memory_utilization == 0.85
     assert decode.max_num_batched_tokens == 16384  # the chart's default, from engine.*
 

@@ -5,6 +5,7 @@ this process, state moved by a real transfer backend (Mooncake, else NIXL).
     (P, D) = (1, 2)   one prefill rank writes both decode shards (MLA to both, heads split)
     (P, D) = (2, 2)   rank s -> rank s (MLA and heads)
     (P, D) = (2, 1)   both prefill ranks write into the one decode rank
+    (P, D, DCP) = (1, 2, 2), (2, 2, 2)   the decode ranks split the latent KV: each receives only its pages
 
 Greedy outputs equal the colocated engine's; afterwards both engines hold nothing (no running
 request, reservation or pin) and every follower exits 0. A byte corrupted in a decode rank's
@@ -62,13 +63,13 @@ def reference(tiny_checkpoint) -> list[list[int]]:
 class Pair:
     """A prefill engine (TP P) and a decode engine (TP D); followers in spawned processes."""
 
-    def __init__(self, model, prefill_tp: int, decode_tp: int) -> None:
+    def __init__(self, model, prefill_tp: int, decode_tp: int, decode_dcp: int = 1, **decode_args) -> None:
         kw = _engine_kwargs(model)
         ctx = multiprocessing.get_context("spawn")
         self.procs: list = []
         self.prefill = self.decode = None
         pargs = EngineArgs(**kw, tensor_parallel_size=prefill_tp)
-        dargs = EngineArgs(**kw, tensor_parallel_size=decode_tp)
+        dargs = EngineArgs(**kw, tensor_parallel_size=decode_tp, decode_context_parallel_size=decode_dcp, **decode_args)
 
         def group(tp, target, args_of) -> TPGroup | None:
             if tp == 1:
@@ -123,8 +124,8 @@ class Pair:
 
 
 @contextmanager
-def pair(model, prefill_tp: int, decode_tp: int):
-    p = Pair(model, prefill_tp, decode_tp)
+def pair(model, prefill_tp: int, decode_tp: int, decode_dcp: int = 1, **decode_args):
+    p = Pair(model, prefill_tp, decode_tp, decode_dcp, **decode_args)
     ok = False
     try:
         yield p
@@ -136,10 +137,12 @@ def pair(model, prefill_tp: int, decode_tp: int):
 
 
 @pytest.mark.skipif(BACKEND is None, reason="needs the mooncake or nixl package")
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 2), (2, 1)], ids=lambda t: str(t))
-def test_greedy_outputs_match_colocated(tiny_checkpoint, reference, prefill_tp: int, decode_tp: int) -> None:
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "decode_dcp"), [(1, 2, 1), (2, 2, 1), (2, 1, 1), (1, 2, 2), (2, 2, 2)],
+                         ids=lambda t: str(t))
+def test_greedy_outputs_match_colocated(tiny_checkpoint, reference, prefill_tp: int, decode_tp: int,
+                                        decode_dcp: int) -> None:
     start = time.monotonic()
-    with pair(tiny_checkpoint, prefill_tp, decode_tp) as p:
+    with pair(tiny_checkpoint, prefill_tp, decode_tp, decode_dcp) as p:
         async def main():
             before = await p.idle()
             outs = await asyncio.gather(*[p.run(f"r{i}", prompt) for i, prompt in enumerate(PROMPTS)])
@@ -227,5 +230,32 @@ def test_corrupted_byte_on_any_decode_rank_fails_the_request(tiny_checkpoint, re
                 assert await p.idle() == before  # reservation and pins freed
             assert await p.run("good", PROMPTS[2]) == reference[2]  # the ranks are still in step
             assert await p.idle() == before
+
+        asyncio.run(main())
+
+
+@pytest.mark.skipif(BACKEND is None, reason="needs the mooncake or nixl package")
+def test_a_dcp_decode_engine_preempts_and_recomputes_from_its_pages(tiny_checkpoint) -> None:
+    """Prefill TP 2 (a second wave extends two prompts of the first: prefix-cache hits) into decode TP 2, DCP 2,
+    whose cache holds one longest request (32 blocks of 2 x 8 tokens): four ~100-token prompts decoding 40 tokens
+    each outgrow it, so the decode engine preempts and recomputes a request from its tokens there (the MLA prefill
+    over the group's pages). The greedy tokens are the colocated engine's."""
+    gen = torch.Generator().manual_seed(5)
+    prefix = torch.randint(0, 500, (64,), generator=gen).tolist()
+    prompts = [prefix + torch.randint(0, 500, (n,), generator=gen).tolist() for n in (30, 33, 36, 40)]
+    prompts += [prompts[i] + torch.randint(0, 500, (n,), generator=gen).tolist() for i, n in ((0, 9), (1, 17))]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm = LLM(**_engine_kwargs(tiny_checkpoint))
+    reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    with pair(tiny_checkpoint, 2, 2, 2, num_gpu_blocks_override=32) as p:
+        async def main():
+            before = await p.idle()
+            first = await asyncio.gather(*[p.run(f"a{i}", prompt, params) for i, prompt in enumerate(prompts[:4])])
+            second = await asyncio.gather(*[p.run(f"b{i}", prompt, params) for i, prompt in enumerate(prompts[4:])])
+            assert first + second == reference
+            assert await p.idle() == before
+            preempted = await p.decode.handoff.call(lambda: p.decode.handoff._llm().num_preemptions)
+            hits = await p.prefill.handoff.call(lambda: p.prefill.handoff._llm().scheduler.prefix_cache.num_hits)
+            assert preempted > 0 and hits > 0
 
         asyncio.run(main())

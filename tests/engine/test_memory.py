@@ -233,3 +233,18 @@ def test_k3serve_plan_counts_the_kda_slots_and_context_the_engine_allocates(kw: 
     assert prefill == f"{plan.prefill_bytes / 2**30:.2f} GiB" and plan.prefill_bytes > 0
     tokens = int(rows["tokens of context that fit"].replace(",", ""))
     assert 0 <= tokens - plan.num_tokens < args.block_size  # the engine's pools are whole blocks
+
+
+def test_a_dcp_plan_gives_each_block_id_the_tokens_of_its_ranks_pages(tiny_checkpoint: Path) -> None:
+    """The bytes that hold N blocks of 64 tokens on every rank hold N block ids of 4 x 64 tokens at DCP 4: the
+    scheduler's capacity grows 4x, each rank's tensors keep pages of 64, and a block of 66 tokens does not split."""
+    config = ModelConfig.from_dir(tiny_checkpoint)
+    sizes = cache_sizes(config, 4, torch.float32)
+    base = plan_pools(sizes, 8 << 20, 64, 8, 512)
+    dcp = plan_pools(sizes, 8 << 20, 256, 8, 512, dcp_size=4)
+    assert (dcp.num_blocks, dcp.page_size, dcp.num_tokens) == (base.num_blocks, 64, 4 * base.num_tokens)
+    args = EngineArgs(model=str(tiny_checkpoint), tensor_parallel_size=4, decode_context_parallel_size=4,
+                      cache_memory_bytes=8 << 20, num_kda_slots=8, max_num_seqs=8, max_model_len=512)
+    assert plan_engine_pools(config, args) == dcp
+    with pytest.raises(ValueError, match="blocks of 66 tokens do not split into 4 decode context parallel pages"):
+        plan_pools(sizes, 8 << 20, 66, 8, 512, dcp_size=4)

@@ -45,3 +45,21 @@ def test_an_unknown_model_is_refused_with_the_presets(capsys: pytest.CaptureFixt
     assert main(["plan", "--model", "kimi-linear"]) == 2
     err = capsys.readouterr().err
     assert "no config.json in kimi-linear" in err and "kimi-linear-48b-a3b" in err
+
+
+def test_dcp_splits_the_latent_kv_and_sets_the_capacity_against_tp_alone(capsys: pytest.CaptureFixture[str]) -> None:
+    """K3 at TP 8 on a GB300 rank: DCP 8 holds 1/8 of each token's latent KV, so about 8x the context fits in what
+    is left (slightly less: the graphs and the step hold the DCP group's queries and partial outputs)."""
+    rows = _rows(capsys, "--model", "kimi-k3", "--tp", "8", "--decode-context-parallel-size", "8")
+    tp_only = _rows(capsys, "--model", "kimi-k3", "--tp", "8")
+    fit = lambda r, key="tokens of context that fit": int(r[key].replace(",", ""))  # noqa: E731
+    assert fit(rows, "tokens of context that fit without DCP (latent KV on every rank)") == fit(tp_only)
+    assert 7.9 < fit(rows) / fit(tp_only) <= 8.0
+    assert rows["DCP 8 capacity gain"] == f"{fit(rows) / fit(tp_only):.2f}x"
+    assert rows["MLA latent KV per token (all MLA layers)"] == "27.0 KiB, 3.38 KiB on a rank"
+
+
+def test_a_dcp_size_that_does_not_divide_tp_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--tp", "8", "--decode-context-parallel-size", "3"]) == 2
+    assert "decode_context_parallel_size must be an integer >= 1 dividing tensor_parallel_size=8, got 3" in \
+        capsys.readouterr().err

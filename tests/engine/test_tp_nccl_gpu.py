@@ -22,6 +22,8 @@ joins the engine and follows rank 0's actions; `rank_device` spreads a bare "cud
   doubled all-reduce, a wrong shard, ranks replaying different batch sizes) turns the hidden states into
   garbage: first tokens then agree by chance (1 in hundreds) and logprobs differ by whole units. The
   figures are printed (JSON) for the record.
+* The same with decode context parallelism (DCP 2): the ranks split the latent KV, and the graphs record the
+  all-gather of the queries and the all-to-all of the partial outputs beside the all-reduces.
 """
 
 from __future__ import annotations
@@ -95,8 +97,9 @@ def _generate(engine: LLMEngine) -> list[tuple[list[int], list[TokenLogprobs]]]:
     return [out[rid] for rid in ids]
 
 
+@pytest.mark.parametrize("dcp", [1, 2], ids=["tp2", "tp2-dcp2"])
 def test_tp2_on_nccl_replays_graphs_on_both_ranks_and_generates_what_tp1_eager_does(
-        k3_tiny_gpu_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        k3_tiny_gpu_checkpoint: Path, monkeypatch: pytest.MonkeyPatch, dcp: int) -> None:
     monkeypatch.setenv(NCCL_SWITCH, "1")  # the default, set against an opt-out in the environment; the follower process inherits it
     reference_engine = LLMEngine(EngineArgs(model=str(k3_tiny_gpu_checkpoint), **ENGINE_ARGS, enforce_eager=True))
     reference = _generate(reference_engine)
@@ -104,7 +107,8 @@ def test_tp2_on_nccl_replays_graphs_on_both_ranks_and_generates_what_tp1_eager_d
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
 
-    args = EngineArgs(model=str(k3_tiny_gpu_checkpoint), **ENGINE_ARGS, tensor_parallel_size=2)
+    args = EngineArgs(model=str(k3_tiny_gpu_checkpoint), **ENGINE_ARGS, tensor_parallel_size=2,
+                      decode_context_parallel_size=dcp)
     engine, followers = start_tp_engine("tp2-nccl", 2, "127.0.0.1", _follower, lambda rank, init: (rank, args, init),
                                         lambda group: LLMEngine(args, group))
     try:
