@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from k3serve.model.checkpoint import _init, _write_shards
+from k3serve.model.checkpoint import _init, write_shards
 from k3serve.model.config import ConfigError, ModelConfig
 from k3serve.model.draft.config import ARCHITECTURES, DRAFT_METHODS, DrafterConfig
 from k3serve.model.draft.loader import DRAFTERS
@@ -79,6 +79,6 @@ def make_drafter_checkpoint(method: str, target_dir: str | Path, out_dir: str | 
             tensors[name] = (tensors[name].float() * _ECHO_DAMPING).to(torch.bfloat16)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _write_shards(iter(tensors.items()), {n: (s, tensors[n].dtype) for n, s in shapes.items()}, out, 1)
+    write_shards(iter(tensors.items()), {n: (s, tensors[n].dtype) for n, s in shapes.items()}, out, 1)
     (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     return out
