@@ -34,6 +34,7 @@ from k3serve.engine.kv_events import open_kv_events
 from k3serve.engine.memory import PoolPlan, plan_engine_pools, scheduler_config
 from k3serve.engine.offload.factory import tier_indexes
 from k3serve.engine.offload.manager import Offload
+from k3serve.engine.offload.metrics import offload_metrics
 from k3serve.engine.outputs import RequestDelta, TokenLogprobs
 from k3serve.engine.prefix_cache import PrefixCache
 from k3serve.engine.prompt_check import check_prompt
@@ -153,6 +154,7 @@ class LLMEngine:
         tiers = (tier_indexes(args, self.runner.cache, self.plan, self.runner.offload, self.config)
                  if prefix_cache is not None else [])
         self.offload = Offload(tiers, prefix_cache, self.model_name) if tiers else None
+        offload_metrics()  # its families are declared (no series) in every engine, as speculative decoding's
         spec = args.speculative_config
         self.speculator = Speculator(spec) if spec is not None else None
         self.spec_stats = SpecDecodeStats(spec_decode_metrics(), self.model_name)
