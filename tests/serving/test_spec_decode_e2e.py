@@ -29,22 +29,30 @@ def reference(echo_checkpoint: Path) -> list[str]:
     return [o.outputs[0].text for o in llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))]
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("transfer", ["mooncake", "nixl"])
-def test_a_speculating_decode_pool_serves_the_non_speculative_text(echo_checkpoint: Path, reference: list[str],
-                                                                   transfer: str) -> None:
-    spec = ServerSpec(transfer=transfer, launcher="local", extra_args=("--speculative-config", SPEC))
-    with launch(spec, echo_checkpoint) as server:
+def _serve_greedy(spec: ServerSpec, checkpoint: Path) -> tuple[list[str], dict]:
+    """A server of `spec`: its greedy completion of each of PROMPTS, then its /metrics samples; stopped after."""
+    with launch(spec, checkpoint) as server:
         texts = []
         for prompt in PROMPTS:
             response = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
                 "model": SERVED_MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
             assert response.status_code == 200, response.text
             texts.append(response.json()["choices"][0]["text"])
-        metrics = server.metrics()
+        return texts, server.metrics()
+
+
+def _total(metrics: dict, name: str) -> float:
+    return sum(v for (n, _), v in metrics.items() if n == name)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transfer", ["mooncake", "nixl"])
+def test_a_speculating_decode_pool_serves_the_non_speculative_text(echo_checkpoint: Path, reference: list[str],
+                                                                   transfer: str) -> None:
+    spec = ServerSpec(transfer=transfer, launcher="local", extra_args=("--speculative-config", SPEC))
+    texts, metrics = _serve_greedy(spec, echo_checkpoint)
     assert texts == reference
-    accepted = sum(v for (name, _), v in metrics.items() if name == "vllm:spec_decode_num_accepted_tokens_total")
-    assert accepted > 0, "the decode pool accepted no draft"
+    assert _total(metrics, "vllm:spec_decode_num_accepted_tokens_total") > 0, "the decode pool accepted no draft"
     assert any(name == "k3serve:spec_decode_mean_acceptance_length" and dict(labels)["pool"] == "decode" and v > 1
                for (name, labels), v in metrics.items())
 
@@ -59,17 +67,10 @@ def test_a_decode_pool_speculating_with_a_drafter_serves_the_non_speculative_tex
     positions it computes; a draft_model recomputes the prompt from its tokens at the first decode step."""
     config = json.dumps({"method": method, "model": str(drafters[method]), "num_speculative_tokens": k})
     spec = ServerSpec(transfer="mooncake", launcher="local", extra_args=("--speculative-config", config))
-    with launch(spec, echo_checkpoint) as server:
-        texts = []
-        for prompt in PROMPTS:
-            response = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
-                "model": SERVED_MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
-            assert response.status_code == 200, response.text
-            texts.append(response.json()["choices"][0]["text"])
-        metrics = server.metrics()
+    texts, metrics = _serve_greedy(spec, echo_checkpoint)
     assert texts == reference
-    drafts = sum(v for (name, _), v in metrics.items() if name == "vllm:spec_decode_num_drafts_total")
-    accepted = sum(v for (name, _), v in metrics.items() if name == "vllm:spec_decode_num_accepted_tokens_total")
+    drafts = _total(metrics, "vllm:spec_decode_num_drafts_total")
+    accepted = _total(metrics, "vllm:spec_decode_num_accepted_tokens_total")
     assert drafts > 0 and accepted > 0, f"the decode pool's {method} drafter proposed or got accepted nothing"
 
 
@@ -79,13 +80,6 @@ def test_a_colocated_server_speculating_with_a_drafter_serves_the_non_speculativ
     """`k3serve serve --mode colocated` with an EAGLE drafter, through the OpenAI API."""
     config = json.dumps({"method": "eagle", "model": str(drafters["eagle"]), "num_speculative_tokens": 8})
     spec = ServerSpec(mode="colocated", launcher="local", extra_args=("--speculative-config", config))
-    with launch(spec, echo_checkpoint) as server:
-        texts = []
-        for prompt in PROMPTS:
-            response = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
-                "model": SERVED_MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
-            assert response.status_code == 200, response.text
-            texts.append(response.json()["choices"][0]["text"])
-        metrics = server.metrics()
+    texts, metrics = _serve_greedy(spec, echo_checkpoint)
     assert texts == reference
-    assert sum(v for (name, _), v in metrics.items() if name == "vllm:spec_decode_num_accepted_tokens_total") > 0
+    assert _total(metrics, "vllm:spec_decode_num_accepted_tokens_total") > 0
