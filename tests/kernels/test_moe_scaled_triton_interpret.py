@@ -61,20 +61,14 @@ def _experts_match_the_model() -> None:
     none, one token is wholly another rank's; D = 384: the up kernel's 3 K steps, the down kernel's 3 row tiles."""
     import torch
 
-    from k3serve.kernels.moe import ExpertWeights, naive, silu_glu, triton_moe, triton_scaled
+    from k3serve.kernels.moe import naive, silu_glu, triton_moe, triton_scaled
 
     from _close import assert_rel_rms
-    from test_moe_gpu import SITU, random_mxfp4
+    from test_moe_gpu import SITU
+    from test_moe_triton_interpret import rank_1_of_3_case
 
-    E, I, D, T, TOP_K = 4, 128, 384, 20, 3
-    weights = ExpertWeights(random_mxfp4(E, I, D, device="cpu"), random_mxfp4(E, I, D, device="cpu"),
-                            random_mxfp4(E, D, I, device="cpu"))
-    others = torch.tensor([e for e in range(3 * E) if e not in (E + 1, E + 3)])  # E + 3 gets no token
-    topk_ids = torch.stack([others[torch.randperm(len(others))[:TOP_K]] for _ in range(T)])
-    topk_ids[:, 0] = E + 1
-    topk_ids[T - 1] = torch.tensor([0, 9, 11])
-    topk_weights = torch.rand(T, TOP_K)
-    x = torch.randn(T, D)
+    E, I, D, T = 4, 128, 384, 20
+    weights, topk_ids, topk_weights, x = rank_1_of_3_case(E, I, D, T)
     cases = ((SITU, torch.float16), (silu_glu, torch.float32))
     up_configs = triton_scaled.scaled_up_kernel.configs
     for i, down_config in enumerate(triton_scaled.scaled_down_kernel.configs):  # each config of each kernel once

@@ -11,25 +11,36 @@ from _triton_interpret import needs_triton, run_in_interpreter
 pytestmark = needs_triton
 
 
+def rank_1_of_3_case(E: int, I: int, D: int, T: int):
+    """Rank 1 of 3 (experts E..2E-1 of 3E), top 3: random MXFP4 banks (CPU), ids, weights and fp32 x [T, D]. Expert
+    E + 1 takes every token, E + 3 none, and the last token is wholly other ranks'."""
+    import torch
+
+    from k3serve.kernels.moe import ExpertWeights
+
+    from test_moe_gpu import random_mxfp4
+
+    weights = ExpertWeights(random_mxfp4(E, I, D, device="cpu"), random_mxfp4(E, I, D, device="cpu"),
+                            random_mxfp4(E, D, I, device="cpu"))
+    others = torch.tensor([e for e in range(3 * E) if e not in (E + 1, E + 3)])  # E + 3 gets no token
+    topk_ids = torch.stack([others[torch.randperm(len(others))[:3]] for _ in range(T)])
+    topk_ids[:, 0] = E + 1
+    topk_ids[T - 1] = torch.tensor([0, 9, 11])
+    return weights, topk_ids, torch.rand(T, 3), torch.randn(T, D)
+
+
 def _experts_match_reference() -> None:
     """Rank 1 of 3 (experts 4..7 of 12): one local expert takes every token (20 rows, two M tiles of 16),
     another none, one token is wholly another rank's; every tile the autotuner may pick at these sizes."""
     import torch
 
-    from k3serve.kernels.moe import ExpertWeights, naive, silu_glu, triton_moe
+    from k3serve.kernels.moe import naive, silu_glu, triton_moe
 
     from _close import assert_rel_rms
-    from test_moe_gpu import SITU, random_mxfp4
+    from test_moe_gpu import SITU
 
-    E, I, D, T, TOP_K = 4, 128, 256, 20, 3
-    weights = ExpertWeights(random_mxfp4(E, I, D, device="cpu"), random_mxfp4(E, I, D, device="cpu"),
-                            random_mxfp4(E, D, I, device="cpu"))
-    others = torch.tensor([e for e in range(3 * E) if e not in (E + 1, E + 3)])  # E + 3 gets no token
-    topk_ids = torch.stack([others[torch.randperm(len(others))[:TOP_K]] for _ in range(T)])
-    topk_ids[:, 0] = E + 1
-    topk_ids[T - 1] = torch.tensor([0, 9, 11])
-    topk_weights = torch.rand(T, TOP_K)
-    x = torch.randn(T, D)
+    E, I, D, T = 4, 128, 256, 20
+    weights, topk_ids, topk_weights, x = rank_1_of_3_case(E, I, D, T)
     for config in triton_moe._prune(triton_moe._configs(), {"I": I, "D": D}):
         triton_moe._up_kernel.configs = triton_moe._down_kernel.configs = [config]  # no driver to benchmark
         for activation, dtype, tol in ((SITU, torch.float32, 1e-5), (silu_glu, torch.float16, 2e-3)):
