@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-import ray
+ray = pytest.importorskip("ray")  # a test extra; the GPU machine has none
 
 from k3serve.cluster.config import ServeConfig
 from k3serve.cluster.local_ray import start_local_ray

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pydantic
 import pytest
-import ray
+ray = pytest.importorskip("ray")  # a test extra; the GPU machine has none
 
 from k3serve.cluster.config import ServeConfig
 from k3serve.cluster.node_address import HOST_IP_ENV, node_ip

@@ -22,14 +22,23 @@ def test_a_host_hit_on_cuda_is_pinned_verified_on_the_device_and_exact(k3_tiny_g
     gen = torch.Generator().manual_seed(5)
     firsts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (300, 700, 1500)]
     seconds = [p + torch.randint(0, 512, (40,), generator=gen).tolist() for p in firsts]
-    args = dict(model=str(k3_tiny_gpu_checkpoint), device="cuda", max_model_len=2048, enforce_eager=True)
+    args = dict(model=str(k3_tiny_gpu_checkpoint), device="cuda", max_model_len=2048, enforce_eager=True,
+                max_num_seqs=8, cache_memory_bytes=256 << 20)
     llm = LLM(**args, kv_offload="host")
     host = llm.engine.runner.offload["host"]
     assert all(t.is_pinned() for t in host.cache.mla_kv + host.cache.kda_recurrent + host.cache.kda_conv)
     llm.generate(firsts, [GREEDY] * 3)
     llm.engine.scheduler.prefix_cache.clear()
+    load, load_backends = host.load, []
+
+    def recorded_load(*args):  # the real load; which checksum backend verified what landed
+        loaded = load(*args)
+        load_backends.append(checksum.last_backend["checksum"])
+        return loaded
+
+    host.load = recorded_load
     outs = llm.generate(seconds, [GREEDY] * 3)
-    assert checksum.last_backend["checksum"] == "triton"  # the landed blocks, read in place on the device
+    assert load_backends and set(load_backends) == {"triton"}  # the landed blocks, read in place on the device
     assert [o.num_cached_tokens for o in outs] == [(len(p) - 1) // 64 * 64 for p in firsts]
     plain = LLM(**args, enable_prefix_caching=False).generate(seconds, [GREEDY] * 3)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
