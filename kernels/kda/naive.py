@@ -219,18 +219,20 @@ def kda_verify(
     (o [T, H, V] in q.dtype, k_hat [T, H, K], u [T, H, V], g [T, H, K], all fp32 and of their own storage, never
     views of the inputs: they live until the commit, after the layer's activations are gone)."""
     out_dtype = q.dtype
-    if use_beta_sigmoid_in_kernel:
-        beta = torch.sigmoid(beta.float())
-    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
     o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     u = torch.empty_like(o)
+    k_hat = torch.empty(k.shape, dtype=torch.float32, device=k.device)
+    g32 = torch.empty_like(k_hat)  # g has k's shape
     for n, slot in enumerate(state_indices):
         S = state_pool[slot : slot + 1]  # [1, H, K, V]: a decode step's shape; updated out of place below
         for t in range(cu_seqlens[n], cu_seqlens[n + 1]):
-            rows = slice(t, t + 1)
-            S, u[rows] = _update(S, k[rows], v[rows], g[rows], beta[rows])
-            o[rows] = torch.einsum("...hk,...hkv->...hv", q[rows], S)
-    return o.to(out_dtype), k.clone(), u, g.clone()  # records own their memory: not views of the layer's tensors
+            rows = slice(t, t + 1)  # prepared one row at a time, as a step: a vectorised op rounds by its length
+            b = torch.sigmoid(beta[rows].float()) if use_beta_sigmoid_in_kernel else beta[rows]
+            qt, k_hat[rows], vt, g32[rows], bt = _prepare(q[rows], k[rows], v[rows], g[rows], b, scale,
+                                                          use_qk_l2norm_in_kernel)
+            S, u[rows] = _update(S, k_hat[rows], vt, g32[rows], bt)
+            o[rows] = torch.einsum("...hk,...hkv->...hv", qt, S)
+    return o.to(out_dtype), k_hat, u, g32  # records own their memory: not views of the layer's tensors
 
 
 def kda_commit(
