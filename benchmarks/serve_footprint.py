@@ -1,5 +1,5 @@
 """Memory of README command 1's server at idle: `k3serve serve` (1 prefill + 1 decode replica on a local Ray,
-Mooncake, the bundled k3-tiny), each process of its tree and the total.
+Mooncake, the bundled k3-code), each process of its tree and the total.
 
     python benchmarks/serve_footprint.py [--settle-seconds 5] [--json out.json]
 

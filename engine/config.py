@@ -12,16 +12,18 @@ from typing import Any, Literal
 import torch
 
 from k3serve.engine.spec.config import SpeculativeConfig
+from k3serve.model.packaged import DEFAULT_MODEL
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_CPU_CACHE_BYTES = 64 * 2**20  # k3-tiny: 2,077 blocks of 64 tokens, 128 KDA slots
+DEFAULT_CPU_BLOCK_BYTES = 64 * 2**20  # the CPU default cache's MLA blocks, beside its KDA slots
 DEFAULT_MODEL_CACHE_DIR = Path.home() / ".cache" / "k3serve" / "checkpoints"
 
 
 @dataclass(frozen=True)
 class EngineArgs:
-    model: str = "k3-tiny"
-    """Checkpoint directory, or a small preset name (written once under model_cache_dir)."""
+    model: str = DEFAULT_MODEL
+    """Checkpoint directory, a shipped model (`model/packaged.py`: the trained k3-code), or a small preset name
+    (random weights, written once under model_cache_dir)."""
     tensor_parallel_size: int = 1
     """Ranks one engine's weights and KDA heads are sharded over."""
     decode_context_parallel_size: int = 1

@@ -1,7 +1,7 @@
 """Offline batch generation in the shape of vLLM's `LLM` (outside tools rely on this shape):
 
     from k3serve import LLM, SamplingParams
-    llm = LLM(model="k3-tiny")                        # a checkpoint dir or a small preset
+    llm = LLM()                                       # the shipped k3-code, or a dir / preset
     outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=16))
     outs[0].outputs[0].text, outs[0].outputs[0].token_ids
 """
@@ -14,12 +14,13 @@ from k3serve.engine.config import EngineArgs
 from k3serve.engine.llm_engine import LLMEngine
 from k3serve.engine.outputs import CompletionOutput, RequestFailedError, RequestOutput
 from k3serve.engine.sampling_params import SamplingParams
+from k3serve.model.packaged import DEFAULT_MODEL
 
 Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(self, model: str = "k3-tiny", **engine_args: Any) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
         self.engine = LLMEngine(EngineArgs.from_kwargs(model=model, **engine_args))
 
     def get_tokenizer(self):

@@ -55,17 +55,22 @@ from k3serve.engine.structured_output import Verdict as StructuredVerdict
 from k3serve.engine.structured_output_metrics import grammar_compile_metrics
 from k3serve.model.config import ModelConfig
 from k3serve.model.parallel import TensorParallel
+from k3serve.model.packaged import PACKAGED_MODELS, packaged_model_dir
 from k3serve.model.presets import PRESETS
 from k3serve.model.tokenizer import Tokenizer
 
 
 def resolve_model_dir(model: str, seed: int, cache_dir: str) -> Path:
-    """A checkpoint directory as given, or a preset's checkpoint, written once and reused."""
+    """A checkpoint directory as given, a shipped model's (`model/packaged.py`), or a preset's checkpoint,
+    written once and reused."""
     path = Path(model)
     if path.is_dir():
         return path
+    if (packaged := packaged_model_dir(model)) is not None:
+        return packaged
     if model not in PRESETS:
-        raise ValueError(f"model {model!r} is neither a checkpoint directory nor a preset {sorted(PRESETS)}")
+        raise ValueError(f"model {model!r} is neither a checkpoint directory, a shipped model {sorted(PACKAGED_MODELS)}"
+                         f" nor a preset {sorted(PRESETS)}")
     out = Path(cache_dir) / f"{model}-seed{seed}"
     if not (out / "config.json").is_file():
         from k3serve.model.checkpoint import make_checkpoint

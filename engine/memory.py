@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from k3serve.engine.budget import DEFAULT_MAX_RUNNING_TO_SCALE, default_token_budget
-from k3serve.engine.config import DEFAULT_CPU_CACHE_BYTES, EngineArgs
+from k3serve.engine.config import DEFAULT_CPU_BLOCK_BYTES, EngineArgs
 from k3serve.engine.sampler import PROMPT_LOGPROBS_ROWS, sampling_workspace_bytes
 from k3serve.engine.scheduler import SchedulerConfig
 from k3serve.kernels.kda import chunk_kda_workspace_bytes
@@ -165,7 +165,7 @@ def plan_engine_pools(config: ModelConfig, args: EngineArgs, usable_bytes: int |
     else in `usable_bytes` (on CUDA: what `gpu_memory_utilization` leaves of the free memory) less this
     engine's weights (planned before they load), the captured graphs' memory and one eager step's activations
     (`prefill_activation_bytes`; `device_bytes`, the device's total memory, sets the default token budget);
-    else the CPU default.
+    else the CPU default (the KDA slots and `DEFAULT_CPU_BLOCK_BYTES` of MLA blocks).
     With CUDA graphs (`graphs_allowed(args)`: not under `enforce_eager`, ...) the cache holds the pad slot
     too; at TP > 1 only where NCCL is asked for (the default; `K3SERVE_TP_NCCL=0` opts out: gloo's collectives
     cannot be recorded). The plan is made before the ranks join: should NCCL be refused there (ranks sharing a
@@ -191,8 +191,8 @@ def plan_engine_pools(config: ModelConfig, args: EngineArgs, usable_bytes: int |
         graph_bytes = graph_reserve_bytes(config, args) if graphs else 0
         prefill_bytes = prefill_activation_bytes(config, args, device_bytes)
         cache_bytes = usable_bytes - sizes.weight_bytes
-    else:
-        cache_bytes = DEFAULT_CPU_CACHE_BYTES
+    else:  # the KDA slots (a model's slot can be large) and DEFAULT_CPU_BLOCK_BYTES of MLA blocks
+        cache_bytes = (args.kda_slots + graphs) * sizes.kda_bytes_per_slot + DEFAULT_CPU_BLOCK_BYTES
     return plan_pools(sizes, cache_bytes, args.tokens_per_block, args.kda_slots, args.max_model_len, pad_slot=graphs,
                       graph_bytes=graph_bytes, prefill_bytes=prefill_bytes,
                       num_blocks_override=args.num_gpu_blocks_override, dcp_size=args.decode_context_parallel_size)

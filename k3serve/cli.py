@@ -9,6 +9,8 @@ from pathlib import Path
 from types import UnionType
 from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
+from k3serve.model.packaged import DEFAULT_MODEL
+
 if TYPE_CHECKING:
     from k3serve.cluster.config import ServeConfig
 
@@ -226,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text offline for one or more prompts (no server)")
     p.add_argument("prompt", nargs="+", help="prompt text")
-    p.add_argument("--model", default="k3-tiny", help="checkpoint directory or small preset (default: k3-tiny)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"checkpoint directory, shipped model or small preset (default: {DEFAULT_MODEL})")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
