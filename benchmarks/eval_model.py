@@ -9,7 +9,8 @@
    gloo on the CPU), and on CUDA the bf16 GPU kernels. A path agrees when its perplexity is within PATH_TOLERANCE
    of the reference's (relative).
 2. Prefix-cache hits: a greedy continuation of a prompt whose prefix is cached equals the uncached one's, tokens
-   and logprobs (the KDA checkpoint and the MLA blocks restored instead of recomputed).
+   and logprobs (the KDA checkpoint and the MLA blocks restored instead of recomputed). Likewise through a
+   disaggregated 1P1D deployment in this process: the decode worker continues from the handed-off state.
 3. Greedy exact match on held-out function bodies: the file up to a function's body as the prompt, the body
    (at most 48 tokens) as the answer; exact match and mean matched prefix.
 4. Long context: held-out perplexity by position over `--long-context` tokens (KDA state and MLA over the whole
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import asyncio
 import json
 import math
 import multiprocessing
@@ -147,6 +149,40 @@ def prefix_cache_check(args: EngineArgs, prompts: list[list[int]], max_tokens: i
             "max_logprob_diff": max(diffs, default=0.0)}
 
 
+def disagg_check(args: EngineArgs, prompts: list[list[int]], max_tokens: int = 16) -> dict:
+    """Greedy continuations through a disaggregated 1P1D deployment in this process (the local launcher and the
+    `local` transfer: the prefill worker hands each prompt's MLA blocks and KDA state to the decode worker, which
+    generates every token) equal the colocated engine's, tokens and logprobs."""
+    from k3serve.cluster.config import ServeConfig
+    from k3serve.cluster.serve import start_deployment
+    from k3serve.engine.async_engine import GenerateRequest
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    plain = LLM(**asdict(args)).generate(prompts, params)
+    engine = {name: getattr(args, name) for name in ("device", "dtype", "block_size", "max_model_len",
+                                                      "max_num_seqs", "cache_memory_bytes")}
+    deployment = start_deployment(ServeConfig(model=args.model, launcher="local", transfer="local", **engine))
+
+    async def served(i: int, prompt: list[int]) -> tuple[list[int], list[float]]:
+        tokens, logprobs = [], []
+        async for delta in deployment.client.generate(GenerateRequest(f"eval-disagg-{i}", prompt, params)):
+            tokens += delta.new_token_ids
+            logprobs += [entry.chosen_logprob for entry in delta.logprobs or []]
+        return tokens, logprobs
+
+    async def serve_all() -> list[tuple[list[int], list[float]]]:
+        return await asyncio.gather(*(served(i, p) for i, p in enumerate(prompts)))
+
+    try:
+        got = asyncio.run(serve_all())
+    finally:
+        deployment.shutdown()
+    diffs = [abs(a[t].logprob - b) for want, (_, lps) in zip(plain, got)
+             for a, t, b in zip(want.outputs[0].logprobs, want.outputs[0].token_ids, lps)]
+    return {"prompts": len(prompts), "tokens_match": all(w.outputs[0].token_ids == t for w, (t, _) in zip(plain, got)),
+            "max_logprob_diff": max(diffs, default=0.0)}
+
+
 def function_cases(tokenizer: Tokenizer, files: list[SourceFile], count: int,
                    context: int) -> list[tuple[list[int], list[int]]]:
     """(prompt, body) token pairs: functions of the held-out files whose body (after its docstring) is at most
@@ -251,6 +287,7 @@ def evaluate(model_dir: Path, device: str = "cpu", seq_len: int = 512, num_token
         "model": str(model_dir), "held_out_tokens": int(windows[:, 1:].numel()), "tolerance": PATH_TOLERANCE,
         "paths": [asdict(r) for r in rows],
         "prefix_cache": prefix_cache_check(args, [w.tolist() for w in windows[:4]]),
+        "disagg": disagg_check(args, [w[: seq_len // 2].tolist() for w in windows[:4]]),
         "function_bodies": exact_match(llm, function_cases(tokenizer, files, functions, seq_len)),
         "long_context_ppl_by_position": position_ppl(engine_nll(llm.engine, long_windows)),
         "planted_fact": planted_fact(llm, tokenizer, stream[: long_context - 32].tolist()),
@@ -268,6 +305,9 @@ def print_tables(results: dict) -> None:
     pc, fb, pf, ng = results["prefix_cache"], results["function_bodies"], results["planted_fact"], results["ngram"]
     print(f"\nprefix-cache hits: {pc['cached_tokens']} tokens cached, tokens match {pc['tokens_match']}, "
           f"max logprob diff {pc['max_logprob_diff']:.2e}")
+    dg = results["disagg"]
+    print(f"disaggregated 1P1D handoff (local transfer): {dg['prompts']} greedy continuations, tokens match "
+          f"{dg['tokens_match']}, max logprob diff {dg['max_logprob_diff']:.2e}")
     print(f"function bodies: {fb['functions']} cases, exact match {fb['exact_match']:.1%}, "
           f"mean matched fraction {fb['mean_matched_fraction']:.1%}")
     by_position = results["long_context_ppl_by_position"]

@@ -14,6 +14,7 @@ from k3serve.model.tokenizer import Tokenizer
 
 from benchmarks.eval_model import (
     PATH_TOLERANCE,
+    disagg_check,
     engine_nll,
     function_cases,
     greedy_agreement,
@@ -47,6 +48,13 @@ def test_chunked_prefill_and_prefix_cache_hits_agree_with_the_fp32_reference(mic
 
 
 @pytest.mark.slow
+def test_greedy_continuations_through_a_disaggregated_handoff_equal_the_colocated_ones(micro_run) -> None:
+    _, args, windows, _ = _setup(micro_run)
+    handed_off = disagg_check(args, [w[:40].tolist() for w in windows], max_tokens=8)
+    assert handed_off["tokens_match"] and handed_off["max_logprob_diff"] < 1e-4, handed_off
+
+
+@pytest.mark.slow
 def test_a_tp2_engine_agrees_with_the_fp32_reference(micro_run) -> None:
     _, args, windows, ref = _setup(micro_run)
     row = path_row("TP 2", tp2_nll(args, windows), ref, "cpu")
@@ -77,6 +85,6 @@ def test_the_whole_evaluation_prints_its_tables(micro_run, capsys: pytest.Captur
                "--functions", "3"])
     text = capsys.readouterr().out
     assert rc == 0, text
-    for heading in ("| fp32 reference", "| engine, chunked prefill", "prefix-cache hits", "function bodies",
-                    "ppl by position", "planted fact", "n-gram"):
+    for heading in ("| fp32 reference", "| engine, chunked prefill", "prefix-cache hits", "disaggregated 1P1D",
+                    "function bodies", "ppl by position", "planted fact", "n-gram"):
         assert heading in text
