@@ -89,7 +89,7 @@ class EngineArgs:
     same master), or 'none'. Needs enable_prefix_caching (docs/design/offload.md)."""
     kv_offload_host_bytes: int | None = None
     """Bytes of the host tier (kv_offload='host'), on every TP rank; None = twice the device's MLA blocks + KDA
-    slots, at most half the host's available memory shared by the TP ranks."""
+    slots, at most half the host's memory shared by the TP ranks."""
     kv_offload_mooncake_config: str | None = None
     """kv_offload='mooncake': JSON with the store's master_server_addr and metadata_server (needed),
     global_segment_size and local_buffer_size (bytes this client gives the store / stages in), protocol (tcp),

@@ -19,36 +19,30 @@ if TYPE_CHECKING:
     from k3serve.model.parallel import TensorParallel
 
 
-# The default host tier takes at most this share of the host's available memory, split among the TP ranks
+# The default host tier takes at most this share of the host's memory, split among the TP ranks
 HOST_MEMORY_SHARE = 0.5
 
 
-def available_host_bytes() -> int:
-    """The host's available memory (/proc/meminfo's MemAvailable; free pages where that file is absent)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+def host_memory_bytes() -> int:
+    """The host's physical memory: a constant, so every call (the scheduler's index, each rank's data) sizes the
+    tier alike, which the memory still free at the time of each call would not."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def host_pools(args: EngineArgs, cache: ModelCache, plan: PoolPlan) -> tuple[int, int]:
     """(host blocks, host slots) of the host tier, split as the device's pools are: `kv_offload_host_bytes`, or by
-    default twice the device pools' bytes capped at `HOST_MEMORY_SHARE` of the available host memory per TP rank
-    (a GPU's pools can outgrow the host). ValueError if an explicit size exceeds the available memory."""
+    default twice the device pools' bytes capped at `HOST_MEMORY_SHARE` of the host's memory per TP rank (a GPU's
+    pools can outgrow the host). ValueError if an explicit size exceeds the host's memory."""
     per_block, per_slot = block_bytes(cache), slot_bytes(cache)
-    available = available_host_bytes()
+    total = host_memory_bytes()
     if args.kv_offload_host_bytes is not None:
-        if args.kv_offload_host_bytes > available:
-            raise ValueError(f"kv_offload_host_bytes={args.kv_offload_host_bytes} exceeds the host's available memory "
-                             f"({available / 2**30:.1f} GiB)")
+        if args.kv_offload_host_bytes > total:
+            raise ValueError(f"kv_offload_host_bytes={args.kv_offload_host_bytes} exceeds the host's memory "
+                             f"({total / 2**30:.1f} GiB)")
         host_bytes = args.kv_offload_host_bytes
     else:
         device_bytes = plan.num_blocks * per_block + plan.num_slots * per_slot
-        host_bytes = min(2 * device_bytes, int(HOST_MEMORY_SHARE * available) // args.tensor_parallel_size)
+        host_bytes = min(2 * device_bytes, int(HOST_MEMORY_SHARE * total) // args.tensor_parallel_size)
     return host_pool_sizes(host_bytes, per_block, per_slot, plan.num_blocks, plan.num_slots)
 
 

@@ -118,19 +118,22 @@ def test_bad_offload_arguments_are_refused_naming_the_field(args, message):
         EngineArgs(**args)
 
 
-def test_the_default_host_tier_is_capped_by_the_hosts_available_memory(make_llm, monkeypatch):
+def test_the_default_host_tier_is_capped_by_the_hosts_memory(make_llm, monkeypatch):
     from k3serve.engine.offload import factory
 
     llm = make_llm(kv_offload="host")
     runner = llm.engine.runner
     full = factory.host_pools(llm.engine.args, runner.cache, llm.engine.plan)
     full_bytes = factory.block_bytes(runner.cache) * full[0]
-    monkeypatch.setattr(factory, "available_host_bytes", lambda: full_bytes // 5)  # the tier takes half of that
+    monkeypatch.setattr(factory, "host_memory_bytes", lambda: full_bytes // 5)  # the tier takes half of that
     capped = factory.host_pools(llm.engine.args, runner.cache, llm.engine.plan)
     assert capped[0] < full[0] // 4 and capped[1] >= 1
     too_big = dataclasses.replace(llm.engine.args, kv_offload_host_bytes=10 ** 15)
-    with pytest.raises(ValueError, match="exceeds the host's available memory"):
+    with pytest.raises(ValueError, match="exceeds the host's memory"):
         factory.host_pools(too_big, runner.cache, llm.engine.plan)
+    capped_llm = make_llm(kv_offload="host")  # sized under the cap: the scheduler's index as its data
+    index, data = capped_llm.engine.offload.tiers["host"], capped_llm.engine.runner.offload["host"]
+    assert index.blocks.num_blocks == data.cache.mla_kv[0].shape[0] == capped[0]
 
 
 def test_a_tier_that_does_not_restore_the_kda_state_is_refused():
