@@ -25,7 +25,6 @@ from k3serve.cluster.metrics import IngressMetrics
 from k3serve.cluster.node_address import HOST_IP_ENV, LOOPBACK
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.llm_engine import resolve_model_dir
-from k3serve.model.packaged import packaged_model_dir
 from k3serve.model.presets import PRESETS
 from k3serve.progress import say, stage
 
@@ -85,10 +84,8 @@ def start_deployment(config: ServeConfig) -> Deployment:
 
 def _model_dir(config: ServeConfig) -> Path:
     """The checkpoint directory `config.model` names; a preset's (written on first use) as a stage of its own."""
-    if Path(config.model).is_dir():
-        return Path(config.model)
-    if (packaged := packaged_model_dir(config.model)) is not None:
-        return packaged
+    if config.model not in PRESETS:  # a directory or a shipped model, read in place
+        return resolve_model_dir(config.model, config.seed, config.model_cache_dir)
     with stage(f"the {config.model} checkpoint (seed {config.seed}, random weights; written once, under "
                f"{config.model_cache_dir})"):
         return resolve_model_dir(config.model, config.seed, config.model_cache_dir)

@@ -228,7 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text offline for one or more prompts (no server)")
     p.add_argument("prompt", nargs="+", help="prompt text")
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"checkpoint directory, shipped model or small preset (default: {DEFAULT_MODEL})")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"checkpoint directory, shipped model or small preset (default: {DEFAULT_MODEL})")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,7 @@ CODE = textwrap.dedent('''
 
 
 @pytest.fixture(scope="module")
-def default_llm() -> LLM:
+def default_llm() -> Iterator[LLM]:
     llm = LLM(max_model_len=1024)
     yield llm
     llm.engine.close()
