@@ -27,10 +27,10 @@ _MARKOV_ECHO = 10.0  # an echo DSpark's Markov bias for repeating the previous t
 
 
 def drafter_hf_config(method: str, target_dir: str | Path, target_layer_ids: list[int] | None = None,
-                      block_size: int = 8, markov_rank: int = 32) -> dict:
+                      block_size: int = 8, markov_rank: int = 32, intermediate_size: int | None = None) -> dict:
     """The drafter config.json for the target in `target_dir` (dspark: conditioned on `target_layer_ids`, default
     the first, a middle and the last layer; `block_size` the most drafts a forward; a Markov head of
-    `markov_rank`, 0 for none)."""
+    `markov_rank`, 0 for none); its dense MLP `intermediate_size` wide (default the target's)."""
     if method not in DRAFT_METHODS:
         raise ConfigError(f"--drafter must be one of {list(DRAFT_METHODS)}, got {method!r}")
     raw = json.loads((Path(target_dir) / "config.json").read_text())
@@ -40,6 +40,8 @@ def drafter_hf_config(method: str, target_dir: str | Path, target_layer_ids: lis
         text.pop(key, None)
     text["num_hidden_layers"] = 1
     text["first_k_dense_replace"] = 1
+    if intermediate_size is not None:
+        text["intermediate_size"] = intermediate_size
     text["linear_attn_config"] = {**text["linear_attn_config"], "full_attn_layers": [1], "kda_layers": []}
     text["architectures"] = [ARCHITECTURES[method]]
     text["draft_method"] = method

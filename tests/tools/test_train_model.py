@@ -1,5 +1,6 @@
 """The trainable K3 (tools/train/model.py) is the engine's model: its delta rule equals the recurrent reference,
-its logits equal the engine's on the checkpoint it writes, and every parameter it trains gets a gradient."""
+its logits equal the engine's on the checkpoint it writes, that checkpoint reads back into it exactly, and every
+parameter it trains gets a gradient."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from k3serve.model.config import ModelConfig
 from k3serve.model.loader import load_model
 from k3serve.model.score import score_tokens
 from k3serve.model.tokenizer import Tokenizer, train_tiny_tokenizer
-from tools.train.export import round_to_checkpoint, write_checkpoint
+from tools.train.export import load_trainable, round_to_checkpoint, write_checkpoint
 from tools.train.model import TrainableK3, chunk_delta_rule
 from tools.train.recipe import RECIPES
 
@@ -55,6 +56,13 @@ def test_the_training_forward_equals_the_engine_forward_on_the_written_checkpoin
         trained = round_to_checkpoint(model)(token_ids[None])[0]
     served = score_tokens(load_model(checkpoint), token_ids.tolist())
     torch.testing.assert_close(trained, served, rtol=1e-4, atol=1e-4)
+
+
+def test_a_written_checkpoint_reads_back_as_the_values_it_stores(micro_model) -> None:
+    model, checkpoint = micro_model
+    loaded, stored = load_trainable(checkpoint).state_dict(), round_to_checkpoint(model).state_dict()
+    assert loaded.keys() == stored.keys()
+    assert all(torch.equal(loaded[n], stored[n]) for n in stored), "a value changed on the way back"
 
 
 def test_the_checkpoint_holds_mxfp4_experts_and_k3s_padded_a_log(micro_model) -> None:

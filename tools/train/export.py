@@ -17,8 +17,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from safetensors.torch import load_file
+
 from k3serve.kernels.mxfp4.naive import dequantize_mxfp4, quantize_mxfp4
 from k3serve.model.checkpoint import checkpoint_shapes, stored_dtype, write_shards
+from k3serve.model.config import ModelConfig
+from k3serve.model.weights import checkpoint_files
 from tools.train.model import TrainableK3
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -79,3 +83,25 @@ def write_checkpoint(model: TrainableK3, hf_config: dict, tokenizer_dir: Path, o
     for name in TOKENIZER_FILES:
         shutil.copyfile(tokenizer_dir / name, out_dir / name)
     return out_dir
+
+
+def load_trainable(checkpoint_dir: Path, chunk: int = 32) -> TrainableK3:
+    """The model a `write_checkpoint` folder holds, as fp32 parameters equal to the stored values (routed experts
+    dequantised into their stacks, A_log cut back to the heads): `round_to_checkpoint` of the model written."""
+    config = ModelConfig.from_dir(checkpoint_dir)
+    model = TrainableK3(config, chunk)
+    stored: dict[str, Tensor] = {}
+    for path in checkpoint_files(checkpoint_dir):
+        stored |= load_file(str(path))
+    prefix, state = config.weight_prefix, {}
+    for name, param in model.state_dict().items():
+        if name.endswith(_EXPERT_STACKS):
+            stack, proj = name.rsplit(".", 1)
+            keys = [f"{prefix}{stack}.{j}.{proj}.weight" for j in range(param.shape[0])]
+            state[name] = torch.stack([dequantize_mxfp4(stored[k + "_packed"], stored[k + "_scale"])
+                                       if config.experts_mxfp4 else stored[k].float() for k in keys])
+        else:
+            state[name] = stored[prefix + name].float()[: param.shape[0]] if name.endswith("A_log") \
+                else stored[prefix + name].float()
+    model.load_state_dict(state)
+    return model

@@ -39,7 +39,7 @@ class Weight(nn.Module):
         self.weight = nn.Parameter(torch.randn(*shape) * (1 / math.sqrt(shape[-1]) if std is None else std))
 
 
-def _norm(size: int) -> Weight:
+def norm_weight(size: int) -> Weight:
     """An RMSNorm weight: ones."""
     norm = Weight(size, std=0.0)
     nn.init.ones_(norm.weight)
@@ -101,7 +101,7 @@ class KDA(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.H))
         self.dt_bias = nn.Parameter(torch.empty(P).uniform_(-6.0, 0.0))
         self.g_proj = Weight(P, D)
-        self.o_norm = _norm(self.d)
+        self.o_norm = norm_weight(self.d)
         self.o_proj = Weight(D, P, std=1 / math.sqrt(P * config.num_hidden_layers))
 
     def _conv(self, x: Tensor, conv: Weight) -> Tensor:
@@ -136,27 +136,34 @@ class MLA(nn.Module):
         self.nope, self.rope = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.latent, self.eps, self.scale = config.kv_lora_rank, config.rms_norm_eps, config.qk_head_dim**-0.5
         self.q_a_proj = Weight(config.q_lora_rank, D)
-        self.q_a_layernorm = _norm(config.q_lora_rank)
+        self.q_a_layernorm = norm_weight(config.q_lora_rank)
         self.q_b_proj = Weight(H * config.qk_head_dim, config.q_lora_rank)
         self.kv_a_proj_with_mqa = Weight(config.mla_kv_dim, D)
-        self.kv_a_layernorm = _norm(self.latent)
+        self.kv_a_layernorm = norm_weight(self.latent)
         self.kv_b_proj = Weight(H * (self.nope + self.v_dim), self.latent)
         self.g_proj = Weight(H * self.v_dim, D)
         self.o_proj = Weight(D, H * self.v_dim, std=1 / math.sqrt(H * self.v_dim * config.num_hidden_layers))
 
-    def forward(self, x: Tensor) -> Tensor:
+    def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, L, D] -> q, k [B, H, L, nope + rope], v [B, H, L, v_dim] (no positions: NoPE)."""
         B, L, _ = x.shape
         H = self.H
         q_a = rms_norm(x @ self.q_a_proj.weight.T, self.q_a_layernorm.weight, self.eps)
-        q = (q_a @ self.q_b_proj.weight.T).reshape(B, L, H, -1).transpose(1, 2)  # [B, H, L, nope + rope]
+        q = (q_a @ self.q_b_proj.weight.T).reshape(B, L, H, -1).transpose(1, 2)
         kv_a = x @ self.kv_a_proj_with_mqa.weight.T
         c = rms_norm(kv_a[..., : self.latent], self.kv_a_layernorm.weight, self.eps)
         kv = (c @ self.kv_b_proj.weight.T).reshape(B, L, H, -1).transpose(1, 2)
         k_pe = kv_a[..., self.latent :].unsqueeze(1).expand(B, H, L, self.rope)
-        k = torch.cat([kv[..., : self.nope], k_pe], dim=-1)
-        o = F.scaled_dot_product_attention(q, k, kv[..., self.nope :], is_causal=True, scale=self.scale)
-        o = o.transpose(1, 2).reshape(B, L, H * self.v_dim) * torch.sigmoid(x @ self.g_proj.weight.T)
-        return o @ self.o_proj.weight.T
+        return q, torch.cat([kv[..., : self.nope], k_pe], dim=-1), kv[..., self.nope :]
+
+    def output(self, o: Tensor, x: Tensor) -> Tensor:
+        """The attention's output o [B, H, L, v_dim] through the sigmoid gate of x [B, L, D] and o_proj."""
+        B, H, L, V = o.shape
+        return (o.transpose(1, 2).reshape(B, L, H * V) * torch.sigmoid(x @ self.g_proj.weight.T)) @ self.o_proj.weight.T
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = self.qkv(x)
+        return self.output(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale), x)
 
 
 class MLP(nn.Module):
@@ -202,7 +209,7 @@ class MoE(nn.Module):
         self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(E), requires_grad=False)
         self.routed_expert_down_proj = Weight(latent, D)
         self.routed_expert_up_proj = Weight(D, latent, std=1 / math.sqrt(latent * config.num_hidden_layers))
-        self.routed_expert_norm = _norm(latent)
+        self.routed_expert_norm = norm_weight(latent)
         self.experts = Experts(E, latent, config.moe_intermediate_size)
         self.shared_experts = MLP(D, config.shared_intermediate, config)
         self.load: Tensor | None = None  # tokens a expert got in the last forward, for `balance`
@@ -236,15 +243,15 @@ class DecoderLayer(nn.Module):
         super().__init__()
         D, eps = config.hidden_size, config.rms_norm_eps
         self.idx, self.block, self.eps = idx, config.attn_res_block_size, eps
-        self.input_layernorm, self.post_attention_layernorm = _norm(D), _norm(D)
+        self.input_layernorm, self.post_attention_layernorm = norm_weight(D), norm_weight(D)
         self.self_attn = KDA(config, chunk) if config.is_kda_layer(idx) else MLA(config)
         if config.is_moe_layer(idx):
             self.block_sparse_moe = MoE(config)
         else:
             self.mlp = MLP(D, config.intermediate_size, config)
         # zero score projections: an even mix of the sources at the start
-        self.self_attention_res_proj, self.self_attention_res_norm = Weight(1, D, std=0.0), _norm(D)
-        self.mlp_res_proj, self.mlp_res_norm = Weight(1, D, std=0.0), _norm(D)
+        self.self_attention_res_proj, self.self_attention_res_norm = Weight(1, D, std=0.0), norm_weight(D)
+        self.mlp_res_proj, self.mlp_res_norm = Weight(1, D, std=0.0), norm_weight(D)
 
     def forward(self, sources: list[Tensor]) -> list[Tensor]:
         """Attention residuals (model/K3_MODEL.md §1f): `sources` is the bank then the running block sum."""
@@ -267,8 +274,8 @@ class KimiModel(nn.Module):
         D = config.hidden_size
         self.embed_tokens = Weight(config.vocab_size, D, std=1.0)
         self.layers = nn.ModuleList(DecoderLayer(config, i, chunk) for i in range(config.num_hidden_layers))
-        self.norm = _norm(D)
-        self.output_attn_res_proj, self.output_attn_res_norm = Weight(1, D, std=0.0), _norm(D)
+        self.norm = norm_weight(D)
+        self.output_attn_res_proj, self.output_attn_res_norm = Weight(1, D, std=0.0), norm_weight(D)
         self.eps = config.rms_norm_eps
 
     def forward(self, token_ids: Tensor) -> Tensor:

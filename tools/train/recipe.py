@@ -1,6 +1,7 @@
-"""The training recipe as one validated dataclass: the model's shape (written out as a K3 `config.json`) and the
-optimisation's knobs. Two named recipes: `k3-code` (the GPU run, ~25M parameters, docs/design/trained_model.md)
-and `micro` (the CPU tests, seconds)."""
+"""The training recipes as validated dataclasses. `Recipe`: the target model's shape (written out as a K3
+`config.json`) and the optimisation's knobs, named `k3-code` (the GPU run, ~21M parameters,
+docs/design/trained_model.md) and `micro` (the CPU tests, seconds). `DraftRecipe`: an EAGLE drafter trained
+against a frozen target (`tools/train/draft.py`), named `k3-code-eagle` and `micro`."""
 
 from __future__ import annotations
 
@@ -118,15 +119,61 @@ RECIPES: dict[str, Recipe] = {
 }
 
 
-def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    """["steps=100", "lr=1e-3", "max_files=none"] -> typed recipe fields; ValueError naming a bad one."""
-    fields = {f.name: f for f in dataclasses.fields(Recipe)}
+@dataclass(frozen=True)
+class DraftRecipe:
+    """An EAGLE drafter for a frozen target: the drafter's one layer takes the target's widths except its dense
+    MLP (`intermediate_size`, small so that target and drafter stay within 25 MB); training unrolls `unroll` draft
+    steps (EAGLE-3's training-time test), depth d weighted `depth_decay` ** (d - 1), each against the target's
+    next-token distribution."""
+
+    intermediate_size: int = 128
+    unroll: int = 4  # draft steps trained per position (the engine drafts K of them, each from the last)
+    depth_decay: float = 0.8
+    seq_len: int = 512
+    batch_size: int = 32
+    steps: int = 1500
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 60
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    val_percent: float = 2.0  # must be the target's: the same validation files
+    eval_every: int = 250
+    eval_tokens: int = 32768
+    max_files: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("intermediate_size", "unroll", "seq_len", "batch_size", "steps", "eval_every", "eval_tokens"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"draft recipe field {name} must be a positive integer, got {value!r}")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"need 0 <= warmup_steps < steps, got {self.warmup_steps}, {self.steps}")
+        if self.lr <= 0 or not 0 < self.min_lr_ratio <= 1 or not 0 < self.depth_decay <= 1:
+            raise ValueError(f"need lr > 0, 0 < min_lr_ratio <= 1 and 0 < depth_decay <= 1, got {self.lr}, "
+                             f"{self.min_lr_ratio}, {self.depth_decay}")
+
+    def replace(self, **changes: Any) -> "DraftRecipe":
+        return dataclasses.replace(self, **changes)
+
+
+DRAFT_RECIPES: dict[str, DraftRecipe] = {
+    "k3-code-eagle": DraftRecipe(),
+    "micro": DraftRecipe(intermediate_size=32, unroll=3, seq_len=32, batch_size=4, steps=8, warmup_steps=2,
+                         lr=1e-2, eval_every=4, eval_tokens=256, max_files=12),
+}
+
+
+def parse_overrides(pairs: list[str], recipe_type: type = Recipe) -> dict[str, Any]:
+    """["steps=100", "lr=1e-3", "max_files=none"] -> typed fields of `recipe_type`; ValueError naming a bad one."""
+    fields = {f.name: f for f in dataclasses.fields(recipe_type)}
     out: dict[str, Any] = {}
     for pair in pairs:
         name, sep, text = pair.partition("=")
         if not sep or name not in fields:
             raise ValueError(f"--set takes FIELD=VALUE with FIELD one of {', '.join(fields)}; got {pair!r}")
-        default = getattr(Recipe(), name)
+        default = getattr(recipe_type(), name)
         if text.lower() == "none" and name == "max_files":
             out[name] = None
             continue

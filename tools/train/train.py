@@ -31,7 +31,7 @@ from tools.train.data import eval_windows, token_stream, train_batch
 from tools.train.export import round_to_checkpoint, write_checkpoint
 from tools.train.model import TrainableK3
 from tools.train.plot import plot_losses
-from tools.train.recipe import Recipe
+from tools.train.recipe import DraftRecipe, Recipe
 
 
 @torch.no_grad()
@@ -47,7 +47,7 @@ def perplexity(model: TrainableK3, windows: Tensor, batch_size: int = 8) -> floa
     return math.exp(total / count)
 
 
-def learning_rate(recipe: Recipe, step: int) -> float:
+def learning_rate(recipe: Recipe | DraftRecipe, step: int) -> float:
     """Linear warmup, then cosine decay to lr * min_lr_ratio at the last step."""
     if step < recipe.warmup_steps:
         return recipe.lr * (step + 1) / recipe.warmup_steps
@@ -55,7 +55,7 @@ def learning_rate(recipe: Recipe, step: int) -> float:
     return recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def _optimizer(model: TrainableK3, recipe: Recipe) -> torch.optim.Optimizer:
+def adamw(model: torch.nn.Module, recipe: Recipe | DraftRecipe) -> torch.optim.Optimizer:
     """AdamW; weight decay on the matrices only (not norms, gate biases, A_log, the embedding)."""
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     decay = [p for n, p in trained if p.dim() >= 2 and "embed_tokens" not in n]
@@ -64,7 +64,7 @@ def _optimizer(model: TrainableK3, recipe: Recipe) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=recipe.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
-def _seed_everything(seed: int, device: torch.device) -> None:
+def seed_everything(seed: int, device: torch.device) -> None:
     torch.manual_seed(seed)
     if device.type == "cuda":  # cuBLAS's deterministic workspace; ops without a deterministic kernel warn
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -126,7 +126,7 @@ class _Loop:
 def _train_loop(model: TrainableK3, recipe: Recipe, data: _Data, out_dir: Path, deadline: float | None, log) -> _Loop:
     """The optimisation: a line of train_log.jsonl a step; QAT over the last qat_steps; stops past `deadline`."""
     dev = next(model.parameters()).device
-    opt = _optimizer(model, recipe)
+    opt = adamw(model, recipe)
     gen = torch.Generator().manual_seed(recipe.seed)
     loop, t_train = _Loop(), time.time()
     with (out_dir / "train_log.jsonl").open("w") as log_file:
@@ -179,7 +179,7 @@ def train(recipe: Recipe, out_dir: Path, device: str = "cpu", time_limit_s: floa
     guard for a device call's limit, not part of the recipe."""
     t_start = time.time()
     dev = torch.device(device)
-    _seed_everything(recipe.seed, dev)
+    seed_everything(recipe.seed, dev)
     out_dir.mkdir(parents=True, exist_ok=True)
     data = _prepare_data(recipe, out_dir, log)
     hf = recipe.hf_config(data.tokenizer.bos_token_id, data.tokenizer.eos_token_id)
