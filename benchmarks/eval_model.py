@@ -1,7 +1,7 @@
 """Model-level evaluations of a trained checkpoint (tools/train), each printing its table.
 
     python benchmarks/eval_model.py --model DIR [--device cpu|cuda] [--seq-len 512] [--num-tokens 8192]
-        [--long-context 4096] [--functions 40] [--tp2] [--out results.json]
+        [--long-context 4096] [--functions 40] [--tp2] [--drafter DIR] [--out results.json]
 
 1. Held-out perplexity (third-party source, `tools/train/corpus.py` HELD_OUT_PACKAGES, never trained on) through
    each serving path, per token against the fp32 reference (`model/score.py`, one full-sequence forward a
@@ -15,8 +15,9 @@
    (at most 48 tokens) as the answer; exact match and mean matched prefix.
 4. Long context: held-out perplexity by position over `--long-context` tokens (KDA state and MLA over the whole
    window), and a planted fact: `SECRET = "<code>"` early, held-out code after, `assert SECRET == "` at the end.
-5. Prompt lookup (n-gram, 4 drafts): mean acceptance length on held-out code prompts, greedy, and whether the
-   speculative tokens equal plain decoding's.
+5. Speculative decoding, greedy, on held-out code prompts: prompt lookup (n-gram, 4 drafts) and, with `--drafter`,
+   the drafter (4 and 8 drafts): mean acceptance length, acceptance by draft position, and whether tokens and
+   logprobs equal plain decoding's.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from k3serve.engine.config import EngineArgs
 from k3serve.engine.llm import LLM
 from k3serve.engine.llm_engine import LLMEngine
 from k3serve.engine.sampling_params import SamplingParams
+from k3serve.model.draft.config import DrafterConfig
 from k3serve.model.loader import load_model
 from k3serve.model.score import score_tokens
 from k3serve.model.tokenizer import Tokenizer
@@ -141,12 +143,9 @@ def prefix_cache_check(args: EngineArgs, prompts: list[list[int]], max_tokens: i
     cached_llm = LLM(**asdict(args))
     cached_llm.generate([p[: len(p) // 2 + args.block_size] for p in prompts], SamplingParams(max_tokens=1))
     cached = cached_llm.generate(prompts, params)
-    diffs = [abs(a[t].logprob - b[u].logprob) for x, y in zip(plain, cached)
-             for a, b, t, u in zip(x.outputs[0].logprobs, y.outputs[0].logprobs, x.outputs[0].token_ids,
-                                   y.outputs[0].token_ids)]
     return {"cached_tokens": sum(o.num_cached_tokens for o in cached),
             "tokens_match": all(x.outputs[0].token_ids == y.outputs[0].token_ids for x, y in zip(plain, cached)),
-            "max_logprob_diff": max(diffs, default=0.0)}
+            "max_logprob_diff": _max_logprob_diff(plain, cached)}
 
 
 def disagg_check(args: EngineArgs, prompts: list[list[int]], max_tokens: int = 16) -> dict:
@@ -251,17 +250,44 @@ def greedy_agreement(reference: EngineArgs, other: EngineArgs, prompts: list[lis
     return {"prompts": len(prompts), "max_tokens": max_tokens, "mean_tokens_before_divergence": sum(same) / len(same)}
 
 
-def ngram_acceptance(args: EngineArgs, prompts: list[list[int]], max_tokens: int = 64) -> dict:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    plain = LLM(**asdict(args)).generate(prompts, params)
-    spec_llm = LLM(**{**asdict(args), "speculative_config": {"method": "ngram", "num_speculative_tokens": 4}})
+def spec_acceptance(args: EngineArgs, prompts: list[list[int]], plain: list, speculative_config: dict,
+                    max_tokens: int) -> dict:
+    """Greedy decoding with `speculative_config` against `plain` (the same prompts decoded without it): the mean
+    acceptance length (tokens a verify row emits: 1 + accepted drafts), the acceptance rate at each draft
+    position, and whether tokens and logprobs equal plain decoding's."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    spec_llm = LLM(**{**asdict(args), "speculative_config": speculative_config})
     spec = spec_llm.generate(prompts, params)
-    return {"prompts": len(prompts), "mean_acceptance_length": spec_llm.engine.spec_stats.mean_acceptance_length,
-            "tokens_match": all(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(plain, spec))}
+    stats = spec_llm.engine.spec_stats
+    return {"method": speculative_config["method"], "num_speculative_tokens": speculative_config[
+                "num_speculative_tokens"], "prompts": len(prompts), "verify_rows": stats.num_drafts,
+            "mean_acceptance_length": stats.mean_acceptance_length,
+            "acceptance_rate_by_position": [round(n / max(1, stats.num_drafts), 3) for n in stats.accepted_per_position],
+            "tokens_match": all(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(plain, spec)),
+            "max_logprob_diff": _max_logprob_diff(plain, spec)}
+
+
+def speculative_checks(args: EngineArgs, prompts: list[list[int]], drafter: Path | None,
+                       max_tokens: int = 64) -> list[dict]:
+    """n-gram prompt lookup with 4 drafts and, given a drafter checkpoint, the drafter with 4 and 8 drafts."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    plain = LLM(**asdict(args)).generate(prompts, params)
+    configs = [{"method": "ngram", "num_speculative_tokens": 4}]
+    if drafter is not None:
+        method = DrafterConfig.from_dir(drafter).method
+        configs += [{"method": method, "model": str(drafter), "num_speculative_tokens": k} for k in (4, 8)]
+    return [spec_acceptance(args, prompts, plain, c, max_tokens) for c in configs]
+
+
+def _max_logprob_diff(want: list, got: list) -> float:
+    """The largest |logprob difference| of the chosen tokens two generations share, position by position."""
+    return max((abs(a[t].logprob - b[u].logprob) for x, y in zip(want, got)
+                for a, b, t, u in zip(x.outputs[0].logprobs, y.outputs[0].logprobs, x.outputs[0].token_ids,
+                                      y.outputs[0].token_ids)), default=0.0)
 
 
 def evaluate(model_dir: Path, device: str = "cpu", seq_len: int = 512, num_tokens: int = 8192,
-             long_context: int = 4096, functions: int = 40, tp2: bool = False) -> dict:
+             long_context: int = 4096, functions: int = 40, tp2: bool = False, drafter: Path | None = None) -> dict:
     """Every evaluation above; returns the results (printed by `main`)."""
     tokenizer = Tokenizer.from_dir(model_dir)
     args = EngineArgs(model=str(model_dir), device="cpu", dtype="float32",
@@ -291,7 +317,7 @@ def evaluate(model_dir: Path, device: str = "cpu", seq_len: int = 512, num_token
         "function_bodies": exact_match(llm, function_cases(tokenizer, files, functions, seq_len)),
         "long_context_ppl_by_position": position_ppl(engine_nll(llm.engine, long_windows)),
         "planted_fact": planted_fact(llm, tokenizer, stream[: long_context - 32].tolist()),
-        "ngram": ngram_acceptance(args, [w[:seq_len // 2].tolist() for w in windows[:8]]),
+        "speculative": speculative_checks(args, [w[:seq_len // 2].tolist() for w in windows[:8]], drafter),
         "gpu_greedy": gpu_greedy,
     }
 
@@ -302,7 +328,7 @@ def print_tables(results: dict) -> None:
     print("| path | ppl | rel. diff | max token NLL diff | agrees |\n|---|---|---|---|---|")
     for r in results["paths"]:
         print(f"| {r['path']} | {r['ppl']:.3f} | {r['rel_diff']:.2e} | {r['max_nll_diff']:.2e} | {r['agrees']} |")
-    pc, fb, pf, ng = results["prefix_cache"], results["function_bodies"], results["planted_fact"], results["ngram"]
+    pc, fb, pf = results["prefix_cache"], results["function_bodies"], results["planted_fact"]
     print(f"\nprefix-cache hits: {pc['cached_tokens']} tokens cached, tokens match {pc['tokens_match']}, "
           f"max logprob diff {pc['max_logprob_diff']:.2e}")
     dg = results["disagg"]
@@ -313,8 +339,12 @@ def print_tables(results: dict) -> None:
     by_position = results["long_context_ppl_by_position"]
     print("long context, ppl by position: " + ", ".join(f"{b}: {p:.2f}" for b, p in by_position))
     print(f"planted fact at {pf['prompt_tokens']} tokens: recalled {pf['recalled']:.0%} of {pf['trials']}")
-    print(f"n-gram (4 drafts): mean acceptance length {ng['mean_acceptance_length']}, "
-          f"tokens match {ng['tokens_match']}")
+    print("\nspeculative decoding, greedy, on held-out code prompts\n| method | drafts | mean acceptance length | "
+          "acceptance by position | tokens match | max logprob diff |\n|---|---|---|---|---|---|")
+    for sp in results["speculative"]:
+        print(f"| {sp['method']} | {sp['num_speculative_tokens']} | {sp['mean_acceptance_length']:.2f} | "
+              f"{', '.join(f'{r:.2f}' for r in sp['acceptance_rate_by_position'])} | {sp['tokens_match']} | "
+              f"{sp['max_logprob_diff']:.2e} |")
     if (gg := results["gpu_greedy"]) is not None:
         print(f"bf16 GPU greedy (CUDA graphs) vs fp32 CPU: {gg['mean_tokens_before_divergence']:.1f} of "
               f"{gg['max_tokens']} tokens before the first difference, {gg['prompts']} prompts")
@@ -329,12 +359,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-context", type=int, default=4096)
     parser.add_argument("--functions", type=int, default=40)
     parser.add_argument("--tp2", action="store_true", help="add the TP 2 path (a second process)")
+    parser.add_argument("--drafter", type=Path, default=None,
+                        help="a drafter checkpoint for the model (e.g. model/assets/k3-code-eagle): its acceptance")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
     results = evaluate(args.model, args.device, args.seq_len, args.num_tokens, args.long_context, args.functions,
-                       args.tp2)
+                       args.tp2, args.drafter)
     print_tables(results)
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=2) + "\n")

@@ -32,9 +32,11 @@ def _layouts(device: str) -> list:
 
 
 def _reference_texts(checkpoint: Path, device: str) -> list[str]:
+    """The engine's greedy text of each prompt served alone, as the server gets them (one request at a time: a
+    batch of other shapes would round differently in bf16)."""
     llm = LLM(model=str(checkpoint), device=device, enforce_eager=True, **ENGINE)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    texts = [out.outputs[0].text for out in llm.generate(PROMPTS, params)]
+    texts = [llm.generate([prompt], params)[0].outputs[0].text for prompt in PROMPTS]
     llm.engine.close()
     return texts
 

@@ -1,6 +1,6 @@
 """benchmarks/eval_model.py on a micro trained checkpoint: the CPU serving paths (chunked prefill, prefix-cache
 hits, TP 2) agree with the fp32 reference within the stated tolerance, and the whole evaluation prints its
-tables."""
+tables, a trained drafter's acceptance among them."""
 
 from __future__ import annotations
 
@@ -79,12 +79,13 @@ def test_position_buckets_double_to_the_window_end() -> None:
 
 
 @pytest.mark.slow
-def test_the_whole_evaluation_prints_its_tables(micro_run, capsys: pytest.CaptureFixture) -> None:
-    checkpoint = micro_run[0] / "checkpoint"
+def test_the_whole_evaluation_prints_its_tables(micro_run, micro_draft_run, capsys: pytest.CaptureFixture) -> None:
+    checkpoint, drafter = micro_run[0] / "checkpoint", micro_draft_run[0] / "checkpoint"
     rc = main(["--model", str(checkpoint), "--seq-len", "48", "--num-tokens", "96", "--long-context", "128",
-               "--functions", "3"])
+               "--functions", "3", "--drafter", str(drafter)])
     text = capsys.readouterr().out
     assert rc == 0, text
     for heading in ("| fp32 reference", "| engine, chunked prefill", "prefix-cache hits", "disaggregated 1P1D",
-                    "function bodies", "ppl by position", "planted fact", "n-gram"):
+                    "function bodies", "ppl by position", "planted fact", "| ngram | 4 |", "| eagle | 4 |",
+                    "| eagle | 8 |"):
         assert heading in text

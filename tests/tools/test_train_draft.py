@@ -19,7 +19,7 @@ from k3serve.model.draft.config import DrafterConfig
 from k3serve.model.draft.loader import load_drafter
 from k3serve.model.loader import load_model
 from k3serve.model.tokenizer import Tokenizer, train_tiny_tokenizer
-from tools.train.draft import TrainableEagle, drafter_config, export, train_drafter
+from tools.train.draft import TrainableEagle, drafter_config, export
 from tools.train.export import load_trainable, write_checkpoint
 from tools.train.model import TrainableK3
 from tools.train.recipe import DRAFT_RECIPES, RECIPES
@@ -67,6 +67,13 @@ def _engine_drafts(target_dir: Path, drafter_dir: Path, tokens: list[int], k: in
     return drafts, [step[0] for step in logits]
 
 
+def _drafter_tensors(drafter_dir: Path) -> dict[str, torch.Tensor]:
+    """The written drafter's tensors, fp32."""
+    from safetensors.torch import load_file
+
+    return {n: t.float() for path in sorted(drafter_dir.glob("*.safetensors")) for n, t in load_file(path).items()}
+
+
 def test_the_unrolled_training_form_equals_the_engines_drafting_depth_by_depth(target_and_drafter) -> None:
     target_dir, drafter_dir = target_and_drafter
     k = MICRO_DRAFT.unroll
@@ -75,7 +82,7 @@ def test_the_unrolled_training_form_equals_the_engines_drafting_depth_by_depth(t
     # the trainer's window: the context t_0 .. t_N, then the drafts the engine fed back (teacher forcing = them)
     window = torch.tensor([tokens + drafts[:-1]])
     target, trainer = load_trainable(target_dir), TrainableEagle(DrafterConfig.from_dir(drafter_dir).model)
-    trainer.load_state_dict(load_trainable_drafter(drafter_dir))
+    trainer.load_state_dict(_drafter_tensors(drafter_dir))
     with torch.no_grad():
         n = len(tokens) - 1
         hidden = target.model(window)[:, :n]
@@ -86,33 +93,28 @@ def test_the_unrolled_training_form_equals_the_engines_drafting_depth_by_depth(t
     assert [int(t.argmax()) for t in trained] == drafts
 
 
-def load_trainable_drafter(drafter_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return {n: t.float() for path in sorted(drafter_dir.glob("*.safetensors")) for n, t in load_file(path).items()}
-
-
 def test_the_written_drafter_is_the_engines_eagle_checkpoint(target_and_drafter) -> None:
     target_dir, drafter_dir = target_and_drafter
     config = json.loads((drafter_dir / "config.json").read_text())
     assert config["draft_method"] == "eagle" and config["intermediate_size"] == MICRO_DRAFT.intermediate_size
-    tensors = load_trainable_drafter(drafter_dir)
+    tensors = _drafter_tensors(drafter_dir)
     assert "model.embed_tokens.weight" not in tensors and "lm_head.weight" not in tensors  # the target's
     DrafterConfig.from_dir(drafter_dir).check_fits(ModelConfig.from_dir(target_dir), "eagle", 8)
 
 
-def test_a_micro_drafter_run_serves_speculative_decoding_exactly(micro_run, tmp_path: Path) -> None:
-    run, _ = micro_run
-    results = train_drafter(MICRO_DRAFT, run / "checkpoint", tmp_path, "cpu", log=lambda line: None)
+def test_a_micro_drafter_run_serves_speculative_decoding_exactly(micro_run, micro_draft_run) -> None:
+    (run, _), (draft_run, results) = micro_run, micro_draft_run
     assert {"val", "held_out"} <= set(results) and len(results["val"]["agreement_by_depth"]) == MICRO_DRAFT.unroll
-    assert [json.loads(line)["step"] for line in (tmp_path / "train_log.jsonl").open()] == list(range(MICRO_DRAFT.steps))
+    steps = [json.loads(line)["step"] for line in (draft_run / "train_log.jsonl").open()]
+    assert steps == list(range(MICRO_DRAFT.steps))
     from k3serve import LLM
 
     prompts = ["def parse(value):\n    ", "import os\n\nclass Path:\n"]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     plain = LLM(model=str(run / "checkpoint")).generate(prompts, params)
     spec = LLM(model=str(run / "checkpoint"), speculative_config={
-        "method": "eagle", "model": str(tmp_path / "checkpoint"), "num_speculative_tokens": 3})
+        "method": "eagle", "model": str(draft_run / "checkpoint"), "num_speculative_tokens": 3})
     out = spec.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
-    assert spec.engine.runner.drafter.num_forwards > 0, "decoded without drafting"
+    assert spec.engine.runner.drafter.num_forwards > 0 and spec.engine.spec_stats.num_drafts > 0, \
+        "decoded without drafting"
