@@ -44,8 +44,9 @@ from k3serve.model.draft.config import DrafterConfig
 from k3serve.model.loader import load_model
 from k3serve.model.score import score_tokens
 from k3serve.model.tokenizer import Tokenizer
-from tools.train.corpus import SourceFile, held_out_sources
-from tools.train.data import eval_windows, token_stream
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/ lives in the checkout, not the package
+from tools.train.corpus import SourceFile, held_out_sources  # noqa: E402
+from tools.train.data import eval_windows, token_stream  # noqa: E402
 
 PATH_TOLERANCE = {"cpu": 1e-3, "cuda": 2e-2}  # relative perplexity difference from the fp32 reference
 MAX_BODY_TOKENS = 48

@@ -134,7 +134,7 @@ class LLMEngine:
         if spec is not None and spec.model is not None:  # a drafter that does not fit fails before any loading
             from k3serve.model.draft.config import DrafterConfig
 
-            DrafterConfig.from_dir(spec.model).check_fits(self.config, spec.method, spec.num_speculative_tokens)
+            DrafterConfig.from_dir(spec.model_dir).check_fits(self.config, spec.method, spec.num_speculative_tokens)
         if (group.world_size if group else 1) != args.tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size={args.tensor_parallel_size} but the TP group has "
                              f"{group.world_size if group else 1} ranks")

@@ -56,7 +56,7 @@ def with_drafter(sizes: CacheSizes, args: EngineArgs) -> CacheSizes:
     from k3serve.model.draft.config import DrafterConfig
     from k3serve.model.draft.loader import DRAFTERS
 
-    drafter = DrafterConfig.from_dir(spec.model)
+    drafter = DrafterConfig.from_dir(spec.model_dir)
     own = cache_sizes(drafter.model, 1, args.torch_dtype, count_weights=False)
     itemsize = torch.empty((), dtype=args.torch_dtype).element_size()
     weights = None

@@ -88,9 +88,9 @@ def load_runner(
         from k3serve.model.draft.config import DrafterConfig
         from k3serve.model.draft.loader import load_drafter
 
-        config = DrafterConfig.from_dir(spec.model)
+        config = DrafterConfig.from_dir(spec.model_dir)
         config.check_fits(model.config, spec.method, spec.num_speculative_tokens)
-        drafter = DraftRunner(load_drafter(spec.model, config, model, model_dir, device), plan.num_blocks,
+        drafter = DraftRunner(load_drafter(spec.model_dir, config, model, model_dir, device), plan.num_blocks,
                               plan.num_slots + int(use_graphs), plan.block_size, spec.num_speculative_tokens,
                               spec.draft_sample_method == "probabilistic", device)
     return ModelRunner(model, cache, group, graphs, offload=tier_data(args, cache, plan, tp, model.config),

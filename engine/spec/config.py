@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any, Literal
+
+from k3serve.model.packaged import packaged_drafter_dir
 
 SpecMethod = Literal["ngram", "draft_model", "eagle", "dspark"]
 SPEC_METHODS = ("ngram", "draft_model", "eagle", "dspark")
@@ -22,7 +25,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     """K: drafts proposed a step, 1..8."""
     model: str | None = None
-    """The drafter's checkpoint directory (model-based methods only)."""
+    """The drafter's checkpoint directory, or a shipped drafter's name (`k3-code-eagle`), for the model-based
+    methods only."""
     draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"
     """How a drafter samples its drafts (ngram drafts are deterministic)."""
     rejection_sample_method: Literal["standard"] = "standard"
@@ -58,6 +62,13 @@ class SpeculativeConfig:
         if self.method != "ngram" and not self.model:
             raise ValueError(f"speculative_config.model must name the drafter's checkpoint directory for "
                              f"method {self.method!r}")
+
+    @property
+    def model_dir(self) -> Path | None:
+        """The drafter's checkpoint directory: the shipped one `model` names (`model/packaged.py`), else `model`."""
+        if self.model is None:
+            return None
+        return packaged_drafter_dir(self.model) or Path(self.model)
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str") -> "SpeculativeConfig":

@@ -1,6 +1,7 @@
 """The shipped trained model, k3-code (`model/packaged.py`, `model/assets/k3-code`): the embedded default, read by
 the published checkpoint's loader, and trained (it predicts Python; a random model's perplexity is its vocabulary,
-4,096)."""
+4,096). Its EAGLE drafter, k3-code-eagle, is named by `speculative_config.model`, and its drafts are accepted
+(a random drafter's almost never are), with the target's greedy tokens unchanged; the two fit in 25 MB."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from k3serve.engine.llm import LLM
 from k3serve.engine.llm_engine import resolve_model_dir
 from k3serve.engine.sampling_params import SamplingParams
 from k3serve.model.config import ModelConfig
-from k3serve.model.packaged import ASSETS, DEFAULT_MODEL
+from k3serve.model.draft.config import DrafterConfig
+from k3serve.model.packaged import ASSETS, DEFAULT_MODEL, PACKAGED_DRAFTERS
 
 # Not in the training corpus: written for this test
 CODE = textwrap.dedent('''
@@ -57,7 +59,8 @@ def test_it_is_stored_in_the_published_format_with_packed_mxfp4_experts() -> Non
     shards = sorted(folder.glob("*.safetensors"))
     names = [name for shard in shards for name in safe_open(shard, "pt").keys()]
     assert any(name.endswith("experts.0.w1.weight_packed") for name in names)
-    assert sum(f.stat().st_size for f in folder.iterdir()) < 25e6
+    assert sum(f.stat().st_size for shipped in ("k3-code", "k3-code-eagle")
+               for f in (ASSETS / shipped).iterdir()) < 25e6  # the model and its drafter together
 
 
 def test_it_predicts_python_it_never_saw(default_llm: LLM) -> None:
@@ -70,3 +73,19 @@ def test_it_predicts_python_it_never_saw(default_llm: LLM) -> None:
 def test_a_greedy_completion_is_python_shaped(default_llm: LLM) -> None:
     out = default_llm.generate(["def add(a, b):\n"], SamplingParams(temperature=0.0, max_tokens=16))[0]
     assert out.outputs[0].text.startswith("    ")  # the body is indented
+
+
+def test_its_drafter_is_named_by_speculative_config_and_its_drafts_are_accepted(default_llm: LLM) -> None:
+    assert PACKAGED_DRAFTERS["k3-code-eagle"] == ASSETS / "k3-code-eagle"
+    DrafterConfig.from_dir(ASSETS / "k3-code-eagle").check_fits(ModelConfig.from_dir(ASSETS / "k3-code"), "eagle", 8)
+    spec = LLM(max_model_len=1024, speculative_config={"method": "eagle", "model": "k3-code-eagle",
+                                                       "num_speculative_tokens": 4})
+    prompts, params = [CODE[:200], "import os\n\n\ndef main():\n"], SamplingParams(temperature=0.0, max_tokens=32)
+    try:
+        got = spec.generate(prompts, params)
+        stats = spec.engine.spec_stats
+    finally:
+        spec.engine.close()
+    want = default_llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert stats.num_drafts > 0 and stats.mean_acceptance_length > 1.5, stats.mean_acceptance_length

@@ -242,7 +242,7 @@ def train_drafter(recipe: DraftRecipe, target_dir: Path, out_dir: Path, device: 
     export(drafter, hf, out_dir / "checkpoint")
     results["checkpoint_bytes"] = sum(f.stat().st_size for f in (out_dir / "checkpoint").iterdir())
     (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    plot_losses(losses, evals, out_dir / "loss.png")
+    plot_losses(losses, evals, out_dir / "loss.png", "KL(target || drafter), depth-weighted (nats/token)")
     log(f"done in {time.time() - t_start:.0f} s: " + json.dumps({k: results[k] for k in windows}))
     return results
 

@@ -10,7 +10,8 @@ from pathlib import Path
 _W, _H, _PAD = 800, 400, 30
 
 
-def plot_losses(losses: list[float], evals: list[tuple[int, float]], path: Path) -> None:
+def plot_losses(losses: list[float], evals: list[tuple[int, float]], path: Path,
+                ylabel: str = "cross-entropy (nats/token)") -> None:
     """Training loss a step (blue) and validation loss at its evaluations (red), against the step."""
     try:
         import matplotlib
@@ -25,7 +26,7 @@ def plot_losses(losses: list[float], evals: list[tuple[int, float]], path: Path)
     if evals:
         ax.plot(*zip(*evals), "o-", color="tab:red", label="val loss")
     ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
