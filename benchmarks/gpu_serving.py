@@ -8,8 +8,11 @@ and 16, every optimisation against its baseline in the same run (vLLM's Kimi K3 
 Server: `k3serve serve --model DIR --device cuda --launcher local` (no Ray), `--mode colocated` or 1P1D
 disaggregated on the same GPU (`--transfer`: nixl, mooncake or local), max_num_seqs 16, block 64, a fixed cache
 (`--cache-gib` a pool), the CONFIG's engine flags (below); one server a (layout, config, repetition), started
-anew, warmed up (one burst at the top concurrency of full prompts and a few tokens: kernels compiled and tuned,
-graphs captured), then driven at each concurrency for --time-s.
+anew, warmed up (one burst at the top concurrency of full prompts and a few tokens: graphs captured, the kernels
+of those shapes compiled and tuned), then driven at each concurrency for --time-s. The plan's first server also
+runs a discarded window at the top concurrency first (--first-warmup-s): the mixed prefill + decode steps of
+varying size the adaptive budget makes compile their kernels there, not in a measured window; the later servers
+find them in the shared Triton cache (docs/BENCHMARKS.md, fifth session: a cold first server measured 9 s TTFT).
 
 Client (`serve_window`): `concurrency` streams, each sending a new request as soon as its last one finished, until
 --time-s has passed; the requests in flight then finish (up to --drain-s, else they are cut and not counted).
@@ -237,14 +240,19 @@ def server_spec(layout: str, config: str, args: argparse.Namespace) -> ServerSpe
 
 
 def run_server(layout: str, config: str, rep: int, args: argparse.Namespace, vocab: int, log_dir: Path,
-               record) -> None:
-    """Start the (layout, config) server, warm it up, run a window at each concurrency, record each."""
+               record, first: bool) -> None:
+    """Start the (layout, config) server, warm it up (the plan's `first` with a discarded window too), run a window
+    at each concurrency, record each."""
     t0 = time.perf_counter()
     spec = server_spec(layout, config, args)
     with launch(spec, args.model, deadline_s=args.start_deadline_s,
                 keep_log=log_dir / f"server-{layout}-{config}-{rep}.log") as server:
         started = time.perf_counter() - t0
         warm_up(server.url, server.model, Prompts(args.prompt_tokens, vocab, seed=1000 + rep), args)
+        if first and args.first_warmup_s > 0:
+            serve_window(server.url, server.model, Prompts(args.prompt_tokens, vocab, seed=2000), max(args.concurrency),
+                         args.output_tokens, args.first_warmup_s, 5.0,
+                         Window(layout, config, rep, max(args.concurrency), args.first_warmup_s))
         prompts = Prompts(args.prompt_tokens, vocab, seed=42 + rep)
         for c in args.concurrency:
             before = histogram(server.url, HANDOFF)
@@ -400,6 +408,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=8000)
     p.add_argument("--output-tokens", type=int, default=1000)
     p.add_argument("--warmup-tokens", type=int, default=8, help="output tokens of the warm-up burst's requests")
+    p.add_argument("--first-warmup-s", type=float, default=20.0,
+                   help="a discarded window this long at the top concurrency on the plan's first server")
     p.add_argument("--transfer", default="nixl", choices=["nixl", "mooncake", "local"])
     p.add_argument("--cache-gib", type=float, default=4.0, help="MLA blocks + KDA slots an engine (cache_memory_bytes)")
     p.add_argument("--device", default="cuda")
@@ -467,7 +477,7 @@ def main() -> int:
             skipped.append(f"{layout}/{cfg} rep {rep}")
             continue
         try:
-            run_server(layout, cfg, rep, args, config.vocab_size, args.out, record)
+            run_server(layout, cfg, rep, args, config.vocab_size, args.out, record, first=i == 0)
         except KeyboardInterrupt as exc:
             skipped += [f"{layout}/{cfg} rep {rep}: stopped ({exc})"] + [f"{a}/{b} rep {c}" for a, b, c in plan[i + 1:]]
             break
