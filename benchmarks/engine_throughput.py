@@ -36,7 +36,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from k3serve.engine.config import DEFAULT_MODEL_CACHE_DIR, EngineArgs
-from k3serve.engine.llm_engine import LLMEngine, resolve_model_dir
+from k3serve.engine.llm_engine import LLMEngine
+from k3serve.model.packaged import resolve_model_dir
 from k3serve.engine.sampling_params import SamplingParams
 from k3serve.model.batch import ForwardBatch, ModelCache
 from k3serve.model.model import KimiForCausalLM

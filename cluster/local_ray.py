@@ -2,10 +2,11 @@
 
 By default the node runs only what the pools need: the GCS, the raylet and the agents the raylet itself starts.
 Ray's autoscaler monitor and log monitor (a local node never scales; the driver takes no worker logs) are not
-started, and Ray's dashboard is off (`ray_dashboard`: on, on `DASHBOARD_PORT`, with Ray's usual processes).
-Either way the node's session lives in a fresh temp folder that `LocalRay.stop` removes, so a run leaves
-nothing under the temp root. Starting without the monitors takes Ray's `Node` (pinned Ray, `setup.py`):
-`ray.init` has no parameter for them.
+started, and neither is Ray's dashboard nor the API server Ray starts in its place when the dashboard is off (its
+job and state APIs, which nothing here calls: 117 MB of RSS). `ray_dashboard` turns on Ray's usual processes,
+the dashboard on `DASHBOARD_PORT`. Either way the node's session lives in a fresh temp folder that
+`LocalRay.stop` removes, so a run leaves nothing under the temp root. Starting without them takes Ray's `Node`
+(pinned Ray, `setup.py`), its `start_api_server` overridden: `ray.init` has no parameter for them.
 """
 
 from __future__ import annotations
@@ -54,7 +55,12 @@ def start_local_ray(num_cpus: int, dashboard: bool = False) -> LocalRay:
 
         params = RayParams(num_cpus=num_cpus, temp_dir=temp_dir, include_dashboard=False, no_monitor=True,
                            include_log_monitor=False)
-        node = Node(params, head=True, shutdown_at_exit=False, spawn_reaper=True, ray_init_cluster=True)
+        class NodeWithoutApiServer(Node):
+            def start_api_server(self, *, include_dashboard, raise_on_failure):  # noqa: ARG002 - Node's signature
+                self._webui_url = None  # no dashboard URL to publish
+
+        node = NodeWithoutApiServer(params, head=True, shutdown_at_exit=False, spawn_reaper=True,
+                                    ray_init_cluster=True)
         try:
             # WARNING: Ray's INFO lines would say it connects to an "existing" cluster, the one just started
             ray.init(address=node.address, log_to_driver=False, logging_level=logging.WARNING)

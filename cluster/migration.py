@@ -4,7 +4,7 @@ The continuation is a new request whose prompt is the original prompt followed b
 already has; its prefill samples the next token and decode goes on from there. Its output is what the
 uninterrupted request would have produced when the next token depends only on the tokens so far: greedy, or
 seeded sampling (the seed is moved so position j of the continuation draws what position k + j would have,
-`engine.llm_engine.continuation_seed`). `refusal` names the requests for which that does not hold; they end
+`engine.seeds.continuation_seed`). `refusal` names the requests for which that does not hold; they end
 with the replica's error as before. Why, and what an unseeded request gets: docs/design/migration.md.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from k3serve.engine.llm_engine import continuation_seed
+from k3serve.engine.seeds import continuation_seed
 from k3serve.engine.outputs import RequestDelta
 from k3serve.engine.sampling_params import SamplingParams
 

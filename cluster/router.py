@@ -38,7 +38,7 @@ from k3serve.decode.worker import UnknownFeedError
 from k3serve.engine.async_engine import GenerateRequest
 from k3serve.engine.outputs import RequestDelta
 from k3serve.engine.prompt_check import check_prompt
-from k3serve.engine.structured_output import parse_constraint
+from k3serve.engine.constraint import parse_constraint
 from k3serve.model.tokenizer import Tokenizer
 from k3serve.prefill.worker import HandoffTarget, PrefillResult
 from k3serve.transfer.control import NoCapacityError

@@ -24,7 +24,7 @@ from k3serve.cluster.config import ServeConfig
 from k3serve.cluster.metrics import IngressMetrics
 from k3serve.cluster.node_address import HOST_IP_ENV, LOOPBACK
 from k3serve.engine.config import EngineArgs
-from k3serve.engine.llm_engine import resolve_model_dir
+from k3serve.model.packaged import resolve_model_dir
 from k3serve.model.presets import PRESETS
 from k3serve.progress import say, stage
 

@@ -7,14 +7,15 @@ import inspect
 from dataclasses import dataclass, fields
 from functools import cache
 from pathlib import Path
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from k3serve.engine.spec.config import SpeculativeConfig
 from k3serve.model.packaged import DEFAULT_MODEL
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names (torch is imported where a dtype is made)
 DEFAULT_CPU_BLOCK_BYTES = 64 * 2**20  # the CPU default cache's MLA blocks, beside its KDA slots
 DEFAULT_MODEL_CACHE_DIR = Path.home() / ".cache" / "k3serve" / "checkpoints"
 
@@ -183,9 +184,11 @@ class EngineArgs:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
-        return DTYPES[self.dtype]
+        return getattr(torch, self.dtype)
 
     @property
     def tokens_per_block(self) -> int:

@@ -4,7 +4,7 @@ this rank's model and cache shards. The prefill and decode followers add their t
 from __future__ import annotations
 
 from k3serve.engine.config import EngineArgs
-from k3serve.engine.llm_engine import resolve_model_dir
+from k3serve.model.packaged import resolve_model_dir
 from k3serve.engine.runner import ModelRunner, load_runner
 from k3serve.engine.tp_group import TPGroup
 from k3serve.model.config import ModelConfig

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -44,6 +43,7 @@ from k3serve.engine.tp_group import TPGroup
 from k3serve.engine.warmup import MemoryPlanError, WarmupPeak, warm_up
 from k3serve.engine.sampler import PromptScoring, Sampler, token_logprobs
 from k3serve.engine.sampling_params import SamplingParams
+from k3serve.engine.seeds import position_seed
 from k3serve.engine.scheduler import Scheduler
 from k3serve.engine.spec.metrics import SpecDecodeStats, spec_decode_metrics
 from k3serve.engine.spec.drafter import DraftRow
@@ -55,30 +55,9 @@ from k3serve.engine.structured_output import Verdict as StructuredVerdict
 from k3serve.engine.structured_output_metrics import grammar_compile_metrics
 from k3serve.model.config import ModelConfig
 from k3serve.model.parallel import TensorParallel
-from k3serve.model.packaged import PACKAGED_MODELS, packaged_model_dir
+from k3serve.model.packaged import resolve_model_dir
 from k3serve.model.presets import PRESETS
 from k3serve.model.tokenizer import Tokenizer
-
-
-def resolve_model_dir(model: str, seed: int, cache_dir: str) -> Path:
-    """A checkpoint directory as given, a shipped model's (`model/packaged.py`), or a preset's checkpoint,
-    written once and reused."""
-    path = Path(model)
-    if path.is_dir():
-        return path
-    if (packaged := packaged_model_dir(model)) is not None:
-        return packaged
-    if model not in PRESETS:
-        raise ValueError(f"model {model!r} is neither a checkpoint directory, a shipped model {sorted(PACKAGED_MODELS)}"
-                         f" nor a preset {sorted(PRESETS)}")
-    out = Path(cache_dir) / f"{model}-seed{seed}"
-    if not (out / "config.json").is_file():
-        from k3serve.model.checkpoint import make_checkpoint
-
-        tmp = out.with_name(out.name + ".tmp")
-        make_checkpoint(model, tmp, seed=seed)
-        tmp.rename(out)  # atomic: a half-written checkpoint is never picked up
-    return out
 
 
 @dataclass(frozen=True)
@@ -511,21 +490,11 @@ class LLMEngine:
         return wanted
 
 
-_SEED_MIX = 0x9E3779B97F4A7C15  # odd: invertible modulo 2**63
-
-
 def _position_generator(seed: int | None, num_output_tokens: int) -> torch.Generator | None:
-    """Seeded sampling is a pure function of (seed, output position): whichever engine samples a
-    token (colocated, or prefill then decode after a handoff), the same seed gives the same text."""
+    """A seeded request's generator for one output position (`engine/seeds.py`); None unseeded."""
     if seed is None:
         return None
-    return torch.Generator().manual_seed((seed * _SEED_MIX + num_output_tokens) % (1 << 63))
-
-
-def continuation_seed(seed: int, num_output_tokens: int) -> int:
-    """The seed whose output position j draws what `seed` draws at position `num_output_tokens + j`: a
-    request continued from its first `num_output_tokens` tokens (as its prompt) samples what it would have."""
-    return (seed + num_output_tokens * pow(_SEED_MIX, -1, 1 << 63)) % (1 << 63)
+    return torch.Generator().manual_seed(position_seed(seed, num_output_tokens))
 
 
 def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:

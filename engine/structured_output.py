@@ -17,8 +17,6 @@ preemption, handed-off requests, the cost of an unconstrained step): docs/design
 from __future__ import annotations
 
 import contextlib
-import json
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -29,19 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from k3serve.engine.constraint import ConstraintCompileError, import_xgrammar, parse_constraint, xgrammar_message
 from k3serve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from k3serve.engine.structured_output_metrics import BoundGrammarCompileMetrics
 from k3serve.kernels._backend import to_device_async
 
 if TYPE_CHECKING:
     from k3serve.model.tokenizer import Tokenizer
-
-XGRAMMAR_REQUIREMENT = "xgrammar==0.2.8"
-
-JSON_MAX_WHITESPACE = 32
-"""Whitespace characters a JSON output may put between two of its elements (vLLM lets xgrammar allow any number).
-Enough to pretty-print 7 levels deep at an indent of 4; but a model that falls into emitting whitespace must
-move on, and a schema of bounded values gives a bounded output (finishes within a bounded max_tokens)."""
 
 COMPILED_GRAMMAR_CACHE_SIZE = 64
 """Compiled grammars kept for reuse. A request holds its own grammar while it runs, so eviction never recompiles
@@ -52,54 +44,9 @@ COMPILE_THREADS = 2
 request behind it; few, since xgrammar spreads each compilation over its own threads (`max_threads`, 8)."""
 
 
-class ConstraintCompileError(ValueError):
-    """A request's schema, regex, choice or grammar does not compile: the API's 400, which the ingress counts as a
-    refusal of that constraint's kind."""
-
-
 class ConstraintViolationError(RuntimeError):
     """A request's sampled token is not one its constraint allows (the mask left no token, e.g. min_tokens banned
     the only one, or the token came from another engine): the request cannot go on."""
-
-
-def import_xgrammar() -> Any:
-    """The xgrammar module; ValueError (a 400 at the API) where it is not installed."""
-    try:
-        import xgrammar
-    except ImportError as e:
-        raise ValueError(f"structured outputs need the xgrammar package ({XGRAMMAR_REQUIREMENT}), which this "
-                         f"engine cannot import: {e}") from None
-    return xgrammar
-
-
-def _xgrammar_message(error: Exception) -> str:
-    """xgrammar's error without its C++ source location ("[13:01:18] /project/cpp/x.cc:83: ...")."""
-    text = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(error).strip())
-    return text.removeprefix("Check failed: (error.empty()) is false: ")
-
-
-def choice_grammar(choice: tuple[str, ...]) -> str:
-    """An EBNF grammar whose only sentences are the choices (vLLM compiles a choice the same way). Each is a JSON
-    string literal, whose escapes xgrammar's EBNF reads; non-ASCII characters stay as they are."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choice)
-
-
-def parse_constraint(constraint: StructuredOutputsParams) -> Any:
-    """The xgrammar Grammar of `constraint`: its schema, regex or grammar parsed, which needs no vocabulary (the
-    disaggregated ingress checks a request with this before queueing it, as vLLM's frontend does; the engines
-    compile the result against theirs). ValueError naming what does not parse, in the engine's words."""
-    xgr = import_xgrammar()
-    kind = constraint.kind
-    try:
-        if kind in ("json", "json_object"):
-            schema = constraint.json if kind == "json" else '{"type": "object"}'
-            json.loads(schema)  # a clean message for text that is not JSON at all
-            return xgr.Grammar.from_json_schema(schema, max_whitespace_cnt=JSON_MAX_WHITESPACE)
-        if kind == "regex":
-            return xgr.Grammar.from_regex(constraint.regex)
-        return xgr.Grammar.from_ebnf(choice_grammar(constraint.choice) if kind == "choice" else constraint.grammar)
-    except (RuntimeError, ValueError) as e:  # xgrammar raises RuntimeError for a constraint it cannot read
-        raise ConstraintCompileError(f"structured output {kind} does not compile: {_xgrammar_message(e)}") from None
 
 
 class GrammarCompiler:
@@ -191,7 +138,7 @@ class GrammarCompiler:
             return self._xgrammar_compiler().compile_grammar(grammar)
         except (RuntimeError, ValueError) as e:
             raise ConstraintCompileError(
-                f"structured output {constraint.kind} does not compile: {_xgrammar_message(e)}") from None
+                f"structured output {constraint.kind} does not compile: {xgrammar_message(e)}") from None
 
     def _xgrammar_compiler(self) -> Any:
         with self._vocabulary_lock:

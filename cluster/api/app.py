@@ -48,7 +48,7 @@ from k3serve import __version__
 from k3serve.cluster.errors import EngineOverloadedError
 from k3serve.cluster.ingress_limits import IngressLimits
 from k3serve.cluster.metrics import IngressMetrics, RequestTimer
-from k3serve.engine.structured_output import ConstraintCompileError
+from k3serve.engine.constraint import ConstraintCompileError
 
 from .auth import BearerKeyAuth
 from .body_limit import BODY_BYTES, BodyLimit

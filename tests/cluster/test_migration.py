@@ -193,7 +193,8 @@ async def test_over_http_with_migration_off_the_stream_ends_with_a_clean_error(
 
 @pytest.mark.parametrize("seed, k", [(0, 1), (1234, 9), ((1 << 63) - 1, 500), (-7, 3)])
 def test_a_continuation_seed_draws_what_the_original_draws_k_positions_later(seed: int, k: int) -> None:
-    from k3serve.engine.llm_engine import _position_generator, continuation_seed
+    from k3serve.engine.llm_engine import _position_generator
+    from k3serve.engine.seeds import continuation_seed
 
     for j in range(3):
         ours = torch.rand(4, generator=_position_generator(continuation_seed(seed, k), j))

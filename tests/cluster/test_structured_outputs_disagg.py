@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from k3serve.cluster.api import build_app
-from k3serve.engine.structured_output import parse_constraint
+from k3serve.engine.constraint import parse_constraint
 from k3serve.engine.sampling_params import StructuredOutputsParams
 from k3serve.engine.structured_output import GrammarCompiler
 from k3serve.model.config import ModelConfig

@@ -27,7 +27,7 @@ from k3serve.cluster.api.forced_tool_choice import EMPTY_PARAMETERS, RequiredCal
 from k3serve.cluster.api.protocol import ChatCompletionRequest
 from k3serve.cluster.api.structured_outputs import structured_outputs_of
 from k3serve.engine.sampling_params import StructuredOutputsParams
-from k3serve.engine.structured_output import parse_constraint
+from k3serve.engine.constraint import parse_constraint
 from k3serve.model.tokenizer import Tokenizer
 
 from test_api import assert_error, parse_sse

@@ -9,7 +9,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from k3serve.engine.sampling_params import StructuredOutputsParams
-from k3serve.engine.structured_output import ConstraintCompileError, GrammarCompiler
+from k3serve.engine.constraint import ConstraintCompileError
+from k3serve.engine.structured_output import GrammarCompiler
 from k3serve.engine.structured_output_metrics import grammar_compile_metrics
 from k3serve.model.tokenizer import Tokenizer
 

@@ -15,11 +15,10 @@ from safetensors import safe_open
 
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.llm import LLM
-from k3serve.engine.llm_engine import resolve_model_dir
 from k3serve.engine.sampling_params import SamplingParams
 from k3serve.model.config import ModelConfig
 from k3serve.model.draft.config import DrafterConfig
-from k3serve.model.packaged import ASSETS, DEFAULT_MODEL, PACKAGED_DRAFTERS
+from k3serve.model.packaged import ASSETS, DEFAULT_MODEL, PACKAGED_DRAFTERS, PACKAGED_MODELS, resolve_model_dir
 
 # Not in the training corpus: written for this test
 CODE = textwrap.dedent('''
@@ -50,6 +49,12 @@ def test_the_embedded_default_is_the_shipped_model_and_writes_nothing(tmp_path: 
     assert EngineArgs().model == DEFAULT_MODEL == "k3-code"
     assert resolve_model_dir("k3-code", seed=0, cache_dir=str(tmp_path)) == ASSETS / "k3-code"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_shipped_model_whose_files_are_missing_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(PACKAGED_MODELS, "k3-code", tmp_path / "absent")
+    with pytest.raises(ValueError, match="shipped model 'k3-code' has no config.json .* missing from this checkout"):
+        resolve_model_dir("k3-code", seed=0, cache_dir=str(tmp_path))
 
 
 def test_it_is_stored_in_the_published_format_with_packed_mxfp4_experts() -> None:
