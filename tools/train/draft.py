@@ -43,7 +43,7 @@ from tools.train.export import load_trainable
 from tools.train.model import MLA, MLP, TrainableK3, Weight, norm_weight
 from tools.train.plot import plot_losses
 from tools.train.recipe import DraftRecipe
-from tools.train.train import adamw, learning_rate, seed_everything
+from tools.train.train import adamw, learning_rate, parse_cli, seed_everything
 
 
 def tree_attention(q: Tensor, ctx_k: Tensor, ctx_v: Tensor, own_k: list[Tensor], own_v: list[Tensor],
@@ -248,26 +248,13 @@ def train_drafter(recipe: DraftRecipe, target_dir: Path, out_dir: Path, device: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
+    from tools.train.recipe import DRAFT_RECIPES
 
-    from tools.train.recipe import DRAFT_RECIPES, parse_overrides
+    def target_argument(parser) -> None:
+        parser.add_argument("--target", required=True, type=Path, help="the trained target's checkpoint directory")
 
-    parser = argparse.ArgumentParser(prog="python -m tools.train.draft", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", required=True, type=Path, help="the trained target's checkpoint directory")
-    parser.add_argument("--recipe", default="k3-code-eagle", choices=sorted(DRAFT_RECIPES))
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="override recipe fields")
-    parser.add_argument("--time-limit-s", type=float, default=None,
-                        help="stop training after the step that crosses this many seconds, then export")
-    args = parser.parse_args(argv)
-    try:
-        recipe = DRAFT_RECIPES[args.recipe].replace(**parse_overrides(args.set, DraftRecipe))
-    except (ValueError, TypeError) as e:
-        parser.error(str(e))
-    args.out.mkdir(parents=True, exist_ok=True)
-    command = " ".join(sys.argv[1:] if argv is None else argv)
-    (args.out / "command.txt").write_text(f"python -m tools.train.draft {command}\n")
+    args, recipe = parse_cli("python -m tools.train.draft", __doc__.split("\n\n")[0], DRAFT_RECIPES, DraftRecipe,
+                             argv, target_argument)
     train_drafter(recipe, args.target, args.out, args.device, args.time_limit_s,
                   log=lambda line: print(line, flush=True))
     return 0

@@ -205,13 +205,18 @@ def train(recipe: Recipe, out_dir: Path, device: str = "cpu", time_limit_s: floa
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_cli(prog: str, description: str, recipes: dict, recipe_type: type, argv: list[str] | None,
+              add_arguments=lambda parser: None):
+    """The trainers' command line: --recipe (of `recipes`), --out, --device, --set FIELD=VALUE (fields of
+    `recipe_type`), --time-limit-s, and what `add_arguments(parser)` adds. Returns (args, recipe), with --out
+    created and the command written to its command.txt."""
     import argparse
 
-    from tools.train.recipe import RECIPES, parse_overrides
+    from tools.train.recipe import parse_overrides
 
-    parser = argparse.ArgumentParser(prog="python -m tools.train", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--recipe", default="k3-code", choices=sorted(RECIPES))
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_arguments(parser)
+    parser.add_argument("--recipe", default=next(iter(recipes)), choices=sorted(recipes))
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="override recipe fields")
@@ -219,11 +224,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="stop training after the step that crosses this many seconds, then export")
     args = parser.parse_args(argv)
     try:
-        recipe = RECIPES[args.recipe].replace(**parse_overrides(args.set))
+        recipe = recipes[args.recipe].replace(**parse_overrides(args.set, recipe_type))
     except (ValueError, TypeError) as e:
         parser.error(str(e))
     args.out.mkdir(parents=True, exist_ok=True)
     command = " ".join(sys.argv[1:] if argv is None else argv)
-    (args.out / "command.txt").write_text(f"python -m tools.train {command}\n")
+    (args.out / "command.txt").write_text(f"{prog} {command}\n")
+    return args, recipe
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tools.train.recipe import RECIPES
+
+    args, recipe = parse_cli("python -m tools.train", __doc__.split("\n\n")[0], RECIPES, Recipe, argv)
     train(recipe, args.out, args.device, args.time_limit_s, log=lambda line: print(line, flush=True))
     return 0
