@@ -288,8 +288,10 @@ def _max_logprob_diff(want: list, got: list) -> float:
 
 
 def evaluate(model_dir: Path, device: str = "cpu", seq_len: int = 512, num_tokens: int = 8192,
-             long_context: int = 4096, functions: int = 40, tp2: bool = False, drafter: Path | None = None) -> dict:
-    """Every evaluation above; returns the results (printed by `main`)."""
+             long_context: int = 4096, functions: int = 40, tp2: bool = False, drafter: Path | None = None,
+             paths_only: bool = False) -> dict:
+    """Every evaluation above; returns the results (printed by `main`). `paths_only`: the perplexity paths alone
+    and, on CUDA, the GPU engine's greedy agreement and speculative decoding (a short device call)."""
     tokenizer = Tokenizer.from_dir(model_dir)
     args = EngineArgs(model=str(model_dir), device="cpu", dtype="float32",
                       max_model_len=max(long_context, seq_len) + 128, max_num_batched_tokens=64, max_num_seqs=16,
@@ -306,20 +308,23 @@ def evaluate(model_dir: Path, device: str = "cpu", seq_len: int = 512, num_token
         rows.append(path_row("engine, bf16 GPU kernels (prefill)", engine_nll(LLMEngine(gpu), windows), ref, "cuda"))
         # decode steps replay CUDA graphs: bf16 greedy text against fp32 CPU text (bf16 may diverge late)
         gpu_greedy = greedy_agreement(args, gpu, [w[: seq_len // 2].tolist() for w in windows[:8]])
+    head = {"model": str(model_dir), "held_out_tokens": int(windows[:, 1:].numel()), "tolerance": PATH_TOLERANCE,
+            "paths": [asdict(r) for r in rows], "gpu_greedy": gpu_greedy}
+    if paths_only:
+        spec_args = gpu if device == "cuda" else args
+        return head | {"speculative": speculative_checks(spec_args, [w[:seq_len // 2].tolist() for w in windows[:8]],
+                                                         drafter)}
     files, _ = held_out_sources()
     stream = token_stream(tokenizer, files)
     llm = LLM(**{**asdict(args), "max_num_batched_tokens": None})
     long_windows = eval_windows(stream, long_context, long_context)
-    return {
-        "model": str(model_dir), "held_out_tokens": int(windows[:, 1:].numel()), "tolerance": PATH_TOLERANCE,
-        "paths": [asdict(r) for r in rows],
+    return head | {
         "prefix_cache": prefix_cache_check(args, [w.tolist() for w in windows[:4]]),
         "disagg": disagg_check(args, [w[: seq_len // 2].tolist() for w in windows[:4]]),
         "function_bodies": exact_match(llm, function_cases(tokenizer, files, functions, seq_len)),
         "long_context_ppl_by_position": position_ppl(engine_nll(llm.engine, long_windows)),
         "planted_fact": planted_fact(llm, tokenizer, stream[: long_context - 32].tolist()),
         "speculative": speculative_checks(args, [w[:seq_len // 2].tolist() for w in windows[:8]], drafter),
-        "gpu_greedy": gpu_greedy,
     }
 
 
@@ -329,6 +334,21 @@ def print_tables(results: dict) -> None:
     print("| path | ppl | rel. diff | max token NLL diff | agrees |\n|---|---|---|---|---|")
     for r in results["paths"]:
         print(f"| {r['path']} | {r['ppl']:.3f} | {r['rel_diff']:.2e} | {r['max_nll_diff']:.2e} | {r['agrees']} |")
+    if "prefix_cache" in results:  # not in a --paths-only run
+        _print_checks(results)
+    print("\nspeculative decoding, greedy, on held-out code prompts\n| method | drafts | mean acceptance length | "
+          "acceptance by position | tokens match | max logprob diff |\n|---|---|---|---|---|---|")
+    for sp in results["speculative"]:
+        print(f"| {sp['method']} | {sp['num_speculative_tokens']} | {sp['mean_acceptance_length']:.2f} | "
+              f"{', '.join(f'{r:.2f}' for r in sp['acceptance_rate_by_position'])} | {sp['tokens_match']} | "
+              f"{sp['max_logprob_diff']:.2e} |")
+    if (gg := results["gpu_greedy"]) is not None:
+        print(f"bf16 GPU greedy (CUDA graphs) vs fp32 CPU: {gg['mean_tokens_before_divergence']:.1f} of "
+              f"{gg['max_tokens']} tokens before the first difference, {gg['prompts']} prompts")
+
+
+def _print_checks(results: dict) -> None:
+    """The checks beyond the perplexity paths: prefix cache, handoff, function bodies, long context."""
     pc, fb, pf = results["prefix_cache"], results["function_bodies"], results["planted_fact"]
     print(f"\nprefix-cache hits: {pc['cached_tokens']} tokens cached, tokens match {pc['tokens_match']}, "
           f"max logprob diff {pc['max_logprob_diff']:.2e}")
@@ -340,15 +360,6 @@ def print_tables(results: dict) -> None:
     by_position = results["long_context_ppl_by_position"]
     print("long context, ppl by position: " + ", ".join(f"{b}: {p:.2f}" for b, p in by_position))
     print(f"planted fact at {pf['prompt_tokens']} tokens: recalled {pf['recalled']:.0%} of {pf['trials']}")
-    print("\nspeculative decoding, greedy, on held-out code prompts\n| method | drafts | mean acceptance length | "
-          "acceptance by position | tokens match | max logprob diff |\n|---|---|---|---|---|---|")
-    for sp in results["speculative"]:
-        print(f"| {sp['method']} | {sp['num_speculative_tokens']} | {sp['mean_acceptance_length']:.2f} | "
-              f"{', '.join(f'{r:.2f}' for r in sp['acceptance_rate_by_position'])} | {sp['tokens_match']} | "
-              f"{sp['max_logprob_diff']:.2e} |")
-    if (gg := results["gpu_greedy"]) is not None:
-        print(f"bf16 GPU greedy (CUDA graphs) vs fp32 CPU: {gg['mean_tokens_before_divergence']:.1f} of "
-              f"{gg['max_tokens']} tokens before the first difference, {gg['prompts']} prompts")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -362,12 +373,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp2", action="store_true", help="add the TP 2 path (a second process)")
     parser.add_argument("--drafter", type=Path, default=None,
                         help="a drafter checkpoint for the model (e.g. model/assets/k3-code-eagle): its acceptance")
+    parser.add_argument("--paths-only", action="store_true",
+                        help="the perplexity paths and, on CUDA, the GPU greedy and speculative rows only")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
     results = evaluate(args.model, args.device, args.seq_len, args.num_tokens, args.long_context, args.functions,
-                       args.tp2, args.drafter)
+                       args.tp2, args.drafter, args.paths_only)
     print_tables(results)
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=2) + "\n")
