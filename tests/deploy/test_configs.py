@@ -29,11 +29,11 @@ def test_k3serve_accepts(path):
     assert not problems, problems
 
 
-def test_tiny_config_serves_a_shipped_preset_on_loopback():
-    from k3serve.model.presets import PRESETS
+def test_tiny_config_serves_the_shipped_model_on_loopback():
+    from k3serve.model.packaged import DEFAULT_MODEL, packaged_model_dir
 
     cfg = yaml.safe_load((DEPLOY / "configs" / "tiny-cpu.yaml").read_text())
-    assert cfg["model"] in PRESETS and cfg["device"] == "cpu"
+    assert cfg["model"] == DEFAULT_MODEL and packaged_model_dir(cfg["model"]) is not None and cfg["device"] == "cpu"
     assert cfg["host"] == "127.0.0.1"
 
 

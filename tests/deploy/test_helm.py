@@ -166,7 +166,7 @@ def test_config_file_is_one_k3serve_accepts():
         problems = config_problems(cfg)
         assert not problems, f"{case_id(values)}: {problems}"
     cfg = yaml.safe_load(of_kind(render(DEPLOY / "helm" / "examples" / "tiny-cpu.yaml"), "ConfigMap")[0]["data"]["config.yaml"])
-    assert cfg["model"] == "k3-tiny" and cfg["transfer"] == "nixl" and cfg["device"] == "cpu"
+    assert cfg["model"] == "k3-code" and cfg["transfer"] == "nixl" and cfg["device"] == "cpu"
     assert yaml.safe_load(of_kind(render(), "ConfigMap")[0]["data"]["config.yaml"])["device"] == "cuda"
 
 
