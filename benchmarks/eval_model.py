@@ -155,7 +155,7 @@ def disagg_check(args: EngineArgs, prompts: list[list[int]], max_tokens: int = 1
     generates every token) equal the colocated engine's, tokens and logprobs."""
     from k3serve.cluster.config import ServeConfig
     from k3serve.cluster.serve import start_deployment
-    from k3serve.engine.async_engine import GenerateRequest
+    from k3serve.engine.stream_types import GenerateRequest
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
     plain = LLM(**asdict(args)).generate(prompts, params)

@@ -36,7 +36,8 @@ from k3serve.engine.sampling_params import SamplingParams
 from k3serve.model.batch import ModelCache
 from k3serve.model.presets import preset_config
 from k3serve.prefill import handoff as prefill_handoff
-from k3serve.prefill.worker import HandoffTarget, PrefillWorker
+from k3serve.prefill.messages import HandoffTarget
+from k3serve.prefill.worker import PrefillWorker
 from k3serve.transfer.backend import TransferStatus
 from k3serve.transfer.backends import make_backend
 from k3serve.transfer.checksum import CachedRequest, request_checksums

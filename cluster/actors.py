@@ -17,9 +17,7 @@ from typing import Any
 import ray
 
 from k3serve.cluster.node_address import ReplicaAddresses, node_ip
-from k3serve.decode.worker import DecodeWorker
 from k3serve.engine.config import EngineArgs
-from k3serve.prefill.worker import PrefillWorker
 from k3serve.transfer.auth import ControlAuth
 from k3serve.transfer.backend import TransferBackend
 from k3serve.transfer.backends import host_options
@@ -39,7 +37,9 @@ class _Rank0:
     answers `tcp://<this node>:<port>`, the driver starts the followers with it, then `start()`
     waits for them and builds the worker."""
 
-    worker_cls: type
+    def _new_worker(self, *args: Any, **kwargs: Any) -> Any:
+        """The worker (imported here, in the actor: the driver that defines the actor class needs no torch)."""
+        raise NotImplementedError
 
     def __init__(
         self, engine_kwargs: dict[str, Any], worker_kwargs: dict[str, Any], num_threads: int = 1,
@@ -53,7 +53,7 @@ class _Rank0:
         self.worker_kwargs = {**worker_kwargs, "transfer_options": transfer_options, **self._host_kwargs()}
         self.worker = self._store = self._init_method = None
         if self.args.tensor_parallel_size == 1:
-            self.worker = self.worker_cls(self.args, **self.worker_kwargs)
+            self.worker = self._new_worker(self.args, **self.worker_kwargs)
 
     def _host_kwargs(self) -> dict[str, Any]:
         """Worker kwargs that bind its own servers on this node's address."""
@@ -77,7 +77,7 @@ class _Rank0:
         group = TPGroup(0, self.args.tensor_parallel_size, self._init_method, host=self.host,
                         store=self._store.clone())
         self._store = None  # every rank joined (the group holds a client of it only): its port closes now
-        self.worker = self.worker_cls(self.args, group=group, **self.worker_kwargs)
+        self.worker = self._new_worker(self.args, group=group, **self.worker_kwargs)
 
     def _agent(self) -> TransferBackend:
         raise NotImplementedError
@@ -101,7 +101,10 @@ class _Rank0:
 class PrefillActor(_Rank0):
     """Rank 0 of a prefill engine (the whole engine when TP is 1)."""
 
-    worker_cls = PrefillWorker
+    def _new_worker(self, *args: Any, **kwargs: Any) -> Any:
+        from k3serve.prefill.worker import PrefillWorker
+
+        return PrefillWorker(*args, **kwargs)
 
     def _agent(self) -> TransferBackend:
         return self.worker.sender.backend
@@ -144,7 +147,10 @@ class DecodeRankActor:
 class DecodeActor(_Rank0):
     """Rank 0 of a decode engine (the whole engine when TP is 1)."""
 
-    worker_cls = DecodeWorker
+    def _new_worker(self, *args: Any, **kwargs: Any) -> Any:
+        from k3serve.decode.worker import DecodeWorker
+
+        return DecodeWorker(*args, **kwargs)
 
     def _agent(self) -> TransferBackend:
         return self.worker.receiver.backend

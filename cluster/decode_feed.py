@@ -23,7 +23,7 @@ from k3serve.cluster.errors import ReplicaDiedError
 from k3serve.cluster.replicas import DecodeReplica
 
 if TYPE_CHECKING:
-    from k3serve.engine.async_engine import Item
+    from k3serve.engine.stream_types import Item
     from k3serve.engine.outputs import RequestDelta
 
 

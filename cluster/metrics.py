@@ -52,7 +52,7 @@ from prometheus_client.registry import Collector
 from k3serve.cluster.status_metrics import StatusCollector
 
 if TYPE_CHECKING:
-    from k3serve.engine.llm_engine import EngineStats
+    from k3serve.engine.outputs import EngineStats
 
 # vLLM v1's layouts (vllm/v1/metrics/buckets.py; Ray Serve LLM copies them)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
 from k3serve.cluster.errors import ReplicaDiedError
 
 if TYPE_CHECKING:
-    from k3serve.engine.llm_engine import EngineStats
-    from k3serve.engine.async_engine import Item
+    from k3serve.engine.outputs import EngineStats
+    from k3serve.engine.stream_types import Item
     from k3serve.engine.sampling_params import SamplingParams
-    from k3serve.prefill.worker import HandoffTarget, PrefillResult
+    from k3serve.prefill.messages import HandoffTarget, PrefillResult
     from k3serve.transfer.control import Reservation
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
-    from k3serve.engine.llm_engine import EngineStats
+    from k3serve.engine.outputs import EngineStats
 
 STALL_SECONDS = 10.0
 """The default: well below the admission queue's 60 s timeout (a load balancer moves traffic away before the

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from k3serve.decode.errors import UnknownFeedError
 from k3serve.decode.handoff import make_receiver
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.kv_handoff import BoundaryState, DeltaFeed, EngineStats, Item, KVHandoff, TPGroup
@@ -49,11 +50,6 @@ logger = logging.getLogger(__name__)
 
 class HandoffFailedError(RuntimeError):
     """A request's state did not arrive intact or in time; it is failed, never continued."""
-
-
-class UnknownFeedError(RuntimeError):
-    """`admit` named a feed this worker does not serve (its stream ended, or this is a restarted
-    process): every request the caller routed through that feed is gone."""
 
 
 @dataclass

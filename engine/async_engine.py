@@ -17,7 +17,6 @@ import concurrent.futures
 import queue
 import threading
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, TypeVar
 
 from k3serve.engine.config import EngineArgs
@@ -26,23 +25,10 @@ from k3serve.engine.outputs import RequestDelta, RequestFailedError
 from k3serve.engine.request import Request
 from k3serve.engine.tp_group import TPGroup
 from k3serve.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from k3serve.engine.stream_types import EngineDeadError, GenerateRequest, Item
 
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    request_id: str
-    prompt: str | list[int]
-    sampling_params: SamplingParams
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped; no request can make progress."""
-
-
-Item = RequestDelta | BaseException  # a delta, or the error that ends the request
 
 
 def _ends_request(item: Item) -> bool:

@@ -22,16 +22,17 @@ from typing import Any, TypeVar
 
 import torch
 
-from k3serve.engine.async_engine import AsyncEngine, DeltaFeed, GenerateRequest, Item
+from k3serve.engine.async_engine import AsyncEngine, DeltaFeed
 from k3serve.engine.block_pool import BlockPool
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.follower import join_engine
-from k3serve.engine.llm_engine import EngineStats, LLMEngine
-from k3serve.engine.outputs import RequestDelta
+from k3serve.engine.llm_engine import LLMEngine
+from k3serve.engine.outputs import EngineStats, RequestDelta
 from k3serve.engine.request import Request
 from k3serve.engine.runner import ModelRunner
 from k3serve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from k3serve.engine.state_pool import StatePool
+from k3serve.engine.stream_types import GenerateRequest, Item
 from k3serve.engine.tp_group import TPGroup, follow_forever
 from k3serve.model.batch import ModelCache
 from k3serve.model.config import ModelConfig

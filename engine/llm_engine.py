@@ -34,7 +34,7 @@ from k3serve.engine.memory import PoolPlan, plan_engine_pools, scheduler_config
 from k3serve.engine.offload.factory import tier_indexes
 from k3serve.engine.offload.manager import Offload
 from k3serve.engine.offload.metrics import offload_metrics
-from k3serve.engine.outputs import RequestDelta, TokenLogprobs
+from k3serve.engine.outputs import EngineStats, RequestDelta, TokenLogprobs
 from k3serve.engine.prefix_cache import PrefixCache
 from k3serve.engine.prompt_check import check_prompt
 from k3serve.engine.request import Request, RequestStatus
@@ -58,21 +58,6 @@ from k3serve.model.parallel import TensorParallel
 from k3serve.model.packaged import resolve_model_dir
 from k3serve.model.presets import PRESETS
 from k3serve.model.tokenizer import Tokenizer
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """What routing and the pool gauges need from one engine (plain values: it crosses processes)."""
-
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_free_slots: int
-    block_usage: float  # fraction of MLA blocks in use (incl. reservations and pins)
-    slot_usage: float  # fraction of KDA slots in use
-    num_reserved: int = 0  # decode: reservations waiting for their handoff
-    spec_mean_acceptance_length: float | None = None  # tokens a verify row emitted on average; None: none yet
-    settings: dict[str, str] = field(default_factory=dict)  # `LLMEngine.settings`: what `k3serve status` shows
 
 
 @dataclass

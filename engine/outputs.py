@@ -1,5 +1,5 @@
-"""Result types: vLLM-shaped `RequestOutput` / `CompletionOutput` for the offline `LLM` API and
-`RequestDelta` for the streaming API.
+"""Result types: vLLM-shaped `RequestOutput` / `CompletionOutput` for the offline `LLM` API,
+`RequestDelta` for the streaming API and `EngineStats`, what an engine reports about itself.
 
 Logprobs travel between sampler and engine as `TokenLogprobs` (plain lists, cheap to send
 across processes); `TokenLogprobs.to_dict()` builds the vLLM form `{token_id: Logprob}` that
@@ -8,7 +8,7 @@ across processes); `TokenLogprobs.to_dict()` builds the vLLM form `{token_id: Lo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -102,3 +102,18 @@ class RequestDelta:
 class RequestFailedError(RuntimeError):
     """The engine could not continue one request (its structured output constraint rejected the sampled
     token); every other request goes on."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What routing and the pool gauges need from one engine (plain values: it crosses processes)."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_free_slots: int
+    block_usage: float  # fraction of MLA blocks in use (incl. reservations and pins)
+    slot_usage: float  # fraction of KDA slots in use
+    num_reserved: int = 0  # decode: reservations waiting for their handoff
+    spec_mean_acceptance_length: float | None = None  # tokens a verify row emitted on average; None: none yet
+    settings: dict[str, str] = field(default_factory=dict)  # `LLMEngine.settings`: what `k3serve status` shows

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, AsyncIterator, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from k3serve.engine.async_engine import GenerateRequest
+    from k3serve.engine.stream_types import GenerateRequest
     from k3serve.engine.outputs import RequestDelta
     from k3serve.model.tokenizer import Tokenizer
 

@@ -28,7 +28,7 @@ from typing import AsyncIterator, Callable, Sequence
 
 import anyio
 
-from k3serve.engine.async_engine import GenerateRequest
+from k3serve.engine.stream_types import GenerateRequest
 from k3serve.engine.outputs import RequestDelta
 
 from .engine_client import EngineClient

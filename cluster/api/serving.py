@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import AsyncIterator, Callable
 
-from k3serve.engine.async_engine import EngineDeadError, GenerateRequest
+from k3serve.engine.stream_types import EngineDeadError, GenerateRequest
 from k3serve.engine.outputs import RequestDelta
 from k3serve.engine.sampling_params import SamplingParams
 

@@ -17,7 +17,8 @@ from typing import Any, Awaitable, Callable
 
 from k3serve.cluster.errors import ReplicaDiedError
 from k3serve.decode.worker import DecodeWorker
-from k3serve.prefill.worker import HandoffTarget, PrefillWorker
+from k3serve.prefill.messages import HandoffTarget
+from k3serve.prefill.worker import PrefillWorker
 
 
 class AmbiguousFailure(RuntimeError):

@@ -48,7 +48,7 @@ from k3serve.cluster.metrics import IngressMetrics
 from k3serve.cluster.router import DisaggregatedRouter
 from k3serve.cluster.serve import _router
 from k3serve.decode.worker import DecodeWorker
-from k3serve.engine.async_engine import GenerateRequest
+from k3serve.engine.stream_types import GenerateRequest
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.memory import cache_sizes
 from k3serve.engine.sampling_params import SamplingParams

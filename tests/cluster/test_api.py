@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from k3serve.cluster.api import EngineClient, EngineOverloadedError, build_app
 from k3serve.cluster.api.protocol import MAX_CHOICES
 from k3serve.cluster.metrics import ITL_BUCKETS, REQUEST_TIME_BUCKETS, TTFT_BUCKETS, IngressMetrics
-from k3serve.engine.async_engine import EngineDeadError
+from k3serve.engine.stream_types import EngineDeadError
 
 from _api_harness import wait_pools_free
 

@@ -29,7 +29,7 @@ import pytest
 from k3serve.cluster.errors import ReplicaDiedError
 from k3serve.cluster.router import DisaggregatedRouter
 from k3serve.decode.worker import DecodeWorker
-from k3serve.engine.async_engine import GenerateRequest
+from k3serve.engine.stream_types import GenerateRequest
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.llm import LLM
 from k3serve.engine.sampling_params import SamplingParams

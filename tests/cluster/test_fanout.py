@@ -12,7 +12,7 @@ from typing import AsyncIterator
 import pytest
 
 from k3serve.cluster.api.fanout import FanOut
-from k3serve.engine.async_engine import GenerateRequest
+from k3serve.engine.stream_types import GenerateRequest
 from k3serve.engine.outputs import RequestDelta
 from k3serve.engine.sampling_params import SamplingParams
 

@@ -32,7 +32,7 @@ from k3serve.cluster.metrics import IngressMetrics
 from k3serve.cluster.migration import Continuation, refusal
 from k3serve.cluster.router import DisaggregatedRouter
 from k3serve.decode.worker import DecodeWorker
-from k3serve.engine.async_engine import GenerateRequest
+from k3serve.engine.stream_types import GenerateRequest
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.llm import LLM
 from k3serve.engine.outputs import RequestDelta

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from k3serve.cluster.room_watch import RoomWatch
-from k3serve.engine.llm_engine import EngineStats
+from k3serve.engine.outputs import EngineStats
 
 
 class Clock:

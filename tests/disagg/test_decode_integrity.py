@@ -26,7 +26,8 @@ from k3serve.engine.outputs import RequestFailedError
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.llm import LLM
 from k3serve.engine.sampling_params import SamplingParams
-from k3serve.prefill.worker import HandoffTarget, PrefillWorker
+from k3serve.prefill.messages import HandoffTarget
+from k3serve.prefill.worker import PrefillWorker
 from k3serve.transfer.backend import WriteOp
 from k3serve.transfer.local import LocalBackend
 

@@ -32,7 +32,8 @@ from k3serve.engine.sampling_params import SamplingParams
 from k3serve.engine.tp_group import TPGroup
 from k3serve.prefill import rank as prefill_rank
 from k3serve.prefill.handoff import RankSender
-from k3serve.prefill.worker import HandoffTarget, PrefillWorker
+from k3serve.prefill.messages import HandoffTarget
+from k3serve.prefill.worker import PrefillWorker
 from k3serve.transfer.backend import TransferError, WriteOp
 from k3serve.transfer.auth import ControlAuth, new_secret
 from k3serve.transfer.backends import available_backends

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from k3serve.engine.async_engine import GenerateRequest
+from k3serve.engine.stream_types import GenerateRequest
 from k3serve.engine.llm_engine import LLMEngine
 from k3serve.engine.sampling_params import SamplingParams
 

@@ -30,7 +30,7 @@ import sys
 import pytest
 import torch
 
-from k3serve.engine.async_engine import GenerateRequest
+from k3serve.engine.stream_types import GenerateRequest
 from k3serve.engine.llm_engine import LLMEngine
 from k3serve.engine.outputs import RequestFailedError
 from k3serve.engine.request import RequestStatus
