@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from structured_output_mask import SCHEMA, SyntheticVocabulary  # noqa: E402
 
 from k3serve.engine.async_engine import AsyncEngine  # noqa: E402
-from k3serve.engine.stream_types import GenerateRequest  # noqa: E402
 from k3serve.engine.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
+from k3serve.engine.stream_types import GenerateRequest  # noqa: E402
 from k3serve.engine.structured_output import StructuredOutputs  # noqa: E402
 from k3serve.model.checkpoint import make_checkpoint  # noqa: E402
 from k3serve.model.tokenizer import Tokenizer  # noqa: E402

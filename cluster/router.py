@@ -35,10 +35,10 @@ from k3serve.cluster.replica_metrics import ReplicaMetricsCollector
 from k3serve.cluster.replicas import DecodeReplica, PrefillReplica
 from k3serve.cluster.room_watch import STALL_SECONDS, RoomWatch
 from k3serve.decode.errors import UnknownFeedError
-from k3serve.engine.stream_types import GenerateRequest
+from k3serve.engine.constraint import parse_constraint
 from k3serve.engine.outputs import RequestDelta
 from k3serve.engine.prompt_check import check_prompt
-from k3serve.engine.constraint import parse_constraint
+from k3serve.engine.stream_types import GenerateRequest
 from k3serve.model.tokenizer import Tokenizer
 from k3serve.prefill.messages import HandoffTarget, PrefillResult
 from k3serve.transfer.control import NoCapacityError

@@ -24,7 +24,7 @@ from k3serve.engine.llm_engine import LLMEngine
 from k3serve.engine.outputs import RequestDelta, RequestFailedError
 from k3serve.engine.request import Request
 from k3serve.engine.tp_group import TPGroup
-from k3serve.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from k3serve.engine.sampling_params import StructuredOutputsParams
 from k3serve.engine.stream_types import EngineDeadError, GenerateRequest, Item
 
 

@@ -28,8 +28,8 @@ from typing import AsyncIterator, Callable, Sequence
 
 import anyio
 
-from k3serve.engine.stream_types import GenerateRequest
 from k3serve.engine.outputs import RequestDelta
+from k3serve.engine.stream_types import GenerateRequest
 
 from .engine_client import EngineClient
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import AsyncIterator, Callable
 
-from k3serve.engine.stream_types import EngineDeadError, GenerateRequest
 from k3serve.engine.outputs import RequestDelta
 from k3serve.engine.sampling_params import SamplingParams
+from k3serve.engine.stream_types import EngineDeadError, GenerateRequest
 
 from k3serve.cluster.metrics import RequestTimer
 

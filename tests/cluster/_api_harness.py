@@ -13,8 +13,8 @@ from k3serve.cluster.config import ServeConfig
 from k3serve.cluster.api import build_app
 from k3serve.cluster.serve import Deployment, _ingress_server, start_deployment
 from k3serve.engine.async_engine import AsyncEngine
-from k3serve.engine.stream_types import GenerateRequest
 from k3serve.engine.outputs import RequestDelta
+from k3serve.engine.stream_types import GenerateRequest
 
 ENGINE_ARGS = dict(block_size=16, max_model_len=512, max_num_seqs=8, cache_memory_bytes=64 * 2**20)
 

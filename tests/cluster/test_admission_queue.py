@@ -48,10 +48,10 @@ from k3serve.cluster.metrics import IngressMetrics
 from k3serve.cluster.router import DisaggregatedRouter
 from k3serve.cluster.serve import _router
 from k3serve.decode.worker import DecodeWorker
-from k3serve.engine.stream_types import GenerateRequest
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.memory import cache_sizes
 from k3serve.engine.sampling_params import SamplingParams
+from k3serve.engine.stream_types import GenerateRequest
 from k3serve.model.config import ModelConfig
 from k3serve.model.tokenizer import Tokenizer
 from k3serve.prefill.worker import PrefillWorker

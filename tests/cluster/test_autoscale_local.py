@@ -23,9 +23,9 @@ import pytest
 
 from k3serve.cluster.config import ServeConfig
 from k3serve.cluster.serve import Deployment, start_deployment
-from k3serve.engine.stream_types import GenerateRequest
 from k3serve.engine.llm import LLM
 from k3serve.engine.sampling_params import SamplingParams
+from k3serve.engine.stream_types import GenerateRequest
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
 

@@ -18,9 +18,9 @@ ray = pytest.importorskip("ray")  # a test extra; the GPU machine has none
 
 from k3serve.cluster import serve
 from k3serve.cluster.config import ServeConfig
-from k3serve.engine.stream_types import GenerateRequest
 from k3serve.engine.llm import LLM
 from k3serve.engine.sampling_params import SamplingParams
+from k3serve.engine.stream_types import GenerateRequest
 from k3serve.transfer.backends import available_backends
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from k3serve.engine.stream_types import GenerateRequest
 from k3serve.engine.sampling_params import SamplingParams
+from k3serve.engine.stream_types import GenerateRequest
 
 from test_admission_queue import serving, workers  # noqa: F401 (workers: a fixture)
 

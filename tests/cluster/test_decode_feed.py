@@ -29,10 +29,10 @@ import pytest
 from k3serve.cluster.errors import ReplicaDiedError
 from k3serve.cluster.router import DisaggregatedRouter
 from k3serve.decode.worker import DecodeWorker
-from k3serve.engine.stream_types import GenerateRequest
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.llm import LLM
 from k3serve.engine.sampling_params import SamplingParams
+from k3serve.engine.stream_types import GenerateRequest
 from k3serve.model.config import ModelConfig
 from k3serve.model.tokenizer import Tokenizer
 from k3serve.prefill.worker import PrefillWorker

@@ -12,9 +12,9 @@ from typing import AsyncIterator
 import pytest
 
 from k3serve.cluster.api.fanout import FanOut
-from k3serve.engine.stream_types import GenerateRequest
 from k3serve.engine.outputs import RequestDelta
 from k3serve.engine.sampling_params import SamplingParams
+from k3serve.engine.stream_types import GenerateRequest
 
 pytestmark = pytest.mark.anyio
 

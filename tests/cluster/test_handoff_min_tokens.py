@@ -13,8 +13,8 @@ import asyncio
 import pytest
 
 from k3serve.cluster.router import DisaggregatedRouter
-from k3serve.engine.stream_types import GenerateRequest
 from k3serve.engine.sampling_params import SamplingParams
+from k3serve.engine.stream_types import GenerateRequest
 from k3serve.model.config import ModelConfig
 from k3serve.model.tokenizer import Tokenizer
 

@@ -32,11 +32,11 @@ from k3serve.cluster.metrics import IngressMetrics
 from k3serve.cluster.migration import Continuation, refusal
 from k3serve.cluster.router import DisaggregatedRouter
 from k3serve.decode.worker import DecodeWorker
-from k3serve.engine.stream_types import GenerateRequest
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.llm import LLM
 from k3serve.engine.outputs import RequestDelta
 from k3serve.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from k3serve.engine.stream_types import GenerateRequest
 from k3serve.model.config import ModelConfig
 from k3serve.model.tokenizer import Tokenizer
 from k3serve.prefill.worker import PrefillWorker

@@ -24,9 +24,9 @@ from k3serve.cluster.metrics import IngressMetrics
 from k3serve.cluster.router import DisaggregatedRouter, PoolDegradedError, ReplicaUnavailableError
 from k3serve.cluster.status import print_status
 from k3serve.decode.worker import DecodeWorker
-from k3serve.engine.stream_types import GenerateRequest
 from k3serve.engine.config import EngineArgs
 from k3serve.engine.sampling_params import SamplingParams
+from k3serve.engine.stream_types import GenerateRequest
 from k3serve.model.config import ModelConfig
 from k3serve.model.tokenizer import Tokenizer
 from k3serve.prefill.worker import PrefillWorker

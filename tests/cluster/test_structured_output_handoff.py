@@ -26,10 +26,10 @@ import pytest
 from k3serve.cluster.router import DisaggregatedRouter
 from k3serve.decode.worker import DecodeWorker
 from k3serve.transfer.control import UnknownRequestError
-from k3serve.engine.stream_types import GenerateRequest
 from k3serve.engine.llm import LLM
 from k3serve.engine.outputs import RequestFailedError
 from k3serve.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from k3serve.engine.stream_types import GenerateRequest
 from k3serve.model.config import ModelConfig
 from k3serve.model.tokenizer import Tokenizer
 

@@ -20,9 +20,9 @@ from prometheus_client import CollectorRegistry
 from k3serve.cluster.api import build_app
 from k3serve.cluster.api.tool_calls import MARKERS
 from k3serve.cluster.metrics import IngressMetrics
-from k3serve.engine.stream_types import GenerateRequest
 from k3serve.engine.detokenizer import IncrementalDetokenizer
 from k3serve.engine.outputs import RequestDelta
+from k3serve.engine.stream_types import GenerateRequest
 from k3serve.model.tokenizer import Tokenizer
 
 from test_api import assert_error, parse_sse

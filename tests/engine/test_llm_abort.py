@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from k3serve.engine.stream_types import GenerateRequest
 from k3serve.engine.llm_engine import LLMEngine
 from k3serve.engine.sampling_params import SamplingParams
+from k3serve.engine.stream_types import GenerateRequest
 
 from _llm_harness import (
     cache_bytes_for,

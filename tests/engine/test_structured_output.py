@@ -30,12 +30,12 @@ import sys
 import pytest
 import torch
 
-from k3serve.engine.stream_types import GenerateRequest
 from k3serve.engine.llm_engine import LLMEngine
 from k3serve.engine.outputs import RequestFailedError
 from k3serve.engine.request import RequestStatus
 from k3serve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from k3serve.engine.constraint import JSON_MAX_WHITESPACE
+from k3serve.engine.stream_types import GenerateRequest
 from k3serve.engine.structured_output import GrammarCompiler, StructuredOutputs, TokenMask
 from k3serve.model.tokenizer import Tokenizer
 

@@ -20,8 +20,8 @@ import re
 import pytest
 
 from k3serve.engine.async_engine import AsyncEngine
-from k3serve.engine.stream_types import GenerateRequest
 from k3serve.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from k3serve.engine.stream_types import GenerateRequest
 from k3serve.engine.structured_output import GrammarCompiler
 from k3serve.model.tokenizer import Tokenizer
 

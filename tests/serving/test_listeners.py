@@ -25,8 +25,8 @@ ray = pytest.importorskip("ray")  # a test extra; the GPU machine has none
 
 from k3serve.cluster.config import ServeConfig
 from k3serve.cluster.serve import start_deployment
-from k3serve.engine.stream_types import GenerateRequest
 from k3serve.engine.sampling_params import SamplingParams
+from k3serve.engine.stream_types import GenerateRequest
 from k3serve.transfer.backends import available_backends
 
 pytestmark = pytest.mark.timeout(180)
